@@ -1,0 +1,73 @@
+"""Checkpoint loading: GGUF files and Hugging Face folders into one in-memory form.
+
+Every loader returns a `Checkpoint` whose weights use Hugging Face Llama-family names and
+[out, in] shapes in the requested compute dtype, so model code never sees the file format.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import NamedTuple
+
+import torch
+
+from gpu.model_config import ModelArchConfig
+from gpu.tokenizer import Tokenizer
+
+PACKAGE_PREFIX = "package:"
+
+
+class Checkpoint(NamedTuple):
+    arch: ModelArchConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer | None
+
+
+def resolve_model_path(path: str) -> str:
+    """Turn a configured model path into a filesystem path.
+
+    `package:<module>/<file>` names a file shipped inside an installed Python package; the
+    package is located with find_spec and never imported (importing may have side effects).
+    """
+    if path.startswith(PACKAGE_PREFIX):
+        return _resolve_package_path(path[len(PACKAGE_PREFIX) :])
+    resolved = os.path.expanduser(path)
+    if not os.path.exists(resolved):
+        raise FileNotFoundError(f"model path {path!r} does not exist")
+    return resolved
+
+
+def load_checkpoint(path: str, dtype: torch.dtype) -> Checkpoint:
+    """Load a `.gguf` file or a Hugging Face folder (config.json + *.safetensors)."""
+    resolved = resolve_model_path(path)
+    # Imported here: the format modules import Checkpoint from this package.
+    if os.path.isdir(resolved):
+        from gpu.loader.hf import load_hf_folder
+
+        return load_hf_folder(resolved, dtype)
+    if resolved.endswith(".gguf"):
+        from gpu.loader.gguf import load_gguf
+
+        return load_gguf(resolved, dtype)
+    raise ValueError(f"model path {path!r} is neither a .gguf file nor a Hugging Face folder")
+
+
+def _resolve_package_path(spec: str) -> str:
+    module, sep, rel = spec.partition("/")
+    if not module or not sep or not rel:
+        raise ValueError(f"expected 'package:<module>/<file>', got 'package:{spec}'")
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError) as e:  # a dotted name whose parent is missing
+        raise FileNotFoundError(f"package {module!r} is not installed ({e})") from e
+    if found is None:
+        raise FileNotFoundError(f"package {module!r} is not installed")
+    roots = list(found.submodule_search_locations or [])
+    if not roots and found.origin:
+        roots = [os.path.dirname(found.origin)]
+    for root in roots:
+        candidate = os.path.join(root, rel)
+        if os.path.exists(candidate):
+            return candidate
+    raise FileNotFoundError(f"package {module!r} has no file {rel!r} (looked in {roots})")

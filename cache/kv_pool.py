@@ -1,0 +1,45 @@
+"""Per-layer K/V storage over pages: slot = page * page_size + offset."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    """K and V tensors of shape [num_pages * page_size, num_kv_heads, head_dim] per layer.
+
+    Slot 0..page_size-1 (page 0) is the reserved write target of padding rows.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.page_size = page_size
+        self.num_pages = num_pages
+        num_slots = num_pages * page_size
+        shape = (num_slots, num_kv_heads, head_dim)
+        # NOTE: only page 0 must be zero: padded reads are redirected there, and every
+        # other slot is written before any unmasked read. `empty` keeps start-up fast
+        # (the OS hands big allocations out lazily) instead of touching gigabytes.
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        for t in self.k + self.v:
+            t[:page_size].zero_()
+
+    @staticmethod
+    def bytes_per_page(
+        num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * page_size * num_kv_heads * head_dim * itemsize
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer].index_copy_(0, slots, k)
+        self.v[layer].index_copy_(0, slots, v)

@@ -1,0 +1,40 @@
+"""Request -> token table: req_to_token[row, pos] is the KV slot of token `pos`."""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenTable:
+    """Rows are handed out like pages; row 0 is reserved for padding rows.
+
+    The table lives on the compute device; the scheduler writes a row's slots when it
+    allocates pages, before the step that uses them is submitted.
+    """
+
+    def __init__(self, num_rows: int, max_context: int, device: torch.device) -> None:
+        self.num_rows = num_rows
+        self.max_context = max_context
+        self.table = torch.zeros((num_rows, max_context), dtype=torch.int64, device=device)
+        self._free: list[int] = list(range(num_rows - 1, 0, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def free(self, row: int) -> None:
+        if row <= 0 or row in self._free:
+            raise RuntimeError(f"request row {row} freed twice or reserved")
+        self._free.append(row)
+
+    def write_pages(self, row: int, first_page_index: int, pages: list[int], page_size: int) -> None:
+        """Write the slots of `pages` as page numbers first_page_index.. of the row."""
+        if not pages:
+            return
+        start = first_page_index * page_size
+        page_t = torch.tensor(pages, dtype=torch.int64)
+        slots = (page_t[:, None] * page_size + torch.arange(page_size)[None, :]).reshape(-1)
+        self.table[row, start : start + slots.numel()] = slots.to(self.table.device)

@@ -1,0 +1,80 @@
+"""The device thread: runs steps in order and resolves the loop's futures.
+
+On CUDA it will own a dedicated stream and the captured graphs; on CPU it is the same
+thread without them. The event loop never blocks on tensor work: it awaits the future.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from typing import Any, Callable
+
+import torch
+
+
+class DeviceThread:
+    def __init__(self, name: str = "tierserve-device", num_threads: int | None = None) -> None:
+        self._jobs: queue.Queue[tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future] | None]
+        self._jobs = queue.Queue()
+        self._num_threads = num_threads
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], Any]) -> asyncio.Future:
+        """Queue `fn` to run on the device thread; the future resolves on the caller's loop."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        self._jobs.put((fn, loop, fut))
+        return fut
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the device thread and wait (for set-up outside the event loop)."""
+        done = threading.Event()
+        box: dict[str, Any] = {}
+
+        def job() -> None:
+            try:
+                box["result"] = fn()
+            except BaseException as exc:  # re-raised in the caller
+                box["error"] = exc
+            finally:
+                done.set()
+
+        self._jobs.put((job, None, None))  # type: ignore[arg-type]
+        done.wait()
+        if "error" in box:
+            raise box["error"]
+        return box.get("result")
+
+    def shutdown(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=30)
+
+    def _main(self) -> None:
+        if self._num_threads:
+            torch.set_num_threads(self._num_threads)
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            fn, loop, fut = item
+            if loop is None:
+                fn()
+                continue
+            try:
+                result = fn()
+            except BaseException as exc:  # delivered to the awaiting coroutine
+                loop.call_soon_threadsafe(_resolve, fut, None, exc)
+            else:
+                loop.call_soon_threadsafe(_resolve, fut, result, None)
+
+
+def _resolve(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if fut.cancelled():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)

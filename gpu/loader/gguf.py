@@ -1,0 +1,212 @@
+"""Load a llama.cpp GGUF file: dequantized weights under Hugging Face names, config, tokenizer.
+
+Weights are dequantized once at load time (the engine computes in a float dtype). GGUF stores
+dimensions innermost-first (ggml `ne` order), and llama.cpp's converter interleaved the rows of
+Llama q/k projections for its rotary layout; both are undone here so model code sees exactly
+what a Hugging Face checkpoint would give it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import structlog
+import torch
+from gguf import GGUFReader, ReaderTensor
+from gguf.quants import dequantize
+
+from gpu.loader import Checkpoint
+from gpu.loader.gguf_tokenizer import build_gguf_tokenizer
+from gpu.model_config import ModelArchConfig
+from gpu.tokenizer import Tokenizer
+
+log = structlog.get_logger("tierserve")
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+_TOP_LEVEL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Precomputed Llama 3 rope frequency factors; the engine derives rope from config instead.
+_IGNORED = frozenset({"rope_freqs.weight"})
+
+
+class _PlainArrayReader(GGUFReader):
+    """GGUFReader parsing from a plain ndarray view of its memory map instead of np.memmap.
+
+    The reader slices the map once per metadata item (~250k times for a 49k-token vocabulary)
+    and np.memmap's Python-level slicing hooks made that ~3x slower than the same views of a
+    plain ndarray. The bytes stay memory-mapped either way; nothing is copied.
+    """
+
+    @property  # type: ignore[override]
+    def data(self) -> np.ndarray:
+        return self._plain_data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._plain_data = value.view(np.ndarray)
+
+
+def open_gguf(path: str) -> GGUFReader:
+    return _PlainArrayReader(path)
+
+
+def load_gguf(path: str, dtype: torch.dtype) -> Checkpoint:
+    """Read a GGUF checkpoint into float `dtype` weights with Hugging Face names."""
+    reader = open_gguf(path)
+    meta = read_metadata(reader)
+    arch = build_arch_config(meta, reader.tensors)
+    weights = load_weights(reader.tensors, arch, dtype)
+    return Checkpoint(arch=arch, weights=weights, tokenizer=build_gguf_tokenizer(meta))
+
+
+def load_gguf_tokenizer(path: str) -> Tokenizer | None:
+    """Only the tokenizer of a GGUF file (no weights are dequantized)."""
+    return build_gguf_tokenizer(read_metadata(open_gguf(path)))
+
+
+def read_metadata(reader: GGUFReader) -> dict[str, Any]:
+    """All key/value metadata as plain Python values (strings, numbers, lists)."""
+    return {name: field.contents() for name, field in reader.fields.items()}
+
+
+def build_arch_config(meta: Mapping[str, Any], tensors: list[ReaderTensor]) -> ModelArchConfig:
+    arch = str(meta.get("general.architecture"))
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}")
+    names = {t.name for t in tensors}
+    hidden = int(meta[f"{arch}.embedding_length"])
+    heads = int(meta[f"{arch}.attention.head_count"])
+    return ModelArchConfig(
+        architecture=arch,
+        vocab_size=_vocab_size(meta, tensors),
+        hidden_size=hidden,
+        intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
+        num_layers=int(meta[f"{arch}.block_count"]),
+        num_heads=heads,
+        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
+        rms_norm_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(meta[f"{arch}.context_length"]),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        rope_scaling=_rope_scaling(meta, arch),
+    )
+
+
+def load_weights(
+    tensors: list[ReaderTensor], arch: ModelArchConfig, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Dequantize every tensor (in parallel) and return them under Hugging Face names."""
+    wanted = [t for t in tensors if t.name not in _IGNORED]
+    for t in tensors:
+        if t.name in _IGNORED:
+            log.warning("ignoring GGUF tensor", tensor=t.name)
+    # The numpy dequantizers release the GIL on their large array ops, so threads overlap.
+    workers = max(1, min(8, os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        loaded = list(pool.map(lambda t: to_torch(t, dtype), wanted))
+    weights: dict[str, torch.Tensor] = {}
+    for t, w in zip(wanted, loaded):
+        name = hf_name(t.name)
+        if arch.architecture == "llama":
+            w = _undo_rope_permutation(name, w, arch)
+        weights[name] = w
+    return weights
+
+
+def to_torch(t: ReaderTensor, dtype: torch.dtype) -> torch.Tensor:
+    """One tensor dequantized to float32, shaped [out, in], then cast to `dtype`."""
+    values = dequantize(t.data, t.tensor_type)
+    values = values.reshape([int(n) for n in reversed(t.shape)])  # ne order is innermost-first
+    if not values.flags.writeable:
+        # Unquantized tensors come back as read-only views of the memory-mapped file; copy so
+        # torch owns writable memory and the file can be closed.
+        values = np.array(values)
+    return torch.from_numpy(values).to(dtype)
+
+
+def hf_name(gguf_name: str) -> str:
+    """Hugging Face parameter name of a GGUF tensor name."""
+    if gguf_name in _TOP_LEVEL_NAMES:
+        return _TOP_LEVEL_NAMES[gguf_name]
+    match = _BLOCK_RE.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _BLOCK_NAMES:
+        raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+
+
+def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Inverse of llama.cpp's q/k permutation.
+
+    The converter did w.reshape(n_head, 2, rows // n_head // 2, *rest).swapaxes(1, 2): within
+    each head, rows were interleaved (pairs) instead of split into two halves.
+    Reading the result as (n_head, half, 2, *rest) and swapping back restores the halves.
+    """
+    rows = w.shape[0]
+    rest = w.shape[1:]
+    return w.reshape(n_head, rows // n_head // 2, 2, *rest).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def _undo_rope_permutation(name: str, w: torch.Tensor, arch: ModelArchConfig) -> torch.Tensor:
+    if ".self_attn.q_proj." in name:
+        return unpermute_rows(w, arch.num_heads)
+    if ".self_attn.k_proj." in name:
+        return unpermute_rows(w, arch.num_kv_heads)
+    return w
+
+
+def _vocab_size(meta: Mapping[str, Any], tensors: list[ReaderTensor]) -> int:
+    """Vocabulary size: the tokens list, else the declared size, else the embedding rows."""
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        size = len(tokens)
+    else:
+        arch = meta["general.architecture"]
+        declared = meta.get(f"{arch}.vocab_size")
+        size = int(declared) if declared is not None else -1
+    rows = next((int(t.shape[-1]) for t in tensors if t.name == "token_embd.weight"), size)
+    if size != rows:
+        # The logits must cover every embedding row, whatever the tokenizer lists.
+        log.warning("GGUF vocabulary size differs from embedding rows; using rows", tokens=size, rows=rows)
+        size = rows
+    return size
+
+
+def _rope_scaling(meta: Mapping[str, Any], arch: str) -> dict[str, Any] | None:
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    if kind is None or kind == "none":
+        return None
+    scaling: dict[str, Any] = {"rope_type": str(kind)}
+    if f"{arch}.rope.scaling.factor" in meta:
+        scaling["factor"] = float(meta[f"{arch}.rope.scaling.factor"])
+    if f"{arch}.rope.scaling.original_context_length" in meta:
+        scaling["original_max_position_embeddings"] = int(
+            meta[f"{arch}.rope.scaling.original_context_length"]
+        )
+    return scaling

@@ -1,0 +1,180 @@
+"""Load a Hugging Face model folder: config.json, *.safetensors and the tokenizer files."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Any
+
+import structlog
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer as BackendTokenizer
+
+from gpu.loader import Checkpoint
+from gpu.model_config import ModelArchConfig
+from gpu.tokenizer import Tokenizer
+
+log = structlog.get_logger("tierserve")
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+def load_hf_folder(path: str, dtype: torch.dtype) -> Checkpoint:
+    """Weights, architecture and (when tokenizer.json exists) tokenizer of a HF folder."""
+    config = _read_json(os.path.join(path, "config.json"))
+    if config is None:
+        raise FileNotFoundError(f"{path} has no config.json; not a Hugging Face model folder")
+    arch = build_arch_config(config)
+    weights = load_safetensors(path, dtype, arch.tie_word_embeddings)
+    return Checkpoint(arch=arch, weights=weights, tokenizer=load_hf_tokenizer(path, config))
+
+
+def build_arch_config(config: dict[str, Any]) -> ModelArchConfig:
+    arch = _architecture(config)
+    hidden = int(config["hidden_size"])
+    heads = int(config["num_attention_heads"])
+    return ModelArchConfig(
+        architecture=arch,
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(config["intermediate_size"]),
+        num_layers=int(config["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(config.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(config),
+        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        # Qwen2 always has q/k/v biases; its config has no flag for it.
+        attention_bias=arch == "qwen2" or bool(config.get("attention_bias", False)),
+        qk_norm=arch == "qwen3",
+        rope_scaling=_rope_scaling(config),
+    )
+
+
+def load_safetensors(path: str, dtype: torch.dtype, tied: bool) -> dict[str, torch.Tensor]:
+    """All tensors of the folder's safetensors files (one or many shards), cast to `dtype`."""
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors weight files")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        for name, tensor in load_file(file).items():
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # a buffer some old exports saved; rope comes from the config
+            weights[name] = tensor.to(dtype)
+    if tied:
+        # Tied models share the embedding; a saved copy would only waste memory.
+        weights.pop("lm_head.weight", None)
+    elif "lm_head.weight" not in weights:
+        raise ValueError(f"{path}: tie_word_embeddings is false but lm_head.weight is missing")
+    return weights
+
+
+def load_hf_tokenizer(path: str, config: dict[str, Any]) -> Tokenizer | None:
+    """tokenizer.json plus the special-token and template settings around it, if present."""
+    tokenizer_file = os.path.join(path, "tokenizer.json")
+    if not os.path.exists(tokenizer_file):
+        log.warning("no tokenizer.json; only token-id prompts will be accepted", path=path)
+        return None
+    backend = BackendTokenizer.from_file(tokenizer_file)
+    tok_config = _read_json(os.path.join(path, "tokenizer_config.json")) or {}
+    gen_config = _read_json(os.path.join(path, "generation_config.json")) or {}
+    bos_id = _special_id(backend, tok_config.get("bos_token"), config.get("bos_token_id"))
+    eos_id = _special_id(backend, tok_config.get("eos_token"), config.get("eos_token_id"))
+    add_bos = tok_config.get("add_bos_token")
+    if add_bos is None:
+        add_bos = _post_processor_adds(backend, bos_id)
+    return Tokenizer(
+        backend,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        add_bos_token=bool(add_bos),
+        chat_template=_chat_template(path, tok_config),
+        extra_eos_token_ids=_id_list(gen_config.get("eos_token_id")) + _id_list(config.get("eos_token_id")),
+    )
+
+
+def _architecture(config: dict[str, Any]) -> str:
+    names = config.get("architectures") or []
+    for name in names:
+        if name in ARCHITECTURES:
+            return ARCHITECTURES[name]
+    raise ValueError(f"unsupported architecture {names!r}; supported: {sorted(ARCHITECTURES)}")
+
+
+def _rope_theta(config: dict[str, Any]) -> float:
+    # transformers >= 5 writes rope settings under rope_parameters; older configs at top level.
+    params = config.get("rope_parameters") or {}
+    return float(params.get("rope_theta") or config.get("rope_theta") or 10000.0)
+
+
+def _rope_scaling(config: dict[str, Any]) -> dict[str, Any] | None:
+    scaling = config.get("rope_scaling")
+    if scaling is None:
+        params = config.get("rope_parameters") or {}
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    scaling = dict(scaling)
+    kind = scaling.get("rope_type", scaling.get("type"))
+    return None if kind in (None, "default") else scaling
+
+
+def _special_id(backend: BackendTokenizer, token: Any, fallback: Any) -> int | None:
+    """Id of a special token given as text (or {"content": text}), else the config's id."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    if isinstance(token, str):
+        found = backend.token_to_id(token)
+        if found is not None:
+            return int(found)
+    ids = _id_list(fallback)
+    return ids[0] if ids else None
+
+
+def _post_processor_adds(backend: BackendTokenizer, bos_id: int | None) -> bool:
+    """Whether tokenizer.json's post-processor prepends BOS (e.g. Llama 3 files)."""
+    if bos_id is None:
+        return False
+    with_special = backend.encode("a", add_special_tokens=True).ids
+    return (
+        bool(with_special)
+        and with_special[0] == bos_id
+        and backend.encode("a", add_special_tokens=False).ids[:1] != [bos_id]
+    )
+
+
+def _chat_template(path: str, tok_config: dict[str, Any]) -> str | None:
+    template = tok_config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    if template is None:
+        # Newer exports keep the template in its own file.
+        jinja_file = os.path.join(path, "chat_template.jinja")
+        if os.path.exists(jinja_file):
+            with open(jinja_file, encoding="utf-8") as f:
+                template = f.read()
+    return template if isinstance(template, str) else None
+
+
+def _id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, list):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+def _read_json(file: str) -> dict[str, Any] | None:
+    if not os.path.exists(file):
+        return None
+    with open(file, encoding="utf-8") as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else None

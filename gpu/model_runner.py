@@ -1,0 +1,59 @@
+"""Runs one step on the device: tensors from a ForwardBatch, forward, sampling."""
+
+from __future__ import annotations
+
+import torch
+
+from cache.kv_pool import KVPool
+from gpu.attention.base import AttentionBackend
+from gpu.forward_batch import ForwardBatch
+from gpu.models.llama import LlamaModel
+from gpu.sampling import SamplingBatch, sample
+from kernel.scheduler import SampledToken
+
+
+class ModelRunner:
+    """Owned by the device thread: every call here happens on that thread."""
+
+    def __init__(self, model: LlamaModel, pool: KVPool, attention: AttentionBackend) -> None:
+        self.model = model
+        self.pool = pool
+        self.attention = attention
+        self.device = model.device
+        self.vocab_size = model.arch.vocab_size
+
+    @torch.inference_mode()
+    def run(self, batch: ForwardBatch) -> list[SampledToken]:
+        input_ids, positions, logits_indices = self.prepare(batch)
+        self.attention.prepare(batch.rows, batch.prefix_lens, batch.extend_lens)
+        logits = self.model.forward(input_ids, positions, self.attention, logits_indices)
+        if not batch.sampling:
+            return []
+        return self.sample(logits, batch)
+
+    def prepare(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        dev = self.device
+        input_ids = torch.tensor(batch.input_ids, dtype=torch.int64, device=dev)
+        prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64)
+        extend = torch.tensor(batch.extend_lens, dtype=torch.int64)
+        starts = torch.cumsum(extend, 0) - extend  # first flat index of each request
+        offsets = torch.arange(len(batch.input_ids)) - torch.repeat_interleave(starts, extend)
+        positions = (torch.repeat_interleave(prefix, extend) + offsets).to(dev)
+        last = (starts + extend - 1)[torch.tensor(batch.sample_rows, dtype=torch.int64)]
+        return input_ids, positions, last.to(dev)
+
+    def sample(self, logits: torch.Tensor, batch: ForwardBatch) -> list[SampledToken]:
+        rows = batch.sampling
+        sb = SamplingBatch.build(
+            params=[r.params for r in rows],
+            seeds=[r.seed for r in rows],
+            steps=[r.step for r in rows],
+            prompt_ids=[r.prompt_ids for r in rows],
+            output_ids=[r.output_ids for r in rows],
+            vocab_size=self.vocab_size,
+            device=self.device,
+        )
+        res = sample(logits, sb)
+        return [
+            SampledToken(t, lp, top) for t, lp, top in zip(res.token_ids, res.logprobs, res.top_logprobs)
+        ]

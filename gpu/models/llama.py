@@ -1,0 +1,143 @@
+"""Llama-family decoder (Llama/SmolLM2, Qwen2 with QKV bias, Qwen3 with QK-norm) over a
+paged KV cache. Plain tensors, no nn.Module: the weights are read once at load, fused
+(qkv, gate_up) to cut the number of matmuls per layer, and never trained.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from gpu.attention.base import AttentionBackend
+from gpu.model_config import ModelArchConfig
+from kernel.registry import register
+
+
+class _Layer(NamedTuple):
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+@register("model", "llama", "qwen2", "qwen3")
+class LlamaModel:
+    def __init__(
+        self, arch: ModelArchConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.arch = arch
+        self.dtype = dtype
+        self.device = device
+
+        def w(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise KeyError(f"checkpoint lacks tensor {name}")
+            return weights[name].to(device=device, dtype=dtype).contiguous()
+
+        def maybe(name: str) -> torch.Tensor | None:
+            return w(name) if name in weights else None
+
+        self.embed = w("model.embed_tokens.weight")
+        self.norm = w("model.norm.weight")
+        self.lm_head = self.embed if arch.tie_word_embeddings or "lm_head.weight" not in weights else w(
+            "lm_head.weight"
+        )
+        self.layers: list[_Layer] = []
+        for i in range(arch.num_layers):
+            p = f"model.layers.{i}."
+            bias = None
+            if arch.attention_bias:
+                bias = torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            self.layers.append(
+                _Layer(
+                    input_norm=w(p + "input_layernorm.weight"),
+                    qkv=torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                    qkv_bias=bias,
+                    q_norm=maybe(p + "self_attn.q_norm.weight") if arch.qk_norm else None,
+                    k_norm=maybe(p + "self_attn.k_norm.weight") if arch.qk_norm else None,
+                    o=w(p + "self_attn.o_proj.weight"),
+                    post_norm=w(p + "post_attention_layernorm.weight"),
+                    gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                    down=w(p + "mlp.down_proj.weight"),
+                )
+            )
+        self.cos, self.sin = _rope_table(arch, device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Hidden states for all tokens; float32 logits only for `logits_indices` rows."""
+        arch = self.arch
+        n_q = arch.num_heads * arch.head_dim
+        n_kv = arch.num_kv_heads * arch.head_dim
+        cos, sin = self.cos[positions], self.sin[positions]
+        h = self.embed[input_ids]
+        for i, layer in enumerate(self.layers):
+            x = self._rms_norm(h, layer.input_norm)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q = qkv[:, :n_q].view(-1, arch.num_heads, arch.head_dim)
+            k = qkv[:, n_q : n_q + n_kv].view(-1, arch.num_kv_heads, arch.head_dim)
+            v = qkv[:, n_q + n_kv :].view(-1, arch.num_kv_heads, arch.head_dim)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q = self._rms_norm(q, layer.q_norm)
+                k = self._rms_norm(k, layer.k_norm)
+            q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+            o = attn.forward(i, q, k, v.contiguous())
+            h = h + F.linear(o.reshape(-1, n_q), layer.o)
+            x = self._rms_norm(h, layer.post_norm)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.down)
+        last = self._rms_norm(h.index_select(0, logits_indices), self.norm)
+        return F.linear(last, self.lm_head).float()
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.arch.rms_norm_eps)
+        return weight * xf.to(x.dtype)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (the Hugging Face layout): x [T, heads, D], cos/sin [T, D/2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def _rope_table(arch: ModelArchConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    dim = arch.head_dim
+    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    inv_freq = _scale_inv_freq(inv_freq, arch.rope_scaling)
+    pos = torch.arange(arch.max_position_embeddings, dtype=torch.float64)
+    freqs = torch.outer(pos, inv_freq).float()
+    return freqs.cos().to(device), freqs.sin().to(device)
+
+
+def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default" or scaling is None:
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    raise NotImplementedError(f"rope scaling {kind!r} is not supported (supported: linear, llama3)")

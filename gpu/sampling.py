@@ -1,0 +1,241 @@
+"""Vectorized next-token sampling for a batch of rows with per-row parameters.
+
+`SamplingBatch.build` turns per-request parameters into tensors once per step, creating
+only what some row needs, so the common case (all greedy, no penalties) is one argmax
+plus one log_softmax gather.
+
+Logprobs are always computed, from the raw model distribution (log_softmax of the logits
+as given, before penalties, temperature or truncation): it costs one [B, V] pass, small
+next to a model step, and keeps the result shape the same for every row.
+
+Random draws are a pure function of (seed, step) per row: a counter-based hash of
+(row key, token id) gives each token its own uniform number, so a row draws the same
+token whatever the batch size, row order or device (CPU and CUDA compute identical
+noise bits), and a request recomputed after retraction repeats its draws exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from kernel.sampling_params import SamplingParams
+
+# Below this temperature logits/T overflows float32; such rows are treated as greedy.
+_MIN_TEMPERATURE = 1e-5
+_MASK32 = 0xFFFFFFFF
+_MASK64 = 0xFFFFFFFFFFFFFFFF
+
+
+class SampleResult(NamedTuple):
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def mix_seed(seed: int, step: int) -> int:
+    """64-bit key for one draw; two splitmix rounds decorrelate neighbouring seeds and steps."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64))
+
+
+def _mul32_(x: torch.Tensor, c: int) -> torch.Tensor:
+    # In place (x * c) mod 2^32 for int64 x in [0, 2^32) without signed overflow: a
+    # constant >= 2^31 is used as c - 2^32 (same low 32 bits), so |x * c| < 2^63.
+    return x.mul_(c - (1 << 32) if c >= 1 << 31 else c).bitwise_and_(_MASK32)
+
+
+def _hash32_(x: torch.Tensor) -> torch.Tensor:
+    """In place lowbias32, a strong 32-bit integer mixer, over int64 values in [0, 2^32)."""
+    x ^= x >> 16
+    _mul32_(x, 0x7FEB352D)
+    x ^= x >> 15
+    _mul32_(x, 0x846CA68B)
+    x ^= x >> 16
+    return x
+
+
+def gumbel_noise(keys: list[int], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[len(keys), V] float32 Gumbel noise; row r depends only on keys[r].
+
+    Integer ops give the same bits on every device, and in-place ops keep the cost to a
+    few passes over an int64 [R, V] buffer (a few ms for 8 x 49k on one CPU core).
+    """
+    # Split in Python: a 64-bit key does not fit a signed int64 tensor.
+    halves = torch.tensor([[k & _MASK32, k >> 32] for k in keys], dtype=torch.int64, device=device)
+    bits = torch.arange(vocab_size, dtype=torch.int64, device=device).unsqueeze(0) ^ halves[:, :1]
+    _hash32_(bits)
+    bits ^= halves[:, 1:]
+    _hash32_(bits)
+    # Exponential noise E = -log(1 - v). Building v near 0 (not u = 1 - v near 1) keeps E
+    # finely resolved where the winning token's E lies, so near-uniform rows over a large
+    # vocabulary do not tie; the clamp keeps v < 1 after float32 rounding.
+    v = bits.to(torch.float32).add_(0.5).mul_(2.0**-32).clamp_(max=1.0 - 2.0**-24)
+    return v.neg_().log1p_().neg_().log_().neg_()
+
+
+@dataclass
+class SamplingBatch:
+    size: int
+    vocab_size: int
+    # Rows drawn at random (the rest are greedy) and their per-row settings, [R, 1].
+    random_rows: torch.Tensor | None = None
+    draw_keys: list[int] | None = None
+    temperature: torch.Tensor | None = None
+    top_k: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
+    log_min_p: torch.Tensor | None = None
+    # Penalties over all rows, [B, 1], with their token statistics, [B, V].
+    repetition_penalty: torch.Tensor | None = None
+    seen_mask: torch.Tensor | None = None
+    frequency_penalty: torch.Tensor | None = None
+    presence_penalty: torch.Tensor | None = None
+    output_counts: torch.Tensor | None = None
+    top_logprobs_nums: tuple[int, ...] = ()
+
+    @property
+    def all_greedy(self) -> bool:
+        return self.random_rows is None
+
+    @property
+    def any_penalty(self) -> bool:
+        return self.repetition_penalty is not None or self.output_counts is not None
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], seeds: list[int], steps: list[int],
+              prompt_ids: list[list[int]], output_ids: list[list[int]], vocab_size: int,
+              device: torch.device) -> SamplingBatch:
+        n = len(params)
+        if not n == len(seeds) == len(steps) == len(prompt_ids) == len(output_ids):
+            raise ValueError("SamplingBatch.build: per-row lists differ in length")
+        batch = cls(size=n, vocab_size=vocab_size,
+                    top_logprobs_nums=tuple(p.top_logprobs_num for p in params))
+        batch._set_random(params, seeds, steps, device)
+        batch._set_penalties(params, prompt_ids, output_ids, device)
+        return batch
+
+    def _set_random(self, params: list[SamplingParams], seeds: list[int], steps: list[int],
+                    device: torch.device) -> None:
+        rows = [i for i, p in enumerate(params) if not _is_greedy(p)]
+        if not rows:
+            return
+        chosen = [params[i] for i in rows]
+        self.random_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+        self.draw_keys = [mix_seed(seeds[i], steps[i]) for i in rows]
+        self.temperature = _column([p.temperature for p in chosen], device)
+        if any(p.top_k > 1 for p in chosen):
+            ks = [p.top_k if p.top_k > 0 else self.vocab_size for p in chosen]
+            self.top_k = torch.tensor(ks, dtype=torch.int64, device=device).unsqueeze(1)
+        if any(p.top_p < 1.0 for p in chosen):
+            # 2.0 for untruncated rows so float rounding in the cumsum never cuts their tail.
+            self.top_p = _column([p.top_p if p.top_p < 1.0 else 2.0 for p in chosen], device)
+        if any(p.min_p > 0.0 for p in chosen):
+            self.log_min_p = torch.log(_column([p.min_p for p in chosen], device))
+
+    def _set_penalties(self, params: list[SamplingParams], prompt_ids: list[list[int]],
+                       output_ids: list[list[int]], device: torch.device) -> None:
+        rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+        if rep_rows:
+            self.repetition_penalty = _column([p.repetition_penalty for p in params], device)
+            seen = [prompt_ids[i] + output_ids[i] for i in rep_rows]
+            self.seen_mask = self._count(rep_rows, seen, device) > 0
+        freq_rows = [i for i, p in enumerate(params) if p.frequency_penalty or p.presence_penalty]
+        if freq_rows:
+            self.frequency_penalty = _column([p.frequency_penalty for p in params], device)
+            self.presence_penalty = _column([p.presence_penalty for p in params], device)
+            self.output_counts = self._count(freq_rows, [output_ids[i] for i in freq_rows], device)
+
+    def _count(self, rows: list[int], ids: list[list[int]], device: torch.device) -> torch.Tensor:
+        """[B, V] float32 token counts for the given rows (zeros elsewhere)."""
+        counts = torch.zeros(self.size, self.vocab_size, dtype=torch.float32, device=device)
+        flat = [r * self.vocab_size + t for r, row_ids in zip(rows, ids) for t in row_ids]
+        if flat:
+            index = torch.tensor(flat, dtype=torch.int64, device=device)
+            counts.view(-1).scatter_add_(0, index, torch.ones(len(flat), device=device))
+        return counts
+
+
+def _is_greedy(p: SamplingParams) -> bool:
+    return p.greedy or p.temperature < _MIN_TEMPERATURE
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
+    """Pick one token per row of `logits` [B, V]; the input tensor is not modified."""
+    if logits.shape != (batch.size, batch.vocab_size):
+        raise ValueError(f"logits shape {tuple(logits.shape)} != {(batch.size, batch.vocab_size)}")
+    logits = logits.float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    scores = apply_penalties(logits, batch)
+    tokens = scores.argmax(dim=-1) if batch.all_greedy else _draw(scores, batch)
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    # One device->host copy for both lists (float64 holds any token id exactly).
+    host = torch.stack([tokens.double(), chosen.double()]).tolist()
+    return SampleResult([int(t) for t in host[0]], host[1], _top_logprobs(logprobs, batch))
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition (HF style, prompt+output) then frequency/presence (OpenAI style, output)."""
+    if not batch.any_penalty:
+        return logits
+    if batch.repetition_penalty is not None and batch.seen_mask is not None:
+        rp = batch.repetition_penalty
+        penalized = torch.where(logits > 0, logits / rp, logits * rp)
+        logits = torch.where(batch.seen_mask, penalized, logits)
+    counts = batch.output_counts
+    if counts is not None and batch.frequency_penalty is not None and batch.presence_penalty is not None:
+        logits = logits - batch.frequency_penalty * counts - batch.presence_penalty * (counts > 0).float()
+    return logits
+
+
+def _draw(scores: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Greedy argmax for every row, overwritten by a random draw on the random rows."""
+    assert batch.random_rows is not None and batch.draw_keys is not None and batch.temperature is not None
+    tokens = scores.argmax(dim=-1)
+    rows = scores.index_select(0, batch.random_rows)
+    rows = _truncate(rows / batch.temperature, batch)
+    noise = gumbel_noise(batch.draw_keys, batch.vocab_size, scores.device)
+    # Gumbel-max: argmax(log p + G) is an exact draw from softmax(rows).
+    tokens[batch.random_rows] = (rows + noise).argmax(dim=-1)
+    return tokens
+
+
+def _truncate(rows: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Mask to -inf what top_k, then top_p, then min_p remove (the top token always stays)."""
+    if batch.top_k is not None or batch.top_p is not None:
+        ordered, order = rows.sort(dim=-1, descending=True, stable=True)
+        drop = torch.zeros_like(ordered, dtype=torch.bool)
+        if batch.top_k is not None:
+            rank = torch.arange(rows.shape[1], device=rows.device).unsqueeze(0)
+            drop = rank >= batch.top_k
+            ordered = ordered.masked_fill(drop, float("-inf"))
+        if batch.top_p is not None:
+            probs = torch.softmax(ordered, dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs
+            drop = drop | (mass_before >= batch.top_p)
+        rows = rows.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+    if batch.log_min_p is not None:
+        # p_i < min_p * p_max  <=>  logit_i < max_logit + log(min_p); no softmax needed.
+        floor = rows.max(dim=-1, keepdim=True).values + batch.log_min_p
+        rows = rows.masked_fill(rows < floor, float("-inf"))
+    return rows
+
+
+def _top_logprobs(logprobs: torch.Tensor, batch: SamplingBatch) -> list[list[tuple[int, float]]]:
+    most = max(batch.top_logprobs_nums, default=0)
+    if most == 0:
+        return [[] for _ in range(batch.size)]
+    values, ids = logprobs.topk(min(most, batch.vocab_size), dim=-1)
+    host_values, host_ids = values.tolist(), ids.tolist()
+    return [list(zip(host_ids[i][:n], host_values[i][:n])) for i, n in enumerate(batch.top_logprobs_nums)]

@@ -1,0 +1,15 @@
+"""First come, first served: admit in arrival order (retracted requests keep theirs)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from kernel.policy import SchedulePolicy
+from kernel.registry import register
+from kernel.request import Request
+
+
+@register("schedule", "fcfs")
+class FCFS(SchedulePolicy):
+    def order(self, waiting: Sequence[Request]) -> list[Request]:
+        return sorted(waiting, key=lambda r: r.arrival)

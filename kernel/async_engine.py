@@ -1,0 +1,300 @@
+"""AsyncEngine: admission, the step loop and per-request output streams on one event loop.
+
+The loop plans step N+1 as soon as step N's tokens are applied, submits it to the
+device thread, and only then detokenizes and streams step N's tokens, so text work
+overlaps the forward pass. Only token ids cross back from the device thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import uuid
+from typing import Any, AsyncIterator, Mapping, NamedTuple, Sequence
+
+import structlog
+
+from gpu.device_thread import DeviceThread
+from gpu.forward_batch import ForwardBatch, SamplingRow
+from kernel.components import Components, build_components, pick_device
+from kernel.config import Config, load_config
+from kernel.detokenizer import IncrementalDetokenizer
+from kernel.request import Request, Status
+from kernel.sampling_params import SamplingParams
+from kernel.scheduler import StepPlan
+
+log = structlog.get_logger("tierserve")
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; nothing about the engine's state changed."""
+
+
+class OutputChunk(NamedTuple):
+    """What one step adds to a request's output (deltas), plus its state after it."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+    finished: bool
+    finish_reason: str | None
+    matched_stop: str | int | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+class _Stream:
+    """Per-request output state: where emission stands, detokenizer, consumer queue."""
+
+    def __init__(self, req: Request, detok: IncrementalDetokenizer | None) -> None:
+        self.req = req
+        self.detok = detok
+        self.emitted = 0
+        self.queue: asyncio.Queue[OutputChunk | BaseException] = asyncio.Queue()
+
+
+class AsyncEngine:
+    """Create inside a running event loop with `await AsyncEngine.create(...)`."""
+
+    def __init__(self, config: Config, parts: Components, device: DeviceThread) -> None:
+        self.config = config
+        self.parts = parts
+        self.scheduler = parts.scheduler
+        self.tokenizer = parts.tokenizer
+        self.device = device
+        self._streams: dict[str, _Stream] = {}
+        self._wake = asyncio.Event()
+        self._rng = random.Random(config.seed)
+        self._closed = False
+        self.counters = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0}
+        self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    @classmethod
+    async def create(
+        cls, config: Config | str | None = None, overrides: Mapping[str, Any] | None = None
+    ) -> "AsyncEngine":
+        if not isinstance(config, Config):
+            config = load_config(config, overrides)
+        device = DeviceThread(num_threads=config.model.num_threads)
+        torch_device = pick_device(config)
+        parts = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: device.call(lambda: build_components(config, torch_device))
+        )
+        log.info("engine_ready", pages=parts.num_pages, context=parts.context_length)
+        return cls(config, parts, device)
+
+    # ---- admission ------------------------------------------------------------
+    def add_request(
+        self, prompt: str | Sequence[int], params: SamplingParams | Mapping[str, Any] | None = None,
+        rid: str | None = None, priority: int = 0,
+    ) -> str:
+        """Validate and queue a request; raises RequestError without side effects."""
+        if self._closed:
+            raise RequestError("engine is shut down")
+        if not isinstance(params, SamplingParams):
+            params = SamplingParams.from_dict(params)
+        ids = self._tokenize(prompt)
+        self._check_fits(ids, params)
+        rid = rid or uuid.uuid4().hex
+        if rid in self._streams:
+            raise RequestError(f"request id {rid!r} is already in use")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        req = Request(rid=rid, prompt_ids=ids, params=params, seed=seed, priority=priority)
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop)
+        self._streams[rid] = _Stream(req, detok)
+        self.scheduler.add(req)
+        self.counters["prompt_tokens"] += len(ids)
+        log.debug("request_queued", rid=rid, prompt_tokens=len(ids))
+        self._wake.set()
+        return rid
+
+    def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this model has no tokenizer: send token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            vocab = self.parts.runner.vocab_size
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+                raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
+        if not ids:
+            raise RequestError("prompt is empty")
+        return ids
+
+    def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
+        ctx = self.parts.context_length
+        if len(ids) + params.max_new_tokens > ctx:
+            raise RequestError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
+                f"exceeds the context length {ctx}"
+            )
+        pool_tokens = (self.parts.num_pages - 1) * self.config.cache.page_size
+        if len(ids) + params.max_new_tokens > pool_tokens:
+            raise RequestError(
+                f"prompt + max_new_tokens ({len(ids) + params.max_new_tokens}) exceeds the KV pool "
+                f"({pool_tokens} tokens)"
+            )
+
+    # ---- consumption ----------------------------------------------------------
+    async def stream(self, rid: str) -> AsyncIterator[OutputChunk]:
+        """Output chunks of `rid` until it finishes; leaving early aborts it."""
+        st = self._streams[rid]
+        try:
+            while True:
+                item = await st.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self.abort(rid)
+            self._streams.pop(rid, None)
+
+    async def generate(
+        self, prompt: str | Sequence[int], params: SamplingParams | Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """One request to completion: {text, output_ids, meta_info} like the offline Engine."""
+        rid = self.add_request(prompt, params)
+        return await self.collect(rid)
+
+    async def collect(self, rid: str) -> dict[str, Any]:
+        req = self._streams[rid].req
+        text: list[str] = []
+        last: OutputChunk | None = None
+        async for chunk in self.stream(rid):
+            text.append(chunk.text)
+            last = chunk
+        assert last is not None
+        return _result(req, "".join(text), last)
+
+    def abort(self, rid: str) -> None:
+        st = self._streams.get(rid)
+        if st is not None and not st.req.finished:
+            self.scheduler.abort(st.req)
+            log.debug("request_aborted", rid=rid)
+
+    def is_idle(self) -> bool:
+        return not self.scheduler.has_work()
+
+    async def shutdown(self) -> None:
+        self._closed = True
+        self._loop_task.cancel()
+        try:
+            await self._loop_task
+        except asyncio.CancelledError:
+            pass
+        for st in list(self._streams.values()):
+            st.queue.put_nowait(RequestError("engine shut down"))
+        self.device.shutdown()
+
+    # ---- the step loop --------------------------------------------------------
+    async def _run(self) -> None:
+        pending: list[Request] = []
+        while True:
+            plan = self.scheduler.schedule() if self.scheduler.has_work() else None
+            fut = None
+            if plan is not None and plan.chunks:
+                batch = self._build_batch(plan)
+                fut = self.device.submit(lambda b=batch: self.parts.runner.run(b))  # type: ignore[misc]
+            if pending:
+                self._emit(pending)  # overlaps with the step in flight
+                pending = []
+            if fut is None:
+                if plan is not None and self.scheduler.has_work():
+                    await asyncio.sleep(0.001)  # nothing runnable yet; do not spin hot
+                    continue
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            assert plan is not None
+            try:
+                sampled = await fut
+            except Exception as exc:  # a failed step fails its requests, not the engine
+                log.exception("step_failed")
+                self._fail(plan, exc)
+                continue
+            pending = self.scheduler.apply(plan, sampled)
+            pending += [c.req for c in plan.chunks if c.req.finished and c.req not in pending]
+            self.counters["steps"] += 1
+            if self.config.debug.check_invariants:
+                self.scheduler.check_integrity()
+
+    def _build_batch(self, plan: StepPlan) -> ForwardBatch:
+        chunks, sampling = [], []
+        for i, ch in enumerate(plan.chunks):
+            req = ch.req
+            assert req.row is not None
+            chunks.append((req.token_slice(ch.start, ch.start + ch.length), req.row, ch.start, ch.length))
+            if ch.samples:
+                row = SamplingRow(req.params, req.seed, len(req.output_ids), req.prompt_ids, req.output_ids)
+                sampling.append((i, row))
+        return ForwardBatch.build(chunks, sampling)
+
+    def _emit(self, reqs: list[Request]) -> None:
+        for req in reqs:
+            st = self._streams.get(req.rid)
+            if st is None:
+                continue
+            new_ids = req.output_ids[st.emitted :]
+            start = st.emitted
+            st.emitted = len(req.output_ids)
+            text = ""
+            if st.detok is not None:
+                step = st.detok.push(new_ids)
+                text = step.text
+                if step.stop_hit:
+                    self.scheduler.abort(req, "stop", step.matched_stop)
+                    req.finish_reason, req.matched_stop = "stop", step.matched_stop
+                if req.finished and not step.stop_hit:
+                    text += st.detok.finish()
+            self.counters["generation_tokens"] += len(new_ids)
+            st.queue.put_nowait(_chunk(req, text, new_ids, start))
+
+    def _fail(self, plan: StepPlan, exc: Exception) -> None:
+        for ch in plan.chunks:
+            req = ch.req
+            req.inflight = False
+            if not req.finished:
+                req.finish("error")
+                req.error = str(exc)
+            self.scheduler.release(req)
+            st = self._streams.get(req.rid)
+            if st is not None:
+                st.queue.put_nowait(RuntimeError(f"step failed: {exc}"))
+
+
+def _chunk(req: Request, text: str, new_ids: list[int], start: int) -> OutputChunk:
+    return OutputChunk(
+        text=text,
+        token_ids=new_ids,
+        logprobs=req.output_logprobs[start : start + len(new_ids)],
+        top_logprobs=req.output_top_logprobs[start : start + len(new_ids)],
+        finished=req.status is Status.FINISHED,
+        finish_reason=req.finish_reason,
+        matched_stop=req.matched_stop,
+        prompt_tokens=len(req.prompt_ids),
+        completion_tokens=len(req.output_ids),
+        cached_tokens=req.cached_tokens,
+    )
+
+
+def _result(req: Request, text: str, last: OutputChunk) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": req.rid,
+        "prompt_tokens": last.prompt_tokens,
+        "completion_tokens": last.completion_tokens,
+        "cached_tokens": last.cached_tokens,
+        "finish_reason": last.finish_reason,
+        "matched_stop": last.matched_stop,
+    }
+    if req.params.return_logprob:
+        meta["output_token_logprobs"] = list(zip(req.output_logprobs, req.output_ids))
+        if req.params.top_logprobs_num:
+            meta["output_top_logprobs"] = req.output_top_logprobs
+    return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}

@@ -1,0 +1,40 @@
+"""The one chunk planner: how many tokens of a request's uncomputed tail run this step.
+
+NOTE: invariant 1 lives here. Every non-final chunk ends on an absolute page boundary
+(start + length is a multiple of page_size), for new and continuing requests alike and
+whatever the reason the chunk is cut short (token budget or free pages). A final chunk
+covers the whole remaining tail. A planner result of 0 means "wait", never a cut.
+"""
+
+from __future__ import annotations
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages needed to hold `num_tokens` tokens."""
+    return -(-num_tokens // page_size)
+
+
+def plan_chunk(
+    start: int,
+    total: int,
+    page_size: int,
+    token_budget: int,
+    owned_pages: int,
+    free_pages: int,
+) -> int:
+    """Length of the chunk of tokens [start, total) to compute now; 0 means wait.
+
+    start: tokens whose KV is already computed (a page multiple unless only decoding).
+    total: tokens known so far (prompt + generated).
+    token_budget: tokens this request may add to the step.
+    owned_pages / free_pages: pages the request holds / the allocator can still give.
+    """
+    remaining = total - start
+    if remaining <= 0:
+        return 0
+    capacity = (owned_pages + free_pages) * page_size - start
+    limit = min(token_budget, capacity)
+    if remaining <= limit:
+        return remaining
+    end = (start + limit) // page_size * page_size
+    return max(end - start, 0)

@@ -1,0 +1,89 @@
+"""Build the engine's parts from a Config: checkpoint, model, pools, scheduler."""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import structlog
+import torch
+
+from cache.allocator import PageAllocator
+from cache.kv_pool import KVPool
+from cache.req_table import ReqToTokenTable
+from gpu.loader import load_checkpoint
+from gpu.model_runner import ModelRunner
+from gpu.tokenizer import Tokenizer
+from kernel import registry
+from kernel.config import Config
+from kernel.scheduler import Scheduler
+
+log = structlog.get_logger("tierserve")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Components(NamedTuple):
+    runner: ModelRunner
+    scheduler: Scheduler
+    tokenizer: Tokenizer | None
+    num_pages: int
+    context_length: int
+    model_name: str
+
+
+def pick_device(config: Config) -> torch.device:
+    if config.model.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(config.model.device)
+
+
+def build_components(config: Config, device: torch.device) -> Components:
+    dtype = _DTYPES[config.model.dtype]
+    ckpt = load_checkpoint(config.model.path, dtype)
+    arch = ckpt.arch
+    context = min(config.model.context_length or arch.max_position_embeddings, arch.max_position_embeddings)
+    model_cls = registry.lookup("model", arch.architecture)
+    model = model_cls(arch, ckpt.weights, dtype, device)
+    tokenizer = ckpt.tokenizer
+    del ckpt  # the model holds its own (fused) copies; drop the loader's
+    page_size = config.cache.page_size
+    num_pages = _size_pool(config, arch.num_layers, arch.num_kv_heads, arch.head_dim, dtype, device)
+    pool = KVPool(arch.num_layers, num_pages, page_size, arch.num_kv_heads, arch.head_dim, dtype, device)
+    max_ctx_padded = -(-context // page_size) * page_size
+    table = ReqToTokenTable(config.scheduler.max_running_requests + 1, max_ctx_padded, device)
+    attention = registry.lookup("attention", config.model.attention)(pool, table.table)
+    policy = registry.lookup("schedule", config.scheduler.policy)()
+    return Components(
+        runner=ModelRunner(model, pool, attention),
+        scheduler=Scheduler(
+            config.scheduler,
+            page_size,
+            PageAllocator(num_pages),
+            table,
+            policy,
+            eos_ids=tokenizer.eos_token_ids if tokenizer is not None else frozenset(),
+            max_context=context,
+        ),
+        tokenizer=tokenizer,
+        num_pages=num_pages,
+        context_length=context,
+        model_name=config.model.served_name or os.path.basename(config.model.path.rstrip("/")),
+    )
+
+
+def _size_pool(
+    config: Config, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> int:
+    """cache.num_pages if set, else memory_fraction of free memory, capped at max_pages."""
+    if config.cache.num_pages is not None:
+        return config.cache.num_pages
+    per_page = KVPool.bytes_per_page(layers, config.cache.page_size, kv_heads, head_dim, dtype)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    pages = int(free * config.cache.memory_fraction) // per_page
+    num = max(2, min(pages, config.cache.max_pages))
+    log.info("kv_pool_sized", pages=num, bytes_per_page=per_page, free_bytes=free)
+    return num

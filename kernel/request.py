@@ -1,0 +1,72 @@
+"""Request lifecycle state, owned by the event loop."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from kernel.sampling_params import SamplingParams
+
+_arrival = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request.
+
+    `kv_len` tokens of `prompt_ids + output_ids` have KV in the cache; the rest is the
+    tail the scheduler still has to run. A decode step is simply a tail of length 1.
+    """
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    priority: int = 0
+    arrival: int = field(default_factory=lambda: next(_arrival))
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    status: Status = Status.WAITING
+    row: int | None = None
+    pages: list[int] = field(default_factory=list)
+    kv_len: int = 0
+    cached_tokens: int = 0
+    inflight: bool = False
+    finish_reason: str | None = None
+    matched_stop: str | int | None = None
+    error: str | None = None
+    num_retractions: int = 0
+    first_token_time: float | None = None
+
+    @property
+    def total_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output without building the whole list."""
+        n_prompt = len(self.prompt_ids)
+        if end <= n_prompt:
+            return self.prompt_ids[start:end]
+        if start >= n_prompt:
+            return self.output_ids[start - n_prompt : end - n_prompt]
+        return self.prompt_ids[start:] + self.output_ids[: end - n_prompt]
+
+    def finish(self, reason: str, matched: str | int | None = None) -> None:
+        if self.status is not Status.FINISHED:
+            self.status = Status.FINISHED
+            self.finish_reason = reason
+            self.matched_stop = matched

@@ -1,0 +1,148 @@
+"""Per-request sampling parameters, validated once when the request arrives.
+
+Field names follow the OpenAI / SGLang APIs so request bodies map onto them directly.
+Every bad value raises `SamplingParamsError` naming the parameter, so the HTTP layer can
+answer 400 with a useful message instead of failing later inside a batched step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+MAX_NEW_TOKENS_LIMIT = 1_000_000
+MAX_TOP_LOGPROBS = 20
+_ALIASES = {"max_tokens": "max_new_tokens"}
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter that cannot be used; the message names the parameter."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: disabled
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Validating here (not only in from_dict) keeps direct construction just as safe.
+        _check_types(self)
+        _check_ranges(self)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> SamplingParams:
+        """Build from a user's dict; a None value means "use the default" (OpenAI clients send nulls)."""
+        if d is None:
+            return cls()
+        if not isinstance(d, Mapping):
+            raise SamplingParamsError(f"sampling params must be an object, got {type(d).__name__}")
+        kwargs: dict[str, Any] = {}
+        for key, value in d.items():
+            name = _canonical_name(key)
+            if name in kwargs:
+                raise SamplingParamsError(f"{key}: given twice (max_tokens is an alias of max_new_tokens)")
+            if value is not None:
+                kwargs[name] = _coerce(name, value)
+        try:
+            return cls(**kwargs)
+        except SamplingParamsError as e:
+            aliases = [f"{a} is an alias of {n}" for a, n in _ALIASES.items() if a in d]
+            if aliases:  # name the key the user actually wrote
+                raise SamplingParamsError(f"{e} ({'; '.join(aliases)})") from None
+            raise
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(SamplingParams)}
+_FLOAT_FIELDS = frozenset(n for n, f in _FIELDS.items() if f.type == "float")
+_INT_FIELDS = frozenset(n for n, f in _FIELDS.items() if f.type == "int")
+_BOOL_FIELDS = frozenset(n for n, f in _FIELDS.items() if f.type == "bool")
+
+
+def _canonical_name(key: object) -> str:
+    if not isinstance(key, str):
+        raise SamplingParamsError(f"unknown sampling parameter {key!r}")
+    name = _ALIASES.get(key, key)
+    if name not in _FIELDS:
+        raise SamplingParamsError(f"unknown sampling parameter {key!r}")
+    return name
+
+
+def _is_int(value: object) -> bool:
+    # bool is a subclass of int, but `"top_k": true` is a client bug, not a number.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Turn JSON shapes into field types: ints into floats, str/list into tuples."""
+    if name in _FLOAT_FIELDS and _is_int(value):
+        return float(value)
+    if name == "stop":
+        if isinstance(value, str):
+            return (value,)
+        if isinstance(value, list | tuple):
+            return tuple(value)
+        raise SamplingParamsError(f"stop must be a string or a list of strings, got {type(value).__name__}")
+    if name == "stop_token_ids":
+        if isinstance(value, list | tuple):
+            return tuple(value)
+        raise SamplingParamsError(f"stop_token_ids must be a list of integers, got {type(value).__name__}")
+    return value
+
+
+def _check_types(p: SamplingParams) -> None:
+    for name in _FIELDS:
+        value = getattr(p, name)
+        if name in _FLOAT_FIELDS:
+            if not isinstance(value, float) or not math.isfinite(value):
+                raise SamplingParamsError(f"{name} must be a finite number, got {value!r}")
+        elif name in _INT_FIELDS and not _is_int(value):
+            raise SamplingParamsError(f"{name} must be an integer, got {value!r}")
+        elif name in _BOOL_FIELDS and not isinstance(value, bool):
+            raise SamplingParamsError(f"{name} must be a boolean, got {value!r}")
+    if p.seed is not None and not _is_int(p.seed):
+        raise SamplingParamsError(f"seed must be an integer, got {p.seed!r}")
+    if not isinstance(p.stop, tuple) or not all(isinstance(s, str) for s in p.stop):
+        raise SamplingParamsError(f"stop must be a string or a list of strings, got {p.stop!r}")
+    if not isinstance(p.stop_token_ids, tuple) or not all(_is_int(t) for t in p.stop_token_ids):
+        raise SamplingParamsError(f"stop_token_ids must be a list of integers, got {p.stop_token_ids!r}")
+
+
+def _check_ranges(p: SamplingParams) -> None:
+    _require(0 <= p.max_new_tokens <= MAX_NEW_TOKENS_LIMIT, "max_new_tokens",
+             f"in [0, {MAX_NEW_TOKENS_LIMIT}]", p.max_new_tokens)
+    _require(p.temperature >= 0.0, "temperature", ">= 0", p.temperature)
+    _require(0.0 < p.top_p <= 1.0, "top_p", "in (0, 1]", p.top_p)
+    _require(p.top_k >= -1, "top_k", ">= -1 (-1 or 0 disables it)", p.top_k)
+    _require(0.0 <= p.min_p <= 1.0, "min_p", "in [0, 1]", p.min_p)
+    _require(-2.0 <= p.frequency_penalty <= 2.0, "frequency_penalty", "in [-2, 2]", p.frequency_penalty)
+    _require(-2.0 <= p.presence_penalty <= 2.0, "presence_penalty", "in [-2, 2]", p.presence_penalty)
+    _require(p.repetition_penalty > 0.0, "repetition_penalty", "> 0", p.repetition_penalty)
+    _require(0 <= p.top_logprobs_num <= MAX_TOP_LOGPROBS, "top_logprobs_num",
+             f"in [0, {MAX_TOP_LOGPROBS}]", p.top_logprobs_num)
+    _require(all(p.stop), "stop", "made of non-empty strings", list(p.stop))
+    _require(all(t >= 0 for t in p.stop_token_ids), "stop_token_ids", "non-negative", list(p.stop_token_ids))
+
+
+def _require(ok: bool, name: str, rule: str, value: object) -> None:
+    if not ok:
+        raise SamplingParamsError(f"{name} must be {rule}, got {value!r}")

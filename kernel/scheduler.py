@@ -1,0 +1,256 @@
+"""Continuous batching: plan each step from request and cache state alone (no tensors
+but the request-table rows it writes), and apply the step's sampled tokens.
+
+A step mixes decodes (tail of 1 token) and prefill chunks under the token budget
+`max_num_batched_tokens`, at most `chunked_prefill_size` tokens per prefill chunk and
+at most `max_running_requests` admitted requests. Running out of pages is a
+scheduling event: prefill chunks shrink to an aligned cut or wait; a decode that
+cannot get a page retracts the newest running request (pages freed, re-queued, later
+recomputed); nothing is lost.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+from cache.allocator import PageAllocator
+from cache.req_table import ReqToTokenTable
+from kernel.chunk_planner import pages_for, plan_chunk
+from kernel.config import SchedulerConfig
+from kernel.policy import SchedulePolicy
+from kernel.request import Request, Status
+
+
+class ScheduledChunk(NamedTuple):
+    req: Request
+    start: int
+    length: int
+
+    @property
+    def samples(self) -> bool:
+        """A chunk that reaches the end of the known tokens produces the next token."""
+        return self.start + self.length == self.req.total_len
+
+
+class StepPlan(NamedTuple):
+    chunks: list[ScheduledChunk]
+    retracted: list[Request]
+
+
+class SampledToken(NamedTuple):
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]]
+
+
+class IntegrityError(AssertionError):
+    """An invariant of the architecture page does not hold."""
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        page_size: int,
+        allocator: PageAllocator,
+        req_table: ReqToTokenTable,
+        policy: SchedulePolicy,
+        eos_ids: frozenset[int],
+        max_context: int,
+    ) -> None:
+        self.config = config
+        self.page_size = page_size
+        self.allocator = allocator
+        self.req_table = req_table
+        self.policy = policy
+        self.eos_ids = eos_ids
+        self.max_context = max_context
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []  # admitted (hold a table row), oldest first
+        self.num_retractions = 0
+
+    # ---- queue ------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, req: Request, reason: str = "abort", matched: str | int | None = None) -> None:
+        """Finish `req` early (abort, or a stop string seen in its text); its pages
+        return now, or when the step it is part of lands."""
+        if req.finished:
+            return
+        req.finish(reason, matched)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        elif not req.inflight:
+            self.release(req)
+
+    # ---- planning ---------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        retracted: list[Request] = []
+        while True:
+            chunks = self._plan(retracted)
+            if chunks or not self.running:
+                for chunk in chunks:
+                    chunk.req.inflight = True
+                return StepPlan(chunks, retracted)
+            # Every admitted request is blocked on pages the others hold: give the
+            # newest one's pages back so the older ones can move.
+            retracted.append(self._retract(self._newest(exclude=())))
+
+    def _plan(self, retracted: list[Request]) -> list[ScheduledChunk]:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        planned: set[int] = set()
+        for req in list(self.running):
+            if req.status is not Status.RUNNING or req.total_len - req.kv_len != 1 or budget == 0:
+                continue
+            if not self._reserve_decode(req, planned, retracted):
+                continue
+            chunks.append(ScheduledChunk(req, req.kv_len, 1))
+            planned.add(id(req))
+            budget -= 1
+        for req in list(self.running):
+            if req.status is Status.RUNNING and req.total_len - req.kv_len > 1 and budget > 0:
+                length = self._plan_prefill(req, budget)
+                if length:
+                    chunks.append(ScheduledChunk(req, req.kv_len, length))
+                    budget -= length
+        for req in self.policy.order(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_running_requests:
+                break
+            if self.req_table.num_free == 0:
+                break
+            length = self._plan_prefill(req, budget, admitting=True)
+            if not length:
+                break
+            chunks.append(ScheduledChunk(req, req.kv_len, length))
+            budget -= length
+        return chunks
+
+    def _plan_prefill(self, req: Request, budget: int, admitting: bool = False) -> int:
+        length = plan_chunk(
+            start=req.kv_len,
+            total=req.total_len,
+            page_size=self.page_size,
+            token_budget=min(budget, self.config.chunked_prefill_size),
+            owned_pages=len(req.pages),
+            free_pages=self.allocator.num_free,
+        )
+        if length == 0:
+            return 0
+        if admitting:
+            self._admit(req)
+        reserved = self._reserve(req, req.kv_len + length)
+        assert reserved, "chunk planner promised pages that are not free"
+        return length
+
+    def _reserve_decode(self, req: Request, planned: set[int], retracted: list[Request]) -> bool:
+        while not self._reserve(req, req.kv_len + 1):
+            victim = self._newest(exclude=planned)
+            retracted.append(self._retract(victim))
+            if victim is req:
+                return False
+        return True
+
+    def _reserve(self, req: Request, num_tokens: int) -> bool:
+        """Make `req` own enough pages for `num_tokens` tokens; False if not free."""
+        need = pages_for(num_tokens, self.page_size) - len(req.pages)
+        if need <= 0:
+            return True
+        if not self.allocator.can_allocate(need):
+            return False
+        pages = self.allocator.allocate(need)
+        assert req.row is not None
+        self.req_table.write_pages(req.row, len(req.pages), pages, self.page_size)
+        req.pages.extend(pages)
+        return True
+
+    def _admit(self, req: Request) -> None:
+        row = self.req_table.allocate()
+        assert row is not None
+        req.row = row
+        req.status = Status.RUNNING
+        self.waiting.remove(req)
+        self.running.append(req)
+        self.running.sort(key=lambda r: r.arrival)
+
+    def _newest(self, exclude: set[int] | Sequence[int]) -> Request:
+        candidates = [r for r in self.running if id(r) not in exclude]
+        return max(candidates, key=lambda r: r.arrival)
+
+    def _retract(self, req: Request) -> Request:
+        """Free a running request's pages and re-queue it; it recomputes later."""
+        self.release(req)
+        req.status = Status.WAITING
+        req.kv_len = 0
+        req.num_retractions += 1
+        self.num_retractions += 1
+        self.waiting.append(req)
+        return req
+
+    def release(self, req: Request) -> None:
+        """Return a request's pages and row (on finish, abort, error or retraction)."""
+        self.allocator.free(req.pages)
+        req.pages = []
+        if req.row is not None:
+            self.req_table.free(req.row)
+            req.row = None
+        if req in self.running:
+            self.running.remove(req)
+
+    # ---- results ----------------------------------------------------------------
+    def apply(self, plan: StepPlan, sampled: Sequence[SampledToken]) -> list[Request]:
+        """Record a finished step; returns the requests that got a new token."""
+        produced: list[Request] = []
+        tokens = iter(sampled)
+        for chunk in plan.chunks:
+            req = chunk.req
+            req.inflight = False
+            req.kv_len = chunk.start + chunk.length
+            token = next(tokens) if chunk.samples else None
+            if req.finished:  # aborted or stopped by text while this step ran
+                self.release(req)
+                continue
+            if token is None:
+                continue
+            self._append(req, token)
+            produced.append(req)
+            if req.finished:
+                self.release(req)
+        return produced
+
+    def _append(self, req: Request, token: SampledToken) -> None:
+        req.output_ids.append(token.token_id)
+        req.output_logprobs.append(token.logprob)
+        if req.params.top_logprobs_num:
+            req.output_top_logprobs.append(token.top_logprobs)
+        params = req.params
+        if not params.ignore_eos and token.token_id in self.eos_ids:
+            req.finish("stop", token.token_id)
+        elif token.token_id in params.stop_token_ids:
+            req.finish("stop", token.token_id)
+        elif len(req.output_ids) >= params.max_new_tokens or req.total_len >= self.max_context:
+            req.finish("length")
+
+    # ---- invariants -------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Invariants 1 and 3: aligned chunk cuts and exact page accounting."""
+        held: list[int] = [p for r in self.running for p in r.pages]
+        if len(held) != len(set(held)):
+            raise IntegrityError("a page is held by two requests")
+        if self.allocator.num_free + len(held) != self.allocator.num_usable:
+            raise IntegrityError(
+                f"page leak: free {self.allocator.num_free} + held {len(held)} "
+                f"!= usable {self.allocator.num_usable}"
+            )
+        for req in self.running:
+            if pages_for(req.kv_len, self.page_size) > len(req.pages):
+                raise IntegrityError(f"request {req.rid} computed past its pages")
+            if req.total_len - req.kv_len > 1 and req.kv_len % self.page_size:
+                raise IntegrityError(f"request {req.rid} was cut at unaligned {req.kv_len}")
+        for req in self.waiting:
+            if req.pages or req.row is not None:
+                raise IntegrityError(f"waiting request {req.rid} holds pages or a row")
