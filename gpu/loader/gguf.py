@@ -126,7 +126,7 @@ def load_weights(
     for t in tensors:
         if t.name in _IGNORED:
             log.warning("ignoring GGUF tensor", tensor=t.name)
-    # The numpy dequantizers release the GIL on their large array ops, so threads overlap.
+    # numpy releases the GIL inside large array ops, so on many-core hosts tensors overlap.
     workers = max(1, min(8, os.cpu_count() or 1))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         loaded = list(pool.map(lambda t: to_torch(t, dtype), wanted))
