@@ -25,13 +25,11 @@ class KVPool:
         self.num_pages = num_pages
         num_slots = num_pages * page_size
         shape = (num_slots, num_kv_heads, head_dim)
-        # NOTE: only page 0 must be zero: padded reads are redirected there, and every
-        # other slot is written before any unmasked read. `empty` keeps start-up fast
-        # (the OS hands big allocations out lazily) instead of touching gigabytes.
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        for t in self.k + self.v:
-            t[:page_size].zero_()
+        # NOTE: zero-filled, not `empty`: decode reads whole pages, and the masked tail of a
+        # request's last page must hold finite values (0 * NaN would poison the output).
+        # Page 0 is the read/write target of padding.
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_page(

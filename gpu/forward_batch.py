@@ -34,7 +34,7 @@ class ForwardBatch:
         cls,
         chunks: list[tuple[list[int], int, int, int]],
         sampling: list[tuple[int, SamplingRow]],
-    ) -> "ForwardBatch":
+    ) -> ForwardBatch:
         """chunks: (token ids, row, prefix_len, extend_len); sampling: (chunk index, row)."""
         for ids, row, _, extend in chunks:
             if len(ids) != extend or row <= 0 or extend <= 0:

@@ -8,7 +8,7 @@ if TYPE_CHECKING:
     from kernel.async_engine import AsyncEngine
     from kernel.engine import Engine
 
-__all__ = ["Engine", "AsyncEngine"]
+__all__ = ["AsyncEngine", "Engine"]
 
 
 def __getattr__(name: str) -> Any:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import random
 import uuid
-from typing import Any, AsyncIterator, Mapping, NamedTuple, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import structlog
 
@@ -19,6 +20,7 @@ from gpu.forward_batch import ForwardBatch, SamplingRow
 from kernel.components import Components, build_components, pick_device
 from kernel.config import Config, load_config
 from kernel.detokenizer import IncrementalDetokenizer
+from kernel.logging_setup import setup_logging
 from kernel.request import Request, Status
 from kernel.sampling_params import SamplingParams
 from kernel.scheduler import StepPlan
@@ -74,9 +76,10 @@ class AsyncEngine:
     @classmethod
     async def create(
         cls, config: Config | str | None = None, overrides: Mapping[str, Any] | None = None
-    ) -> "AsyncEngine":
+    ) -> AsyncEngine:
         if not isinstance(config, Config):
             config = load_config(config, overrides)
+        setup_logging(config.logging.level, config.logging.json)
         device = DeviceThread(num_threads=config.model.num_threads)
         torch_device = pick_device(config)
         parts = await asyncio.get_running_loop().run_in_executor(

@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
@@ -200,7 +201,7 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     for name, value in raw.items():
         hint = hints[name]
         key = f"{prefix}{name}"
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             kwargs[name] = _build(hint, value if value is not None else {}, key + ".")
         else:
             kwargs[name] = _coerce(key, hint, value)

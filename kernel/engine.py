@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any, Awaitable, Mapping, Sequence, TypeVar
+from collections.abc import Awaitable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import uvloop
 
@@ -38,7 +39,7 @@ class Engine:
         single = isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and len(prompts) > 0 and isinstance(prompts[0], int)
         )
-        batch: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item]
+        batch: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item,arg-type]
         if sampling_params is None or isinstance(sampling_params, Mapping):
             params_list: list[Params] = [sampling_params] * len(batch)
         else:
@@ -75,7 +76,7 @@ class Engine:
         self._thread.join(timeout=30)
         self._loop.close()
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: object) -> None:

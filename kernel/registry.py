@@ -7,7 +7,8 @@ imported; third-party classes load by dotted path (`pkg.module:Class`).
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 

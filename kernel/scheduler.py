@@ -11,7 +11,8 @@ recomputed); nothing is lost.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 from cache.allocator import PageAllocator
 from cache.req_table import ReqToTokenTable
@@ -228,9 +229,7 @@ class Scheduler:
         if req.params.top_logprobs_num:
             req.output_top_logprobs.append(token.top_logprobs)
         params = req.params
-        if not params.ignore_eos and token.token_id in self.eos_ids:
-            req.finish("stop", token.token_id)
-        elif token.token_id in params.stop_token_ids:
+        if not params.ignore_eos and token.token_id in self.eos_ids or token.token_id in params.stop_token_ids:
             req.finish("stop", token.token_id)
         elif len(req.output_ids) >= params.max_new_tokens or req.total_len >= self.max_context:
             req.finish("length")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -24,7 +24,7 @@ def smollm_folder() -> str:
 
 
 @pytest.fixture(scope="session")
-def smollm_engine() -> Iterator["object"]:
+def smollm_engine() -> Iterator[object]:
     from kernel import Engine
 
     engine = Engine(CONFIG, TEST_OVERRIDES)
@@ -33,7 +33,7 @@ def smollm_engine() -> Iterator["object"]:
 
 
 @pytest.fixture(scope="session")
-def hf_smollm() -> "object":
+def hf_smollm() -> object:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -60,7 +60,7 @@ TINY_OVERRIDES = {
 
 
 @pytest.fixture(scope="session")
-def tiny_engine(tiny_chat_folder: str) -> Iterator["object"]:
+def tiny_engine(tiny_chat_folder: str) -> Iterator[object]:
     from kernel import Engine
 
     engine = Engine(None, {"model.path": tiny_chat_folder, **TINY_OVERRIDES})
@@ -68,7 +68,7 @@ def tiny_engine(tiny_chat_folder: str) -> Iterator["object"]:
     engine.shutdown()
 
 
-def assert_no_leak(engine: "object") -> None:
+def assert_no_leak(engine: object) -> None:
     """Once idle, every page is free again: nothing held outside live requests."""
     import time
 

@@ -1,0 +1,125 @@
+"""KV cache events: which pages entered or left the prefix cache, named by chained hashes.
+
+The schema is the one vLLM and SGLang publish (`BlockStored`, `BlockRemoved`,
+`AllBlocksCleared`), so a KV-aware router written for them can follow this engine too.
+A "block" there is a page here.
+
+Page hashes (stable across processes and Python versions, so a client recomputes them
+from the tokens alone):
+
+    page_hash(parent, tokens) = u64_le(blake2b(u64_le(parent) + i64_le(t) for t in tokens,
+                                                digest_size=8))
+
+`parent` is the hash of the previous page of the same prompt; for the first page it is
+the namespace seed: 0 without a namespace, else
+`u64_le(blake2b(b"tierserve.namespace\\0" + namespace.encode("utf-8"), digest_size=8))`.
+Hashes are unsigned 64-bit ints. Because each hash folds in its parent, one hash names a
+whole prefix, which is also why storage tiers use it as a key. Events carry
+`parent_block_hash=None` for a prompt's first page, even inside a namespace: a consumer
+that needs namespaces must know them (there is no field for one in the shared schema).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+NAMESPACE_PREFIX = b"tierserve.namespace\x00"
+
+
+@dataclass(slots=True)
+class BlockStored:
+    """New pages entered the cache: one hash per page, tokens of all of them in order."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None  # hash of the page before the first new one; None at the root
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None  # kept for schema compatibility; LoRA is not supported
+    medium: str | None = None  # vLLM's storage medium; None until tiers publish their own
+
+
+@dataclass(slots=True)
+class BlockRemoved:
+    """Pages left the cache (evicted). Always chain tails: only leaves are evicted."""
+
+    block_hashes: list[int] = field(default_factory=list)
+    medium: str | None = None
+
+
+@dataclass(slots=True)
+class AllBlocksCleared:
+    """The cache was emptied (reset)."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+def namespace_seed(namespace: str | None) -> int:
+    """The parent hash of a prompt's first page."""
+    if namespace is None:
+        return 0
+    digest = hashlib.blake2b(NAMESPACE_PREFIX + namespace.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def page_hash(parent: int, tokens: Sequence[int]) -> int:
+    """Hash of one page given its parent's hash (see the module docstring)."""
+    data = parent.to_bytes(8, "little") + struct.pack(f"<{len(tokens)}q", *tokens)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def chain_hashes(parent: int, tokens: Sequence[int], page_size: int) -> list[int]:
+    """Hashes of the whole pages of `tokens`, chained from `parent`."""
+    hashes: list[int] = []
+    for start in range(0, len(tokens) - page_size + 1, page_size):
+        parent = page_hash(parent, tokens[start : start + page_size])
+        hashes.append(parent)
+    return hashes
+
+
+def page_hashes(tokens: Sequence[int], page_size: int, namespace: str | None = None) -> list[int]:
+    """Hashes of the whole pages of a prompt, as the tree reports them in events."""
+    return chain_hashes(namespace_seed(namespace), tokens, page_size)
+
+
+Subscriber = Callable[[list[KVEvent]], None]
+
+
+class EventHub:
+    """Fans a list of events per cache operation out to subscribers, synchronously.
+
+    NOTE: a failing subscriber is logged, never raised into the cache operation: the
+    operation has already completed, and an exception would make its caller believe it
+    failed (e.g. free pages the tree now owns). Subscribers must be cheap (push into a
+    bounded queue); they run inside the operation.
+    """
+
+    def __init__(self) -> None:
+        self._subscribers: list[Subscriber] = []
+
+    def subscribe(self, callback: Subscriber) -> Callable[[], None]:
+        """Add `callback`; returns a function that removes it."""
+        self._subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            if callback in self._subscribers:
+                self._subscribers.remove(callback)
+
+        return unsubscribe
+
+    def emit(self, build: Callable[[], list[KVEvent]]) -> None:
+        """Build the events only if someone listens, then deliver them."""
+        if not self._subscribers:
+            return
+        events = build()
+        for callback in list(self._subscribers):
+            try:
+                callback(events)
+            except Exception:
+                log.exception("kv event subscriber %r failed", callback)

@@ -1,0 +1,331 @@
+"""Radix prefix cache over whole pages: match, insert, lock, evict. A pure data structure.
+
+NOTE: invariant 3 (page accounting) depends on this ownership rule. Every allocated page
+id has exactly one owner: the tree (the page sits in a node) or one request (it
+allocated the page and has not inserted it yet).
+- `match` lends the tree's pages; the tree still owns them. Lock the node while they
+  are in use, or an `evict` may hand them back to the allocator.
+- `insert` takes ownership of the caller's pages past `prefix_len`. For the first
+  `prefix_len` tokens the tree already had pages: where the caller's page differs from
+  the tree's (`InsertResult.duplicates(pages)`) the caller still owns it and must free
+  it, after pointing its request table at `InsertResult.pages`. The tree never frees a
+  page it was not given.
+- Only `evict` and `reset` return tree pages, through the `free_pages` callback.
+
+NOTE: invariant 4. `lock` counts along the whole path to the root, so a parent's count
+is >= each child's and a locked node's ancestors are locked too. Only unlocked leaves
+are evicted, and `reset` refuses while anything is locked.
+
+Eviction pops unlocked leaves from a lazily invalidated heap keyed by the policy
+(cache/evict_heap.py): O(k log n) for k evicted nodes, never a tree scan.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+from cache.evict_heap import EvictHeap
+from cache.evict_policy import EvictPolicy
+from cache.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventHub,
+    Subscriber,
+    chain_hashes,
+    namespace_seed,
+)
+from cache.radix_check import TreeIntegrityError, check_tree
+from cache.radix_node import ChildKey, InsertResult, MatchResult, PageKey, TreeNode
+
+__all__ = ["InsertResult", "MatchResult", "RadixTree", "TreeIntegrityError", "TreeLockedError", "TreeNode"]
+
+FreePages = Callable[[list[int]], None]
+
+# What the upper half of a split inherits; state_slot stays below (it covers the end).
+_SPLIT_COPIES = ("lock_ref", "last_access", "last_access_wall", "hit_count", "created", "priority", "tier")
+
+
+class TreeLockedError(RuntimeError):
+    """`reset` while a node is locked, or a lock on a node that is no longer in the tree."""
+
+
+class RadixTree:
+    def __init__(self, page_size: int, free_pages: FreePages, policy: EvictPolicy) -> None:
+        if page_size < 1:
+            raise ValueError("page_size must be >= 1")
+        self.page_size = page_size
+        self._free_pages = free_pages
+        self._ids = itertools.count()
+        self.root = TreeNode(next(self._ids), (), [], [], None, None)
+        self._clock = 0
+        self._wall = 0.0
+        self._heap = EvictHeap(policy)
+        self._events = EventHub()
+        self._total = 0
+        self._evictable = 0
+        self._protected = 0
+        self._num_nodes = 0
+
+    # -- counters ------------------------------------------------------------------
+    @property
+    def policy(self) -> EvictPolicy:
+        return self._heap.policy
+
+    @property
+    def total_pages(self) -> int:
+        return self._total
+
+    @property
+    def evictable_pages(self) -> int:
+        """Pages in unlocked nodes: what repeated `evict` calls could free."""
+        return self._evictable
+
+    @property
+    def protected_pages(self) -> int:
+        """Pages in locked nodes."""
+        return self._protected
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes other than the root."""
+        return self._num_nodes
+
+    # -- match / insert ------------------------------------------------------------
+    def match(
+        self, tokens: Sequence[int], namespace: str | None = None, *, priority: int = 0, touch: bool = True
+    ) -> MatchResult:
+        """Longest cached prefix of `tokens` in whole pages.
+
+        The caller keeps at least one token uncached if it needs logits (pass tokens[:-1]).
+        `touch=False` probes without counting a hit (e.g. for scheduling order); a match
+        that ends inside a node splits it either way, so `node` ends exactly at `length`.
+        """
+        toks = self._whole_pages(tokens)
+        if touch:
+            self._tick()
+        return self._walk(toks, namespace, priority, touch=touch, hit=True)
+
+    def insert(
+        self, tokens: Sequence[int], pages: Sequence[int], namespace: str | None = None, priority: int = 0
+    ) -> InsertResult:
+        """Cache `tokens` (whole pages) backed by `pages`; see the ownership rule above.
+
+        The returned node is unlocked: a request still using the pages locks it before
+        anything can call `evict`.
+        """
+        ps = self.page_size
+        if len(tokens) % ps or len(pages) != len(tokens) // ps:
+            raise ValueError(f"{len(tokens)} tokens and {len(pages)} pages do not make whole pages of {ps}")
+        if 0 in pages:
+            raise ValueError("page 0 is reserved and never cached")
+        toks = tuple(tokens)
+        self._tick()
+        found = self._walk(toks, namespace, priority, touch=True, hit=False)
+        if found.length == len(toks):
+            return InsertResult(found.length, found.node, found.pages)
+        leaf = self._add_leaf(
+            found.node, toks[found.length :], list(pages[found.length // ps :]), namespace, priority
+        )
+        return InsertResult(found.length, leaf, found.pages + leaf.pages)
+
+    # -- locks ---------------------------------------------------------------------
+    def lock(self, node: TreeNode) -> None:
+        """Protect `node` and its ancestors from eviction. Locking the root is a no-op."""
+        self._require_attached(node)
+        while node.parent is not None:
+            if node.lock_ref == 0:
+                self._evictable -= len(node.pages)
+                self._protected += len(node.pages)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        self._require_attached(node)
+        if node.parent is not None and node.lock_ref <= 0:
+            raise ValueError(f"unlock of an unlocked node {node!r}")
+        while node.parent is not None:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._protected -= len(node.pages)
+                self._evictable += len(node.pages)
+                if not node.children:
+                    self._heap.push(node)
+            node = node.parent
+
+    # -- eviction ------------------------------------------------------------------
+    def evict(self, num_pages: int) -> list[int]:
+        """Free at least `num_pages` pages if unlocked leaves allow; returns the freed ids.
+
+        Whole nodes go, so a call may free more than asked.
+        """
+        freed: list[int] = []
+        removed: list[int] = []
+        while len(freed) < num_pages:
+            node = self._heap.pop()
+            if node is None:
+                break
+            parent = self._detach(node)
+            freed.extend(node.pages)
+            removed.extend(node.hashes)
+            if parent.is_evictable_leaf:
+                self._heap.push(parent)
+        if freed:
+            self._free_pages(freed)
+            self._events.emit(lambda: [BlockRemoved(block_hashes=removed)])
+        return freed
+
+    def reset(self) -> None:
+        """Free every page; refuses while any node is locked."""
+        if self._protected:
+            raise TreeLockedError(f"reset with {self._protected} locked pages")
+        nodes = list(self.nodes())
+        pages = [page for node in nodes for page in node.pages]
+        for node in nodes:
+            node.parent = None  # detached: a stale reference can no longer be locked
+        self.root.children = {}
+        self._heap.clear()
+        self._total = self._evictable = self._num_nodes = 0
+        if pages:
+            self._free_pages(pages)
+        self._events.emit(lambda: [AllBlocksCleared()])
+
+    def set_policy(self, policy: EvictPolicy) -> None:
+        """Switch eviction policy; rebuilds the heap in O(nodes) (an admin action)."""
+        self._heap.rebuild(policy, self.nodes())
+
+    # -- events and inspection -----------------------------------------------------
+    def subscribe(self, callback: Subscriber) -> Callable[[], None]:
+        """Call `callback(events)` after each operation that changed cached pages.
+
+        Callbacks run synchronously inside tree operations: keep them cheap (push into a
+        bounded queue). Returns a function that unsubscribes.
+        """
+        return self._events.subscribe(callback)
+
+    def nodes(self) -> Iterator[TreeNode]:
+        """Every node except the root, parents before children. Do not mutate while iterating."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """One dict per node, root first, for the admin inspector."""
+        return [node.describe() for node in itertools.chain([self.root], self.nodes())]
+
+    def check_integrity(self, held_pages: Iterable[int] = ()) -> None:
+        """Raise TreeIntegrityError unless the tree is consistent; `held_pages` are the
+        pages live requests own (they must not be in the tree). O(tree): debug only."""
+        live = self._heap.live_ids()
+        counters = (self._total, self._evictable, self._protected, self._num_nodes)
+        check_tree(self.root, self.page_size, counters, live, held_pages)
+
+    # -- internals -----------------------------------------------------------------
+    def _whole_pages(self, tokens: Sequence[int]) -> PageKey:
+        return tuple(tokens[: len(tokens) // self.page_size * self.page_size])
+
+    def _child_key(self, parent: TreeNode, toks: PageKey, pos: int, namespace: str | None) -> ChildKey:
+        page = toks[pos : pos + self.page_size]
+        return (namespace, page) if parent is self.root else page
+
+    def _walk(
+        self, toks: PageKey, namespace: str | None, priority: int, touch: bool, hit: bool
+    ) -> MatchResult:
+        """Descend along `toks` as far as whole pages match, splitting the last node if needed."""
+        node, pos, pages = self.root, 0, []
+        while pos < len(toks):
+            child = self._matching_child(node, toks, pos, namespace)
+            if child is None:
+                break
+            pages.extend(child.pages)
+            pos += len(child.key)
+            node = child
+            if touch:
+                self._touch(child, priority, hit)
+        return MatchResult(pos, node, pages)
+
+    def _matching_child(
+        self, node: TreeNode, toks: PageKey, pos: int, namespace: str | None
+    ) -> TreeNode | None:
+        """The child sharing at least the page at `pos`, split so it ends inside `toks`."""
+        child = node.children.get(self._child_key(node, toks, pos, namespace))
+        if child is None:
+            return None
+        key, ps = child.key, self.page_size
+        if toks[pos : pos + len(key)] == key:
+            return child
+        k = 1  # the first page matched: it is the dict key
+        while k < len(child.pages) and key[k * ps : (k + 1) * ps] == toks[pos + k * ps : pos + (k + 1) * ps]:
+            k += 1
+        return self._split(child, k)
+
+    def _split(self, child: TreeNode, k: int) -> TreeNode:
+        """Cut `child` after `k` pages; returns the new upper node.
+
+        `child` keeps its identity as the lower part: a lock or state slot refers to its
+        end position, which does not move. The upper node inherits locks and stats (every
+        lock on `child` also counted on it), so counters and the heap stay valid.
+        """
+        parent, ps = child.parent, self.page_size
+        assert parent is not None
+        upper = TreeNode(
+            next(self._ids), child.key[: k * ps], child.pages[:k], child.hashes[:k], parent, child.namespace
+        )
+        for stat in _SPLIT_COPIES:
+            setattr(upper, stat, getattr(child, stat))
+        child.key, child.pages, child.hashes = child.key[k * ps :], child.pages[k:], child.hashes[k:]
+        parent.children[self._child_key(parent, upper.key, 0, upper.namespace)] = upper
+        upper.children[child.key[:ps]] = child
+        child.parent = upper
+        self._num_nodes += 1
+        return upper
+
+    def _add_leaf(
+        self, parent: TreeNode, toks: PageKey, pages: list[int], namespace: str | None, priority: int
+    ) -> TreeNode:
+        parent_hash = parent.hash
+        seed = parent_hash if parent_hash is not None else namespace_seed(namespace)
+        leaf = TreeNode(
+            next(self._ids), toks, pages, chain_hashes(seed, toks, self.page_size), parent, namespace
+        )
+        leaf.created = leaf.last_access = self._clock
+        leaf.last_access_wall = self._wall
+        leaf.priority = priority
+        parent.children[self._child_key(parent, toks, 0, namespace)] = leaf
+        self._total += len(pages)
+        self._evictable += len(pages)
+        self._num_nodes += 1
+        self._heap.push(leaf)
+        self._events.emit(lambda: [BlockStored(list(leaf.hashes), parent_hash, list(toks), self.page_size)])
+        return leaf
+
+    def _detach(self, node: TreeNode) -> TreeNode:
+        parent = node.parent
+        assert parent is not None and node.lock_ref == 0
+        del parent.children[self._child_key(parent, node.key, 0, node.namespace)]
+        node.parent = None
+        self._total -= len(node.pages)
+        self._evictable -= len(node.pages)
+        self._num_nodes -= 1
+        return parent
+
+    def _tick(self) -> None:
+        self._clock += 1
+        self._wall = time.monotonic()
+
+    def _touch(self, node: TreeNode, priority: int, hit: bool) -> None:
+        node.last_access = self._clock
+        node.last_access_wall = self._wall
+        node.hit_count += hit
+        node.priority = max(node.priority, priority)
+        if node.is_evictable_leaf:
+            self._heap.push(node)  # re-key: the old entry goes stale
+
+    def _require_attached(self, node: TreeNode) -> None:
+        if node.parent is None and node is not self.root:
+            raise TreeLockedError(f"{node!r} is no longer in the tree (evicted or reset)")
