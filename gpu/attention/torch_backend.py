@@ -17,6 +17,17 @@ from gpu.attention.base import AttentionBackend
 from kernel.registry import register
 
 
+class _DecodeGroup(NamedTuple):
+    tok: torch.Tensor  # flat token index of each decode request in the group
+    page_idx: torch.Tensor  # [b, pages] page ids, padded with the zero page
+    mask: torch.Tensor  # [b, 1, 1, pages * page_size] keys inside each request's length
+
+
+# Decodes are grouped by length so that padding to a group's longest request wastes at
+# most ~1/4 of the keys read; one SDPA call per group.
+_GROUP_FILL = 0.75
+
+
 class _Extend(NamedTuple):
     tok_start: int
     num: int
@@ -30,9 +41,7 @@ class TorchAttention(AttentionBackend):
     def __init__(self, pool: KVPool, req_to_token: torch.Tensor) -> None:
         super().__init__(pool, req_to_token)
         self.out_cache_loc = torch.empty(0, dtype=torch.int64)
-        self._dec_tok: torch.Tensor | None = None
-        self._dec_kv_idx = torch.empty(0, dtype=torch.int64)
-        self._dec_mask = torch.empty(0, dtype=torch.bool)
+        self._decodes: list[_DecodeGroup] = []
         self._extends: list[_Extend] = []
 
     def prepare(self, rows: list[int], prefix_lens: list[int], extend_lens: list[int]) -> None:
@@ -56,35 +65,43 @@ class TorchAttention(AttentionBackend):
                 self._extends.append(_Extend(tok, num, prefix, table[row, :total], mask))
             tok += num
         self.out_cache_loc = torch.cat(locs) if locs else torch.empty(0, dtype=torch.int64)
-        if dec_tok:
-            self._prepare_decode(dec_tok, dec_rows, dec_lens)
-        else:
-            self._dec_tok = None
+        self._decodes = self._group_decodes(dec_tok, dec_rows, dec_lens)
 
-    def _prepare_decode(self, dec_tok: list[int], dec_rows: list[int], dec_lens: list[int]) -> None:
-        """Page ids of every decode request, padded to the longest with the zero page.
+    def _group_decodes(self, toks: list[int], rows: list[int], lens: list[int]) -> list[_DecodeGroup]:
+        order = sorted(range(len(toks)), key=lambda i: -lens[i])
+        groups: list[list[int]] = []
+        for i in order:
+            if not groups or lens[i] < _GROUP_FILL * lens[groups[-1][0]]:
+                groups.append([])
+            groups[-1].append(i)
+        return [
+            self._decode_group([toks[i] for i in g], [rows[i] for i in g], [lens[i] for i in g]) for g in groups
+        ]
+
+    def _decode_group(self, toks: list[int], rows: list[int], lens: list[int]) -> _DecodeGroup:
+        """Page ids of each decode request, padded to the group's longest with the zero page.
 
         Decode reads whole pages (page_size * kv_heads * head_dim contiguous values), which
         copies several times faster than gathering token rows one by one.
         """
         device = self.req_to_token.device
         ps = self.pool.page_size
-        lens = torch.tensor(dec_lens, device=device)
-        num_pages = -(-max(dec_lens) // ps)
-        first_slots = self.req_to_token[torch.tensor(dec_rows, device=device), : num_pages * ps : ps]
-        page_valid = torch.arange(num_pages, device=device)[None, :] * ps < lens[:, None]
+        lens_t = torch.tensor(lens, device=device)
+        num_pages = -(-max(lens) // ps)
+        first_slots = self.req_to_token[torch.tensor(rows, device=device), : num_pages * ps : ps]
+        page_valid = torch.arange(num_pages, device=device)[None, :] * ps < lens_t[:, None]
         # Table entries past a request's length are stale: read the zero page there.
-        self._dec_kv_idx = torch.where(page_valid, first_slots // ps, 0)
+        page_idx = torch.where(page_valid, first_slots // ps, 0)
         key_pos = torch.arange(num_pages * ps, device=device)
-        self._dec_mask = (key_pos[None, :] < lens[:, None])[:, None, None, :]
-        self._dec_tok = torch.tensor(dec_tok, device=device)
+        mask = (key_pos[None, :] < lens_t[:, None])[:, None, None, :]
+        return _DecodeGroup(torch.tensor(toks, device=device), page_idx, mask)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.pool.write(layer, self.out_cache_loc, k, v)
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
         out = torch.empty_like(q)
-        if self._dec_tok is not None:
-            out.index_copy_(0, self._dec_tok, self._decode(q, k_cache, v_cache))
+        for group in self._decodes:
+            out.index_copy_(0, group.tok, self._decode(group, q, k_cache, v_cache))
         for ext in self._extends:
             sl = slice(ext.tok_start, ext.tok_start + ext.num)
             qe = q[sl].transpose(0, 1)[None]  # [1, H, n, D]
@@ -98,22 +115,23 @@ class TorchAttention(AttentionBackend):
             out[sl] = oe[0].transpose(0, 1)
         return out
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """All decode tokens in one SDPA call.
+    def _decode(
+        self, group: _DecodeGroup, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """One group of decode tokens in one SDPA call.
 
         The query heads sharing one KV head are laid out as that head's query rows (a
         decode token has no causal structure among its own heads), so SDPA runs without
         expanding K/V for grouped-query attention.
         """
-        assert self._dec_tok is not None
-        batch, num_pages = self._dec_kv_idx.shape
+        batch, num_pages = group.page_idx.shape
         _, num_heads, head_dim = q.shape
         num_kv = k_cache.shape[1]
-        flat = self._dec_kv_idx.view(-1)
+        flat = group.page_idx.view(-1)
         by_page = (self.pool.num_pages, -1)
         shape = (batch, num_pages * self.pool.page_size, num_kv, head_dim)
         kd = k_cache.view(by_page).index_select(0, flat).view(shape).transpose(1, 2)
         vd = v_cache.view(by_page).index_select(0, flat).view(shape).transpose(1, 2)
-        qd = q.index_select(0, self._dec_tok).view(batch, num_kv, num_heads // num_kv, head_dim)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self._dec_mask)
+        qd = q.index_select(0, group.tok).view(batch, num_kv, num_heads // num_kv, head_dim)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask)
         return od.reshape(batch, num_heads, head_dim)
