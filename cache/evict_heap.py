@@ -1,9 +1,14 @@
 """The radix tree's eviction candidates: a heap with lazy invalidation.
 
-Entries are never removed in place. Each push bumps the node's `heap_version`; a popped
-entry is used only if its version is the node's current one and the node is still an
-evictable leaf (attached, childless, unlocked). So re-keying a touched node, locking it
-or giving it a child costs nothing here, and `pop` is O(log n) amortized.
+Entries are never updated in place. Each push bumps the node's `heap_version`; an entry
+counts only if its version is the node's current one and the node is still an evictable
+leaf (attached, childless, unlocked). So re-keying a touched node, locking it or giving
+it a child costs one push or nothing, and `pop` skips what went stale.
+
+Stale entries are swept incrementally: every push also inspects the next few array
+slots round-robin and removes the stale ones (O(log n) each). That bounds the heap to
+about twice the live entries with no O(n) pause, which a one-shot compaction of a 100k
+entry heap would be (tens of ms on the event loop).
 
 NOTE: the tree must `push` a node whenever it becomes an evictable leaf or is touched
 while it is one; a candidate without a current entry would never be evicted. The tree's
@@ -18,15 +23,17 @@ from collections.abc import Iterable
 from cache.evict_policy import EvictPolicy
 from cache.radix_node import TreeNode
 
-# (policy key, node id as the tie-break, version at push time, node)
+# Entries compare by key, then node id, then version (a node can have stale twins with
+# the same key): never by the node itself.
 HeapEntry = tuple[tuple[float, ...], int, int, TreeNode]
+SWEEP_PER_PUSH = 2
 
 
 class EvictHeap:
     def __init__(self, policy: EvictPolicy) -> None:
         self.policy = policy
         self._heap: list[HeapEntry] = []
-        self._compact_at = 64
+        self._cursor = 0  # next array slot the sweep inspects
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -35,15 +42,14 @@ class EvictHeap:
         """(Re-)key `node` with the policy; any older entry of it goes stale."""
         node.heap_version += 1
         heapq.heappush(self._heap, (self.policy.key(node), node.id, node.heap_version, node))
-        if len(self._heap) > self._compact_at:
-            self._compact()
+        self._sweep(SWEEP_PER_PUSH)
 
     def pop(self) -> TreeNode | None:
         """The evictable leaf with the smallest key, or None when there is none."""
         while self._heap:
             _, _, version, node = heapq.heappop(self._heap)
             if version == node.heap_version and node.is_evictable_leaf:
-                return node
+                return node  # its other entries, if any, are stale by version
         return None
 
     def rebuild(self, policy: EvictPolicy, nodes: Iterable[TreeNode]) -> None:
@@ -55,19 +61,45 @@ class EvictHeap:
                 node.heap_version += 1
                 self._heap.append((policy.key(node), node.id, node.heap_version, node))
         heapq.heapify(self._heap)
-        self._compact_at = 2 * len(self._heap) + 64
 
     def clear(self) -> None:
         self._heap = []
-        self._compact_at = 64
 
     def live_ids(self) -> set[int]:
         """Ids of nodes with a current entry (for the integrity check)."""
         return {node.id for _, _, version, node in self._heap if version == node.heap_version}
 
-    def _compact(self) -> None:
-        # Drop stale entries. The next compaction waits until the heap doubles, so the
-        # O(heap) pass is amortized O(1) per push.
-        self._heap = [e for e in self._heap if e[2] == e[3].heap_version and e[3].is_evictable_leaf]
-        heapq.heapify(self._heap)
-        self._compact_at = 2 * len(self._heap) + 64
+    def _sweep(self, steps: int) -> None:
+        """Inspect `steps` slots from the cursor, removing stale entries.
+
+        Each push adds at most one stale entry and the cursor passes every slot once per
+        len/steps pushes, so stale entries stay below about len/steps.
+        """
+        heap = self._heap
+        for _ in range(steps):
+            if not heap:
+                return
+            i = self._cursor % len(heap)
+            _, _, version, node = heap[i]
+            if version == node.heap_version and node.is_evictable_leaf:
+                self._cursor = i + 1
+            else:
+                self._remove_at(i)  # the cursor stays: the entry moved into slot i is next
+
+    def _remove_at(self, i: int) -> None:
+        """Delete slot `i`: move the last entry into it and restore heap order around it."""
+        heap = self._heap
+        entry = heap.pop()
+        if i == len(heap):
+            return
+        while i > 0 and entry < heap[(i - 1) >> 1]:  # up, if smaller than its new parent
+            heap[i] = heap[(i - 1) >> 1]
+            i = (i - 1) >> 1
+        while (child := 2 * i + 1) < len(heap):  # else down (a no-op after moving up)
+            if child + 1 < len(heap) and heap[child + 1] < heap[child]:
+                child += 1
+            if not heap[child] < entry:
+                break
+            heap[i] = heap[child]
+            i = child
+        heap[i] = entry

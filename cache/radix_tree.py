@@ -144,6 +144,7 @@ class RadixTree:
             node = node.parent
 
     def unlock(self, node: TreeNode) -> None:
+        """Undo one `lock(node)`; raises ValueError if `node` is not locked."""
         self._require_attached(node)
         if node.parent is not None and node.lock_ref <= 0:
             raise ValueError(f"unlock of an unlocked node {node!r}")

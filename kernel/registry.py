@@ -29,6 +29,7 @@ _BUILTIN_MODULES: dict[str, tuple[str, ...]] = {
     "model": ("gpu.models.llama",),
     "attention": ("gpu.attention.torch_backend",),
     "schedule": ("handlers.fcfs",),
+    "evict": ("handlers.evict_lru", "handlers.evict_lfu", "handlers.evict_fifo", "handlers.evict_priority"),
 }
 
 _handlers: dict[str, dict[str, Any]] = {kind: {} for kind in KINDS}

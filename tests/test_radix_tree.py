@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -245,6 +246,34 @@ def test_set_policy_rebuilds_the_heap() -> None:
     c.tree.set_policy(FIFO())
     c.tree.check_integrity()
     assert eviction_order(c) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("policy", [LRU, LFU, FIFO, PriorityLRU], ids=lambda p: p.__name__)
+def test_heap_agrees_with_a_full_scan_under_churn(policy: type[EvictPolicy]) -> None:
+    """Hundreds of nodes, random touches and locks: every victim is the scan's minimum,
+    and the heap's stale entries stay bounded (swept, never compacted in one go)."""
+    rng = random.Random(7)
+    c = Cache(1, policy(), num_pages=600)
+    locked: list[TreeNode] = []
+    for step in range(3000):
+        tokens = [rng.randrange(4) for _ in range(rng.randint(1, 6))]
+        op = rng.random()
+        if op < 0.35 and c.alloc.num_free >= len(tokens):
+            c.put(tokens, priority=rng.randrange(3))
+        elif op < 0.75:
+            hit = c.tree.match(tokens, priority=rng.randrange(3))
+            if rng.random() < 0.1 and hit.node is not c.tree.root:
+                c.tree.lock(hit.node)
+                locked.append(hit.node)
+        elif op < 0.85 and locked:
+            c.tree.unlock(locked.pop(rng.randrange(len(locked))))
+        else:
+            leaves = [n for n in c.tree.nodes() if n.is_evictable_leaf]
+            expected = min(leaves, key=lambda n: (c.tree.policy.key(n), n.id), default=None)
+            freed = c.tree.evict(1)
+            assert freed == (expected.pages if expected else [])
+        assert len(c.tree._heap) <= 3 * c.tree.num_nodes + 8, f"heap grew unbounded at step {step}"
+    c.tree.check_integrity()
 
 
 def test_policies_are_registered_by_name() -> None:

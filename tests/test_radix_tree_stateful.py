@@ -151,6 +151,16 @@ class RadixMachine(RuleBasedStateMachine):
         hit = self.tree.match(cached, req.namespace, touch=False)
         assert hit.length == len(cached) and hit.pages == req.table[: req.cached_pages]
 
+    @precondition(lambda self: any(r.cached_pages > 1 for r in self.requests))
+    @rule(pick=picks, cut=picks)
+    def split_a_locked_node(self, pick: int, cut: int) -> None:
+        """Another prompt shares part of a running request's cached prefix."""
+        candidates = [r for r in self.requests if r.cached_pages > 1]
+        req = candidates[pick % len(candidates)]
+        pages = 1 + cut % (req.cached_pages - 1)
+        hit = self.tree.match(req.tokens[: pages * self.ps], req.namespace)
+        assert hit.pages == req.table[:pages]
+
     # -- cache operations ------------------------------------------------------------
     @rule(num_pages=page_counts, pool=token_pools, namespace=namespaces, priority=priorities)
     def insert_fresh(self, num_pages: int, pool: list[int], namespace: str | None, priority: int) -> None:
@@ -170,8 +180,12 @@ class RadixMachine(RuleBasedStateMachine):
     @rule(num_pages=st.integers(0, 12))
     def evict(self, num_pages: int) -> None:
         could = self.tree.evictable_pages
+        leaves = [n for n in self.tree.nodes() if n.is_evictable_leaf]
+        first = min(leaves, key=lambda n: (self.tree.policy.key(n), n.id), default=None)
         freed = self.tree.evict(num_pages)
         assert len(freed) >= min(num_pages, could)
+        if first is not None and num_pages > 0:  # the heap agrees with a full scan
+            assert freed[: len(first.pages)] == first.pages
         locked = {p for r in self.requests for p in r.table[: r.cached_pages]}
         assert locked.isdisjoint(freed), "evicted a locked page"
 
