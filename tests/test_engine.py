@@ -129,3 +129,24 @@ async def test_stream_abort_returns_pages(tiny_chat_folder: str) -> None:
         assert sched.allocator.num_free == sched.allocator.num_usable
     finally:
         await engine.shutdown()
+
+
+def test_failed_step_fails_its_requests_and_frees_pages(tiny_engine: Engine) -> None:
+    runner = tiny_engine.engine.parts.runner
+    real_run = runner.run
+    calls = {"n": 0}
+
+    def flaky(batch):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("planted device failure")
+        return real_run(batch)
+
+    runner.run = flaky  # type: ignore[method-assign]
+    try:
+        with pytest.raises(RuntimeError, match="planted device failure"):
+            tiny_engine.generate(["one", "two"], GREEDY)
+    finally:
+        runner.run = real_run  # type: ignore[method-assign]
+    # The engine keeps serving, and nothing the failed requests held stays allocated.
+    assert tiny_engine.generate("after", GREEDY)["meta_info"]["completion_tokens"] == 24  # type: ignore[index]
