@@ -38,7 +38,7 @@ class DeviceThread:
         def job() -> None:
             try:
                 box["result"] = fn()
-            except BaseException as exc:  # re-raised in the caller
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
                 box["error"] = exc
             finally:
                 done.set()
@@ -66,7 +66,7 @@ class DeviceThread:
                 continue
             try:
                 result = fn()
-            except BaseException as exc:  # delivered to the awaiting coroutine
+            except BaseException as exc:  # noqa: BLE001 - delivered to the awaiting coroutine
                 loop.call_soon_threadsafe(_resolve, fut, None, exc)
             else:
                 loop.call_soon_threadsafe(_resolve, fut, result, None)

@@ -185,6 +185,25 @@ class AsyncEngine:
     def is_idle(self) -> bool:
         return not self.scheduler.has_work()
 
+    def flush_cache(self) -> tuple[bool, str]:
+        """Empty the prefix cache. Only when idle: running requests hold cached nodes."""
+        if not self.is_idle():
+            n = len(self.scheduler.running) + len(self.scheduler.waiting)
+            return False, f"cannot flush the cache while {n} requests are in flight"
+        self.scheduler.cache.reset()
+        log.info("cache_flushed")
+        return True, "flushed"
+
+    def cache_stats(self) -> dict[str, int]:
+        """Engine-wide prefix-cache counters, in tokens (rates are for the reader)."""
+        cache = self.scheduler.cache
+        return {
+            "prefix_query_tokens": cache.query_tokens,
+            "prefix_hit_tokens": cache.hit_tokens,
+            "cached_pages": cache.tree_pages,
+            "evictable_pages": cache.evictable_pages,
+        }
+
     async def shutdown(self) -> None:
         self._closed = True
         self._loop_task.cancel()

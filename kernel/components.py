@@ -10,6 +10,7 @@ import torch
 
 from cache.allocator import PageAllocator
 from cache.kv_pool import KVPool
+from cache.prefix_cache import NoPrefixCache, PrefixCache, RadixPrefixCache
 from cache.req_table import ReqToTokenTable
 from gpu.loader import load_checkpoint
 from gpu.model_runner import ModelRunner
@@ -54,16 +55,24 @@ def build_components(config: Config, device: torch.device) -> Components:
     table = ReqToTokenTable(config.scheduler.max_running_requests + 1, max_ctx_padded, device)
     attention = registry.lookup("attention", config.model.attention)(pool, table.table)
     policy = registry.lookup("schedule", config.scheduler.policy)()
+    allocator = PageAllocator(num_pages)
+    cache: PrefixCache
+    if config.cache.prefix == "radix":
+        evict = registry.lookup("evict", config.cache.evict_policy)()
+        cache = RadixPrefixCache(allocator, table, page_size, evict)
+    else:
+        cache = NoPrefixCache(allocator, table, page_size)
     return Components(
         runner=ModelRunner(model, pool, attention),
         scheduler=Scheduler(
             config.scheduler,
             page_size,
-            PageAllocator(num_pages),
+            allocator,
             table,
             policy,
             eos_ids=tokenizer.eos_token_ids if tokenizer is not None else frozenset(),
             max_context=context,
+            cache=cache,
         ),
         tokenizer=tokenizer,
         num_pages=num_pages,

@@ -49,6 +49,7 @@ class CacheConfig:
     memory_fraction: float = 0.25
     max_pages: int = 16384
     prefix: str = "none"
+    evict_policy: str = "lru"
 
     def validate(self) -> None:
         _positive("cache.page_size", self.page_size)
@@ -59,7 +60,7 @@ class CacheConfig:
         if not 0.0 < self.memory_fraction <= 0.95:
             raise ConfigError(f"cache.memory_fraction must be in (0, 0.95], got {self.memory_fraction}")
         _positive("cache.max_pages", self.max_pages)
-        _choice("cache.prefix", self.prefix, ("none",))
+        _choice("cache.prefix", self.prefix, ("none", "radix"))
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,14 @@ import threading
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any, TypeVar
 
+import structlog
 import uvloop
 
 from kernel.async_engine import AsyncEngine
 from kernel.config import Config
 
 T = TypeVar("T")
+log = structlog.get_logger("tierserve")
 
 Prompt = str | Sequence[int]
 Params = Mapping[str, Any] | None
@@ -65,8 +67,14 @@ class Engine:
         return list(await asyncio.gather(*(self.engine.collect(rid) for rid in rids)))
 
     def flush_cache(self) -> bool:
-        """Empty the prefix cache; refuses (False) while requests are in flight."""
-        return self.engine.is_idle()
+        """Empty the prefix cache; refuses (False, with a logged reason) while requests run."""
+        ok, reason = self._call(self._flush())
+        if not ok:
+            log.warning("flush_refused", reason=reason)
+        return ok
+
+    async def _flush(self) -> tuple[bool, str]:
+        return self.engine.flush_cache()  # on the loop thread, which owns the cache
 
     def shutdown(self) -> None:
         if self._loop.is_closed():
@@ -76,7 +84,7 @@ class Engine:
         self._thread.join(timeout=30)
         self._loop.close()
 
-    def __enter__(self) -> Engine:
+    def __enter__(self) -> Engine:  # noqa: PYI034 - Engine is not meant to be subclassed
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -6,8 +6,12 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kernel.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from cache.radix_node import TreeNode
 
 _arrival = itertools.count()
 
@@ -31,6 +35,7 @@ class Request:
     params: SamplingParams
     seed: int
     priority: int = 0
+    namespace: str | None = None  # requests in different namespaces never share cached KV
     arrival: int = field(default_factory=lambda: next(_arrival))
     arrival_time: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
@@ -39,6 +44,8 @@ class Request:
     status: Status = Status.WAITING
     row: int | None = None
     pages: list[int] = field(default_factory=list)
+    tree_pages: int = 0  # leading pages owned by the prefix cache (see cache/prefix_cache.py)
+    node: TreeNode | None = None  # locked cache node covering those pages
     kv_len: int = 0
     cached_tokens: int = 0
     inflight: bool = False

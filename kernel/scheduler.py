@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from cache.allocator import PageAllocator
+from cache.prefix_cache import PrefixCache
 from cache.req_table import ReqToTokenTable
 from kernel.chunk_planner import pages_for, plan_chunk
 from kernel.config import SchedulerConfig
@@ -58,6 +59,7 @@ class Scheduler:
         policy: SchedulePolicy,
         eos_ids: frozenset[int],
         max_context: int,
+        cache: PrefixCache,
     ) -> None:
         self.config = config
         self.page_size = page_size
@@ -66,6 +68,7 @@ class Scheduler:
         self.policy = policy
         self.eos_ids = eos_ids
         self.max_context = max_context
+        self.cache = cache
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # admitted (hold a table row), oldest first
         self.num_retractions = 0
@@ -132,20 +135,25 @@ class Scheduler:
         return chunks
 
     def _plan_prefill(self, req: Request, budget: int, admitting: bool = False) -> int:
+        if admitting:
+            self._admit(req)
         length = plan_chunk(
             start=req.kv_len,
             total=req.total_len,
             page_size=self.page_size,
             token_budget=min(budget, self.config.chunked_prefill_size),
             owned_pages=len(req.pages),
-            free_pages=self.allocator.num_free,
+            free_pages=self.allocator.num_free + self.cache.evictable_pages,
         )
         if length == 0:
+            if admitting:
+                self._unadmit(req)
             return 0
         if admitting:
-            self._admit(req)
+            self.cache.query_tokens += req.total_len
+            self.cache.hit_tokens += req.kv_len
         reserved = self._reserve(req, req.kv_len + length)
-        assert reserved, "chunk planner promised pages that are not free"
+        assert reserved, "chunk planner promised pages that are neither free nor evictable"
         return length
 
     def _reserve_decode(self, req: Request, planned: set[int], retracted: list[Request]) -> bool:
@@ -162,6 +170,8 @@ class Scheduler:
         if need <= 0:
             return True
         if not self.allocator.can_allocate(need):
+            self.cache.evict(need - self.allocator.num_free)
+        if not self.allocator.can_allocate(need):
             return False
         pages = self.allocator.allocate(need)
         assert req.row is not None
@@ -177,6 +187,14 @@ class Scheduler:
         self.waiting.remove(req)
         self.running.append(req)
         self.running.sort(key=lambda r: r.arrival)
+        self.cache.match(req)
+
+    def _unadmit(self, req: Request) -> None:
+        """Undo an admission whose first chunk could not be planned."""
+        self.release(req)
+        req.status = Status.WAITING
+        req.kv_len = 0
+        self.waiting.append(req)
 
     def _newest(self, exclude: set[int] | Sequence[int]) -> Request:
         candidates = [r for r in self.running if id(r) not in exclude]
@@ -193,9 +211,9 @@ class Scheduler:
         return req
 
     def release(self, req: Request) -> None:
-        """Return a request's pages and row (on finish, abort, error or retraction)."""
-        self.allocator.free(req.pages)
-        req.pages = []
+        """Return a request's pages and row (on finish, abort, error or retraction);
+        computed whole pages stay in the prefix cache for later requests."""
+        self.cache.release(req)
         if req.row is not None:
             self.req_table.free(req.row)
             req.row = None
@@ -211,6 +229,8 @@ class Scheduler:
             req = chunk.req
             req.inflight = False
             req.kv_len = chunk.start + chunk.length
+            if chunk.length > 1:
+                self.cache.cache_computed(req)  # after every prefill chunk
             token = next(tokens) if chunk.samples else None
             if req.finished:  # aborted or stopped by text while this step ran
                 self.release(req)
@@ -237,14 +257,16 @@ class Scheduler:
     # ---- invariants -------------------------------------------------------------
     def check_integrity(self) -> None:
         """Invariants 1 and 3: aligned chunk cuts and exact page accounting."""
-        held: list[int] = [p for r in self.running for p in r.pages]
+        held: list[int] = [p for r in self.running for p in r.pages[r.tree_pages :]]
         if len(held) != len(set(held)):
             raise IntegrityError("a page is held by two requests")
-        if self.allocator.num_free + len(held) != self.allocator.num_usable:
+        cached = self.cache.tree_pages
+        if self.allocator.num_free + len(held) + cached != self.allocator.num_usable:
             raise IntegrityError(
-                f"page leak: free {self.allocator.num_free} + held {len(held)} "
+                f"page leak: free {self.allocator.num_free} + held {len(held)} + cached {cached} "
                 f"!= usable {self.allocator.num_usable}"
             )
+        self.cache.check_integrity()
         for req in self.running:
             if pages_for(req.kv_len, self.page_size) > len(req.pages):
                 raise IntegrityError(f"request {req.rid} computed past its pages")

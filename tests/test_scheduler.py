@@ -5,9 +5,12 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from cache.allocator import PageAllocator
+from cache.prefix_cache import NoPrefixCache, PrefixCache, RadixPrefixCache
 from cache.req_table import ReqToTokenTable
+from handlers.evict_lru import LRU
 from handlers.fcfs import FCFS
 from kernel.config import SchedulerConfig
 from kernel.request import Request, Status
@@ -23,8 +26,14 @@ def make_scheduler(num_pages: int = 64, page_size: int = 4, **cfg: int) -> Sched
         max_num_batched_tokens=cfg.get("budget", 32),
         max_running_requests=cfg.get("running", 8),
     )
-    table = ReqToTokenTable(conf.max_running_requests + 1, 512, device=__import__("torch").device("cpu"))
-    return Scheduler(conf, page_size, PageAllocator(num_pages), table, FCFS(), frozenset({EOS}), 512)
+    table = ReqToTokenTable(conf.max_running_requests + 1, 512, device=torch.device("cpu"))
+    allocator = PageAllocator(num_pages)
+    cache: PrefixCache
+    if cfg.get("radix"):
+        cache = RadixPrefixCache(allocator, table, page_size, LRU())
+    else:
+        cache = NoPrefixCache(allocator, table, page_size)
+    return Scheduler(conf, page_size, allocator, table, FCFS(), frozenset({EOS}), 512, cache)
 
 
 def make_req(n: int, max_new: int = 8, rid: str | None = None) -> Request:
@@ -140,19 +149,24 @@ def test_planted_leak_is_caught() -> None:
         s.check_integrity()
 
 
+@pytest.mark.parametrize("radix", [False, True])
 @pytest.mark.parametrize("seed", range(5))
-def test_random_workload_keeps_accounting(seed: int) -> None:
+def test_random_workload_keeps_accounting(seed: int, radix: bool) -> None:
     rng = random.Random(seed)
     s = make_scheduler(num_pages=rng.randint(12, 40), page_size=rng.choice([1, 2, 4, 8]),
-                       chunk=16, budget=rng.randint(16, 40), running=rng.randint(1, 6))
+                       chunk=16, budget=rng.randint(16, 40), running=rng.randint(1, 6), radix=radix)
     usable_tokens = s.allocator.num_usable * s.page_size
+    stems = [[rng.randint(1, 9) for _ in range(30)] for _ in range(3)]  # shared prefixes
     reqs = []
     for i in range(12):
         n = rng.randint(1, 40)
         max_new = rng.randint(1, 10)
+        prompt = (rng.choice(stems) + [rng.randint(1, 9) for _ in range(40)])[:n]
         if n + max_new <= usable_tokens:
-            reqs.append(make_req(n, max_new, rid=f"q{i}"))
-            s.add(reqs[-1])
+            req = make_req(n, max_new, rid=f"q{i}")
+            req.prompt_ids = prompt
+            reqs.append(req)
+            s.add(req)
     for _ in range(2000):
         if not s.has_work():
             break
@@ -160,4 +174,34 @@ def test_random_workload_keeps_accounting(seed: int) -> None:
             s.abort(rng.choice(s.running))
         run_step(s, token=rng.randint(1, 9))
     assert not s.has_work()
-    assert s.allocator.num_free == s.allocator.num_usable
+    assert s.allocator.num_free + s.cache.tree_pages == s.allocator.num_usable
+    if radix:
+        assert s.cache.hit_tokens > 0 or s.cache.tree_pages > 0
+
+
+def test_radix_hit_skips_cached_pages() -> None:
+    s = make_scheduler(page_size=4, radix=True)
+    first = make_req(10, max_new=2, rid="first")
+    s.add(first)
+    while s.has_work():
+        run_step(s)
+    # 10 prompt + 2 generated tokens; KV exists for 11 of them -> 2 whole pages cached.
+    assert s.cache.tree_pages == 2
+    second = make_req(10, max_new=2, rid="second")
+    second.prompt_ids = first.prompt_ids + first.output_ids[:1] + [3, 3]
+    s.add(second)
+    plan = s.schedule()
+    assert second.cached_tokens == 8 and plan.chunks[0].start == 8
+    s.apply(plan, [SampledToken(7, 0.0, [])])
+    s.check_integrity()
+
+
+def test_planted_double_owned_page_is_caught() -> None:
+    s = make_scheduler(page_size=4, radix=True)
+    a = make_req(9, max_new=4, rid="a")
+    s.add(a)
+    run_step(s)
+    s.cache.tree_pages  # noqa: B018 - the tree holds a's first two pages now
+    a.tree_pages = 0  # planted: the request claims pages the tree owns
+    with pytest.raises(AssertionError):
+        s.check_integrity()
