@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 
 from cache.allocator import PageAllocator
 from cache.evict_policy import EvictPolicy
+from cache.radix_node import TreeNode
 from cache.radix_tree import RadixTree
 from cache.req_table import ReqToTokenTable
 from kernel.request import Request
@@ -23,6 +24,8 @@ class PrefixCache(ABC):
     request, and may set `kv_len`/`pages`; `cache_computed` may replace duplicate pages
     with the tree's; `release` returns everything the request owns. None of them may
     change the tokens a request will compute, only where their KV lives."""
+
+    reuses = False  # whether a request can ever start from cached KV
 
     def __init__(self, allocator: PageAllocator, req_table: ReqToTokenTable, page_size: int) -> None:
         self.allocator = allocator
@@ -45,6 +48,10 @@ class PrefixCache(ABC):
     def match(self, req: Request) -> None:
         """Reuse the longest cached prefix of `req` (none here)."""
 
+    def probe(self, req: Request) -> tuple[int, TreeNode | None]:
+        """Cached prefix length (and its node) of `req`, without using or counting it."""
+        return 0, None
+
     def cache_computed(self, req: Request) -> None:
         """Offer the request's computed whole pages to the cache (nothing here)."""
 
@@ -66,6 +73,8 @@ class NoPrefixCache(PrefixCache):
 
 
 class RadixPrefixCache(PrefixCache):
+    reuses = True
+
     def __init__(
         self, allocator: PageAllocator, req_table: ReqToTokenTable, page_size: int, policy: EvictPolicy
     ) -> None:
@@ -83,14 +92,13 @@ class RadixPrefixCache(PrefixCache):
     def evict(self, num_pages: int) -> None:
         self.tree.evict(num_pages)
 
+    def probe(self, req: Request) -> tuple[int, TreeNode | None]:
+        result = self.tree.match(self._matchable(req), req.namespace, touch=False)
+        return result.length, result.node
+
     def match(self, req: Request) -> None:
         assert not req.pages and req.row is not None and req.node is None
-        # At least one token must be computed to sample from: cap below the last token.
-        usable = (req.total_len - 1) // self.page_size * self.page_size
-        tokens = req.token_slice(0, usable)
-        result = self.tree.match(tokens, req.namespace, priority=req.priority)
-        self.query_tokens += req.total_len
-        self.hit_tokens += result.length
+        result = self.tree.match(self._matchable(req), req.namespace, priority=req.priority)
         req.cached_tokens = result.length
         if result.length == 0:
             return
@@ -100,6 +108,11 @@ class RadixPrefixCache(PrefixCache):
         req.tree_pages = len(result.pages)
         req.kv_len = result.length
         self.req_table.write_pages(req.row, 0, req.pages, self.page_size)
+
+    def _matchable(self, req: Request) -> list[int]:
+        # At least one token must be computed to sample from: cap below the last token.
+        usable = (req.total_len - 1) // self.page_size * self.page_size
+        return req.token_slice(0, usable)
 
     def cache_computed(self, req: Request) -> None:
         full = req.kv_len // self.page_size

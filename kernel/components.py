@@ -54,7 +54,9 @@ def build_components(config: Config, device: torch.device) -> Components:
     max_ctx_padded = -(-context // page_size) * page_size
     table = ReqToTokenTable(config.scheduler.max_running_requests + 1, max_ctx_padded, device)
     attention = registry.lookup("attention", config.model.attention)(pool, table.table)
-    policy = registry.lookup("schedule", config.scheduler.policy)()
+    policy = registry.lookup("schedule", config.scheduler.policy)(
+        lpm_fallback_queue=config.scheduler.lpm_fallback_queue
+    )
     allocator = PageAllocator(num_pages)
     cache: PrefixCache
     if config.cache.prefix == "radix":

@@ -69,8 +69,15 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_running_requests: int = 64
     policy: str = "fcfs"
+    lpm_fallback_queue: int = 128  # lpm: above this many waiting requests, use fcfs
+    # A request whose prefix of at least this many tokens is being prefilled right now
+    # by another request waits for it instead of computing it twice (0: never wait).
+    share_prefix_min_tokens: int = 64
 
     def validate(self) -> None:
+        _positive("scheduler.lpm_fallback_queue", self.lpm_fallback_queue)
+        if self.share_prefix_min_tokens < 0:
+            raise ConfigError("scheduler.share_prefix_min_tokens must be >= 0")
         _positive("scheduler.chunked_prefill_size", self.chunked_prefill_size)
         _positive("scheduler.max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("scheduler.max_running_requests", self.max_running_requests)

@@ -5,17 +5,22 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+from cache.prefix_cache import PrefixCache
 from kernel.request import Request
 
 
 class SchedulePolicy(ABC):
     """Orders waiting requests for admission.
 
-    Contract: `order` returns the same requests (a permutation), is pure with respect to
-    the scheduler's state, and must be cheap: it runs every step the queue is non-empty.
-    Admission stops at the first request in this order that cannot be admitted, so a
-    policy also decides who waits behind whom.
+    Contract: `order` returns the same requests (a permutation), changes no request and
+    uses the cache only through `cache.probe` (which counts nothing), and must be cheap:
+    it runs every step the queue is non-empty. Admission stops at the first request in
+    this order that cannot be admitted, so a policy also decides who waits behind whom.
+    Handlers are built with the scheduler config as keyword arguments they may ignore.
     """
 
+    def __init__(self, **config: object) -> None:
+        self.config = config
+
     @abstractmethod
-    def order(self, waiting: Sequence[Request]) -> list[Request]: ...
+    def order(self, waiting: Sequence[Request], cache: PrefixCache) -> list[Request]: ...

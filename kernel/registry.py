@@ -28,7 +28,7 @@ KINDS = (
 _BUILTIN_MODULES: dict[str, tuple[str, ...]] = {
     "model": ("gpu.models.llama",),
     "attention": ("gpu.attention.torch_backend",),
-    "schedule": ("handlers.fcfs",),
+    "schedule": ("handlers.fcfs", "handlers.lpm", "handlers.dfs_weight"),
     "evict": ("handlers.evict_lru", "handlers.evict_lfu", "handlers.evict_fifo", "handlers.evict_priority"),
 }
 

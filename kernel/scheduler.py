@@ -45,6 +45,14 @@ class SampledToken(NamedTuple):
     top_logprobs: list[tuple[int, float]]
 
 
+def _shared_pages(a: list[int], b: list[int], page_size: int) -> int:
+    """Tokens in the whole pages that `a` and `b` share from the start."""
+    n, limit = 0, min(len(a), len(b)) // page_size * page_size
+    while n < limit and a[n : n + page_size] == b[n : n + page_size]:
+        n += page_size
+    return n
+
+
 class IntegrityError(AssertionError):
     """An invariant of the architecture page does not hold."""
 
@@ -122,17 +130,36 @@ class Scheduler:
                 if length:
                     chunks.append(ScheduledChunk(req, req.kv_len, length))
                     budget -= length
-        for req in self.policy.order(self.waiting):
+        for req in self.policy.order(self.waiting, self.cache):
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
             if self.req_table.num_free == 0:
                 break
+            if self._prefix_in_flight(req):
+                continue  # another request is computing its prefix: reuse it next step
             length = self._plan_prefill(req, budget, admitting=True)
             if not length:
                 break
             chunks.append(ScheduledChunk(req, req.kv_len, length))
             budget -= length
         return chunks
+
+    def _prefix_in_flight(self, req: Request) -> bool:
+        """Whether a prefilling request shares a prefix of >= share_prefix_min_tokens
+        with `req` and is still computing part of it that the cache does not hold yet
+        (in-batch prefix sharing: wait a step rather than compute it twice)."""
+        min_tokens = self.config.share_prefix_min_tokens
+        if not min_tokens or not self.cache.reuses:
+            return False
+        prefilling = [r for r in self.running if r.total_len - r.kv_len > 1]
+        if not prefilling:
+            return False
+        cached, _ = self.cache.probe(req)
+        for other in prefilling:
+            shared = _shared_pages(req.prompt_ids, other.prompt_ids, self.page_size)
+            if shared >= min_tokens and cached < shared and other.kv_len < shared:
+                return True
+        return False
 
     def _plan_prefill(self, req: Request, budget: int, admitting: bool = False) -> int:
         if admitting:

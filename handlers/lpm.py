@@ -1,0 +1,23 @@
+"""Longest prefix match first: admit the requests with the most cached tokens first, so
+hot prefixes are used while they are still cached. Above `lpm_fallback_queue` waiting
+requests the probes cost more than they save: fall back to arrival order."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from cache.prefix_cache import PrefixCache
+from handlers.fcfs import FCFS
+from kernel.policy import SchedulePolicy
+from kernel.registry import register
+from kernel.request import Request
+
+
+@register("schedule", "lpm")
+class LongestPrefixMatch(SchedulePolicy):
+    def order(self, waiting: Sequence[Request], cache: PrefixCache) -> list[Request]:
+        limit = int(self.config.get("lpm_fallback_queue", 128))  # type: ignore[call-overload]
+        if len(waiting) > limit:
+            return FCFS().order(waiting, cache)
+        cached = {id(r): cache.probe(r)[0] for r in waiting}
+        return sorted(waiting, key=lambda r: (-cached[id(r)], r.arrival))
