@@ -95,7 +95,7 @@ class AsyncEngine:
     ) -> str:
         """Validate and queue a request; raises RequestError without side effects."""
         if self._closed:
-            raise RequestError("engine is shut down")
+            raise RequestError("engine is shut down (or halted by a failed integrity check)")
         if not isinstance(params, SamplingParams):
             params = SamplingParams.from_dict(params)
         ids = self._tokenize(prompt)
@@ -245,7 +245,14 @@ class AsyncEngine:
             pending += [c.req for c in plan.chunks if c.req.finished and c.req not in pending]
             self.counters["steps"] += 1
             if self.config.debug.check_invariants:
-                self.scheduler.check_integrity()
+                try:
+                    self.scheduler.check_integrity()
+                except AssertionError as exc:
+                    # A broken invariant means cached KV can no longer be trusted: stop
+                    # serving, and tell every waiting client why instead of hanging.
+                    log.error("integrity_check_failed", error=str(exc))
+                    self._halt(exc)
+                    return
 
     def _build_batch(self, plan: StepPlan) -> ForwardBatch:
         chunks, sampling = [], []
@@ -277,6 +284,11 @@ class AsyncEngine:
                     text += st.detok.finish()
             self.counters["generation_tokens"] += len(new_ids)
             st.queue.put_nowait(_chunk(req, text, new_ids, start))
+
+    def _halt(self, exc: BaseException) -> None:
+        self._closed = True
+        for st in self._streams.values():
+            st.queue.put_nowait(exc)
 
     def _fail(self, plan: StepPlan, exc: Exception) -> None:
         for ch in plan.chunks:

@@ -45,7 +45,7 @@ def build_components(config: Config, device: torch.device) -> Components:
     arch = ckpt.arch
     context = min(config.model.context_length or arch.max_position_embeddings, arch.max_position_embeddings)
     model_cls = registry.lookup("model", arch.architecture)
-    model = model_cls(arch, ckpt.weights, dtype, device)
+    model = model_cls(arch, ckpt.weights, dtype, device, deterministic=config.deterministic)
     tokenizer = ckpt.tokenizer
     del ckpt  # the model holds its own (fused) copies; drop the loader's
     page_size = config.cache.page_size
@@ -53,7 +53,9 @@ def build_components(config: Config, device: torch.device) -> Components:
     pool = KVPool(arch.num_layers, num_pages, page_size, arch.num_kv_heads, arch.head_dim, dtype, device)
     max_ctx_padded = -(-context // page_size) * page_size
     table = ReqToTokenTable(config.scheduler.max_running_requests + 1, max_ctx_padded, device)
-    attention = registry.lookup("attention", config.model.attention)(pool, table.table)
+    # Deterministic mode needs batch-invariant attention too, whatever backend is named.
+    attention_name = "deterministic" if config.deterministic else config.model.attention
+    attention = registry.lookup("attention", attention_name)(pool, table.table)
     policy = registry.lookup("schedule", config.scheduler.policy)(
         lpm_fallback_queue=config.scheduler.lpm_fallback_queue
     )

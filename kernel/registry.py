@@ -27,7 +27,7 @@ KINDS = (
 # that registration never depends on import order elsewhere.
 _BUILTIN_MODULES: dict[str, tuple[str, ...]] = {
     "model": ("gpu.models.llama",),
-    "attention": ("gpu.attention.torch_backend",),
+    "attention": ("gpu.attention.torch_backend", "gpu.attention.deterministic"),
     "schedule": ("handlers.fcfs", "handlers.lpm", "handlers.dfs_weight"),
     "evict": ("handlers.evict_lru", "handlers.evict_lfu", "handlers.evict_fifo", "handlers.evict_priority"),
 }

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu.attention.base import AttentionBackend
+from gpu.batch_invariant import linear_tiled
 from gpu.model_config import ModelArchConfig
 from kernel.registry import register
 
@@ -31,9 +32,16 @@ class _Layer(NamedTuple):
 @register("model", "llama", "qwen2", "qwen3")
 class LlamaModel:
     def __init__(
-        self, arch: ModelArchConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+        self,
+        arch: ModelArchConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+        deterministic: bool = False,
     ) -> None:
         self.arch = arch
+        # Deterministic mode: every matmul is batch-invariant (see gpu/batch_invariant.py).
+        self.linear = linear_tiled if deterministic else F.linear
         self.dtype = dtype
         self.device = device
 
@@ -86,7 +94,7 @@ class LlamaModel:
         h = self.embed[input_ids]
         for i, layer in enumerate(self.layers):
             x = self._rms_norm(h, layer.input_norm)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = self.linear(x, layer.qkv, layer.qkv_bias)
             q = qkv[:, :n_q].view(-1, arch.num_heads, arch.head_dim)
             k = qkv[:, n_q : n_q + n_kv].view(-1, arch.num_kv_heads, arch.head_dim)
             v = qkv[:, n_q + n_kv :].view(-1, arch.num_kv_heads, arch.head_dim)
@@ -95,12 +103,12 @@ class LlamaModel:
                 k = self._rms_norm(k, layer.k_norm)
             q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
             o = attn.forward(i, q, k, v.contiguous())
-            h = h + F.linear(o.reshape(-1, n_q), layer.o)
+            h = h + self.linear(o.reshape(-1, n_q), layer.o)
             x = self._rms_norm(h, layer.post_norm)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = self.linear(x, layer.gate_up).chunk(2, dim=-1)
+            h = h + self.linear(F.silu(gate) * up, layer.down)
         last = self._rms_norm(h.index_select(0, logits_indices), self.norm)
-        return F.linear(last, self.lm_head).float()
+        return self.linear(last, self.lm_head).float()
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         xf = x.float()

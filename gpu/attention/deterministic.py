@@ -1,0 +1,100 @@
+"""Batch-invariant attention for deterministic mode (any device; tested on CPU).
+
+NOTE: invariant 7. A query token's output is computed by the same fixed-shape operations
+in the same order whatever else is in the batch, however its prompt was chunked, and
+whether its prefix's KV came from the cache:
+- keys are cut into blocks of KEY_BLOCK tokens on *absolute* positions and merged in
+  block order with an online softmax; a fully masked block is an exact no-op (its
+  weights are exactly 0 and the rescale factor exactly 1), so padding to the batch's
+  longest request changes nothing;
+- query rows go through fixed [QUERY_TILE * group, head_dim] x [head_dim, KEY_BLOCK]
+  batched GEMMs, whose rows do not depend on their neighbours (see gpu/batch_invariant.py);
+- the softmax denominator comes out of the same GEMM as the values (V gets a ones
+  column), so no reduction over keys depends on the block count.
+Because blocks sit on absolute positions, a prefix hit of any page-aligned length needs
+no rounding: the chunk that follows reads the same blocks a cold run reads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from cache.kv_pool import KVPool
+from gpu.attention.base import AttentionBackend
+from kernel.registry import register
+
+QUERY_TILE = 8
+KEY_BLOCK = 64
+_NEG = -1.0e30  # finite start for the running max: exp(_NEG - m) is exactly 0
+
+
+@register("attention", "deterministic")
+class DeterministicAttention(AttentionBackend):
+    def __init__(self, pool: KVPool, req_to_token: torch.Tensor) -> None:
+        super().__init__(pool, req_to_token)
+        self.out_cache_loc = torch.empty(0, dtype=torch.int64)
+        self._tile_tok = torch.empty(0, dtype=torch.int64)  # [tiles, QUERY_TILE] flat token, -1 pad
+        self._key_slots = torch.empty(0, dtype=torch.int64)  # [tiles, blocks, KEY_BLOCK]
+        self._mask = torch.empty(0, dtype=torch.bool)  # [tiles, blocks, QUERY_TILE, KEY_BLOCK]
+
+    def prepare(self, rows: list[int], prefix_lens: list[int], extend_lens: list[int]) -> None:
+        device = self.req_to_token.device
+        table = self.req_to_token
+        locs, tile_tok, tile_pos, tile_row = [], [], [], []
+        tok = 0
+        for row, prefix, num in zip(rows, prefix_lens, extend_lens):
+            locs.append(table[row, prefix : prefix + num])
+            for start in range(0, num, QUERY_TILE):
+                n = min(QUERY_TILE, num - start)
+                pad = QUERY_TILE - n
+                tile_tok.append(list(range(tok + start, tok + start + n)) + [-1] * pad)
+                tile_pos.append(list(range(prefix + start, prefix + start + n)) + [0] * pad)
+                tile_row.append(row)
+            tok += num
+        self.out_cache_loc = torch.cat(locs)
+        self._tile_tok = torch.tensor(tile_tok, device=device)
+        pos = torch.tensor(tile_pos, device=device)  # [tiles, QUERY_TILE]
+        blocks = -(-(int(pos.max()) + 1) // KEY_BLOCK)
+        key_pos = torch.arange(blocks * KEY_BLOCK, device=device).view(blocks, KEY_BLOCK)
+        visible = key_pos[None, :, None, :] <= pos[:, None, :, None]  # [tiles, blocks, Q, K]
+        slots = table[torch.tensor(tile_row, device=device), : blocks * KEY_BLOCK]
+        readable = (key_pos.view(1, -1) <= pos.max(dim=1).values[:, None]).view(slots.shape)
+        # Past a tile's last position the table is stale: read the zero page there.
+        self._key_slots = torch.where(readable, slots, 0).view(-1, blocks, KEY_BLOCK)
+        self._mask = visible
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.pool.write(layer, self.out_cache_loc, k, v)
+        k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
+        tiles = self._tile_tok.shape[0]
+        _, num_heads, head_dim = q.shape
+        num_kv = k_cache.shape[1]
+        group = num_heads // num_kv
+        rows = QUERY_TILE * group
+        # [tiles * kv_heads, QUERY_TILE * group, D]: each kv head's query rows, token-major.
+        qt = F.pad(q, (0, 0, 0, 0, 0, 1))[self._tile_tok]  # index -1 hits the zero pad row
+        qt = qt.view(tiles, QUERY_TILE, num_kv, group, head_dim).permute(0, 2, 1, 3, 4)
+        qt = qt.reshape(tiles * num_kv, rows, head_dim) * (head_dim**-0.5)
+        m = torch.full((tiles * num_kv, rows), _NEG, dtype=q.dtype, device=q.device)
+        acc = torch.zeros((tiles * num_kv, rows, head_dim + 1), dtype=q.dtype, device=q.device)
+        for j in range(self._key_slots.shape[1]):
+            slots = self._key_slots[:, j].reshape(-1)
+            kb = k_cache.index_select(0, slots).view(tiles, KEY_BLOCK, num_kv, head_dim)
+            vb = v_cache.index_select(0, slots).view(tiles, KEY_BLOCK, num_kv, head_dim)
+            kb = kb.permute(0, 2, 3, 1).reshape(tiles * num_kv, head_dim, KEY_BLOCK)
+            vb = F.pad(vb, (0, 1), value=1.0).permute(0, 2, 1, 3).reshape(tiles * num_kv, KEY_BLOCK, head_dim + 1)
+            s = torch.bmm(qt, kb).view(tiles, num_kv, QUERY_TILE, group, KEY_BLOCK)
+            s = s.masked_fill(~self._mask[:, j][:, None, :, None, :], float("-inf"))
+            s = s.view(tiles * num_kv, rows, KEY_BLOCK)
+            m_new = torch.maximum(m, s.amax(-1))
+            p = torch.exp(s - m_new[..., None])
+            acc = acc * torch.exp(m - m_new)[..., None] + torch.bmm(p, vb)
+            m = m_new
+        o = acc[..., :head_dim] / acc[..., head_dim:]
+        o = o.view(tiles, num_kv, QUERY_TILE, group, head_dim).permute(0, 2, 1, 3, 4)
+        o = o.reshape(tiles * QUERY_TILE, num_heads, head_dim)
+        real = self._tile_tok.view(-1) >= 0
+        out = torch.empty_like(q)
+        out[self._tile_tok.view(-1)[real]] = o[real]
+        return out

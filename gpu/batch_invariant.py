@@ -1,0 +1,28 @@
+"""Batch-invariant building blocks for deterministic mode.
+
+NOTE: invariant 7 lives here. A plain `F.linear` picks its kernel by the number of rows
+(one row takes a matrix-vector path, more rows a blocked GEMM), so a token's outputs
+change in the last bits with the batch around it. Cutting the rows into tiles of a fixed
+size and running one batched GEMM of that fixed shape computes every row with the same
+kernel and reduction order, whatever the batch, the chunking or the row's position.
+Row-wise reductions (RMSNorm's mean, log_softmax, argmax) and elementwise ops are
+already batch-invariant in torch on CPU; tests pin that down.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+LINEAR_TILE = 32  # rows per fixed-shape GEMM
+
+
+def linear_tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` whose rows do not depend on how many rows there are."""
+    n = x.shape[0]
+    pad = (-n) % LINEAR_TILE
+    xp = F.pad(x, (0, 0, 0, pad)) if pad else x
+    tiles = xp.shape[0] // LINEAR_TILE
+    out = torch.bmm(xp.view(tiles, LINEAR_TILE, x.shape[1]), weight.t().expand(tiles, -1, -1))
+    out = out.view(-1, weight.shape[0])[:n]
+    return out + bias if bias is not None else out

@@ -1,0 +1,199 @@
+"""Deterministic mode: a cache hit gives exactly the tokens and logprobs of a cold run.
+
+Every guard compares logprobs with `==` and asserts that the warm run really hit. The
+revert-then-red tests at the bottom plant realistic bugs (by monkeypatching, so the
+product code carries no test switches) and show that the guards go red.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from cache.prefix_cache import RadixPrefixCache
+from kernel import Engine
+from kernel.async_engine import RequestError
+from tests.conftest import TINY_OVERRIDES
+
+PAGE = TINY_OVERRIDES["cache.page_size"]
+GREEDY = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True, "return_logprob": True}
+SAMPLED = {**GREEDY, "temperature": 0.8, "top_p": 0.95, "seed": 11}
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randint(50, 40000) for _ in range(n)]
+
+
+def logprobs(out: dict[str, Any]) -> list[float]:
+    return [lp for lp, _ in out["meta_info"]["output_token_logprobs"]]
+
+
+def make(folder: str, **extra: Any) -> Engine:
+    return Engine(None, {"model.path": folder, **TINY_OVERRIDES, "deterministic": True,
+                         "cache.prefix": "radix", **extra})
+
+
+@pytest.fixture(scope="module")
+def det(tiny_chat_folder: str) -> Iterator[Engine]:
+    engine = make(tiny_chat_folder)
+    yield engine
+    engine.shutdown()
+
+
+def cold(engine: Engine, prompt: list[int], params: dict[str, Any] = GREEDY) -> dict[str, Any]:
+    assert engine.flush_cache()
+    out = engine.generate(prompt, params)
+    assert isinstance(out, dict) and out["meta_info"]["cached_tokens"] == 0
+    return out
+
+
+def assert_same(warm: dict[str, Any], ref: dict[str, Any]) -> None:
+    assert warm["meta_info"]["cached_tokens"] > 0, "the warm run did not hit the cache"
+    assert warm["output_ids"] == ref["output_ids"]
+    assert logprobs(warm) == logprobs(ref)  # bit-exact, no tolerance
+
+
+# ---- guards ---------------------------------------------------------------------
+def guard_prefill_hit(engine: Engine) -> None:
+    prompt = tokens(1, 90)
+    for params in (GREEDY, SAMPLED):
+        ref = cold(engine, prompt, params)
+        engine.generate(prompt[:61], GREEDY)  # warm a prefix that ends mid-page
+        assert_same(engine.generate(prompt, params), ref)  # type: ignore[arg-type]
+
+
+def guard_decode_hit(engine: Engine) -> None:
+    first = tokens(2, 37)
+    engine.flush_cache()
+    turn1 = engine.generate(first, GREEDY)
+    turn2 = first + turn1["output_ids"] + tokens(3, 9)  # type: ignore[index]
+    warm = engine.generate(turn2, GREEDY)
+    assert isinstance(warm, dict) and warm["meta_info"]["cached_tokens"] > len(first)
+    assert_same(warm, cold(engine, turn2))
+
+
+def guard_branching(engine: Engine, noise: int = 0) -> None:
+    """A conversation tree whose branch points are not page multiples."""
+    root = tokens(4, 4 * PAGE + 2)
+    branches = [root + tokens(10 + b, 3 + 2 * b) for b in range(3)]
+    convs = [b + tokens(20 + i, 5) for i, b in enumerate(branches)] + branches
+    refs = [cold(engine, c) for c in convs]
+    engine.flush_cache()
+    others = [tokens(100 + i, 5 + 4 * i) for i in range(noise)]  # fits the pool beside the tree
+    params = [GREEDY] * len(others)
+    engine.generate(root, GREEDY)
+    for conv, ref in zip(convs, refs):
+        outs = engine.generate(others + [conv], params + [GREEDY])
+        warm = outs[-1]  # type: ignore[index]
+        assert warm["meta_info"]["cached_tokens"] % PAGE == 0
+        assert_same(warm, ref)
+
+
+def test_a_prefill_hit(det: Engine) -> None:
+    guard_prefill_hit(det)
+
+
+def test_b_decode_hit(det: Engine) -> None:
+    guard_decode_hit(det)
+
+
+def test_c_branching_conversations(det: Engine) -> None:
+    guard_branching(det)
+
+
+def test_d_under_16_concurrent_requests(det: Engine) -> None:
+    guard_branching(det, noise=15)
+
+
+def guard_small_pool(engine: Engine) -> int:
+    """Returns how many pages were evicted while checking every result against cold."""
+    cache = engine.engine.scheduler.cache
+    assert isinstance(cache, RadixPrefixCache)
+    evicted: list[int] = []
+    cache.tree.subscribe(lambda events: evicted.extend(len(getattr(e, "block_hashes", [])) for e in events
+                                                        if type(e).__name__ == "BlockRemoved"))
+    shared = tokens(5, 48)
+    prompts = [shared + tokens(30 + i, 20 + 7 * i) for i in range(6)]
+    refs = [cold(engine, p) for p in prompts]
+    engine.flush_cache()
+    for _ in range(2):
+        outs = engine.generate(prompts, [GREEDY] * len(prompts))
+        for out, ref in zip(outs, refs):  # type: ignore[arg-type]
+            assert out["output_ids"] == ref["output_ids"]
+            assert logprobs(out) == logprobs(ref)
+    assert any(o["meta_info"]["cached_tokens"] > 0 for o in outs)  # type: ignore[union-attr]
+    return sum(evicted)
+
+
+def test_e_small_pool_with_eviction_and_chunking(tiny_chat_folder: str) -> None:
+    # 40 usable pages of 4 tokens: six ~100-token requests cannot all stay cached.
+    engine = make(tiny_chat_folder, **{"cache.num_pages": 41, "scheduler.chunked_prefill_size": 16,
+                                       "scheduler.max_num_batched_tokens": 32})
+    try:
+        assert guard_small_pool(engine) > 0
+    finally:
+        engine.shutdown()
+
+
+def test_deterministic_matches_default_numerics(det: Engine, tiny_engine: Engine) -> None:
+    prompt = tokens(6, 50)
+    a, b = cold(det, prompt), tiny_engine.generate(prompt, GREEDY)
+    assert a["output_ids"] == b["output_ids"]  # type: ignore[index]
+    assert max(abs(x - y) for x, y in zip(logprobs(a), logprobs(b))) < 1e-4  # type: ignore[arg-type]
+
+
+# ---- revert-then-red: planted bugs make the guards fail -------------------------
+def test_red_off_by_one_in_reused_prefix(det: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_match = RadixPrefixCache.match
+
+    def off_by_one(self: RadixPrefixCache, req: Any) -> None:
+        real_match(self, req)
+        if req.kv_len:  # reused slots shifted by one token
+            row = self.req_table.table[req.row]
+            row[: req.kv_len] = row[1 : req.kv_len + 1].clone()
+
+    monkeypatch.setattr(RadixPrefixCache, "match", off_by_one)
+    with pytest.raises(AssertionError):
+        guard_prefill_hit(det)
+
+
+def test_red_unaligned_cut_under_pool_pressure(tiny_chat_folder: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import kernel.scheduler as sched_mod
+
+    def unaligned(start: int, total: int, page_size: int, token_budget: int, owned_pages: int,
+                  free_pages: int) -> int:
+        capacity = (owned_pages + free_pages) * page_size - start
+        return max(min(total - start, token_budget, capacity - 1), 0)  # cut wherever pages end
+
+    monkeypatch.setattr(sched_mod, "plan_chunk", unaligned)
+    engine = make(tiny_chat_folder, **{"cache.num_pages": 41, "scheduler.chunked_prefill_size": 16,
+                                       "scheduler.max_num_batched_tokens": 32})
+    try:
+        with pytest.raises((AssertionError, RequestError)):
+            guard_small_pool(engine)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("check_invariants", [True, False])
+def test_red_stale_page_after_eviction(
+    tiny_chat_folder: str, monkeypatch: pytest.MonkeyPatch, check_invariants: bool
+) -> None:
+    """Caught by the page accounting when it runs, and by the bit-exact compare alone."""
+    from cache.radix_tree import RadixTree
+
+    # Forgetting to lock matched nodes: eviction frees pages a running request still reads.
+    monkeypatch.setattr(RadixTree, "lock", lambda self, node: None)
+    monkeypatch.setattr(RadixTree, "unlock", lambda self, node: None)
+    engine = make(tiny_chat_folder, **{"cache.num_pages": 41, "scheduler.chunked_prefill_size": 16,
+                                       "scheduler.max_num_batched_tokens": 32,
+                                       "debug.check_invariants": check_invariants})
+    try:
+        with pytest.raises(AssertionError):
+            guard_small_pool(engine)
+    finally:
+        engine.shutdown()
