@@ -91,7 +91,7 @@ class AsyncEngine:
     # ---- admission ------------------------------------------------------------
     def add_request(
         self, prompt: str | Sequence[int], params: SamplingParams | Mapping[str, Any] | None = None,
-        rid: str | None = None, priority: int = 0,
+        rid: str | None = None, priority: int = 0, namespace: str | None = None,
     ) -> str:
         """Validate and queue a request; raises RequestError without side effects."""
         if self._closed:
@@ -104,7 +104,7 @@ class AsyncEngine:
         if rid in self._streams:
             raise RequestError(f"request id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        req = Request(rid=rid, prompt_ids=ids, params=params, seed=seed, priority=priority)
+        req = Request(rid=rid, prompt_ids=ids, params=params, seed=seed, priority=priority, namespace=namespace)
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop)

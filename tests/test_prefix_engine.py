@@ -67,3 +67,21 @@ async def test_flush_refused_while_busy(tiny_chat_folder: str) -> None:
         assert engine.cache_stats()["cached_pages"] == 0
     finally:
         await engine.shutdown()
+
+
+async def test_namespaces_never_share(tiny_chat_folder: str) -> None:
+    from kernel import AsyncEngine
+
+    engine = await AsyncEngine.create(None, {"model.path": tiny_chat_folder, **TINY_OVERRIDES, "cache.prefix": "radix"})
+    params = {"max_new_tokens": 2, "temperature": 0}
+    try:
+        async def cached(namespace: str | None) -> int:
+            out = await engine.collect(engine.add_request(SYSTEM, params, namespace=namespace))
+            return int(out["meta_info"]["cached_tokens"])
+
+        assert await cached("alice") == 0
+        assert await cached("bob") == 0
+        assert await cached(None) == 0
+        assert await cached("alice") > 0
+    finally:
+        await engine.shutdown()
