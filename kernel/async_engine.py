@@ -20,6 +20,7 @@ from gpu.forward_batch import ForwardBatch, SamplingRow
 from kernel.components import Components, build_components, pick_device
 from kernel.config import Config, load_config
 from kernel.detokenizer import IncrementalDetokenizer
+from kernel.events import EventBus
 from kernel.logging_setup import setup_logging
 from kernel.request import Request, Status
 from kernel.sampling_params import SamplingParams
@@ -54,6 +55,8 @@ class _Stream:
         self.req = req
         self.detok = detok
         self.emitted = 0
+        self.admitted = False
+        self.finish_published = False
         self.queue: asyncio.Queue[OutputChunk | BaseException] = asyncio.Queue()
 
 
@@ -71,6 +74,7 @@ class AsyncEngine:
         self._rng = random.Random(config.seed)
         self._closed = False
         self.counters = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0}
+        self.events = EventBus()  # request lifecycle, for metrics and the admin socket
         self._loop_task = asyncio.get_running_loop().create_task(self._run())
 
     @classmethod
@@ -112,6 +116,8 @@ class AsyncEngine:
         self.scheduler.add(req)
         self.counters["prompt_tokens"] += len(ids)
         log.debug("request_queued", rid=rid, prompt_tokens=len(ids))
+        if self.events.active:
+            self.events.publish("queued", rid, prompt_tokens=len(ids))
         self._wake.set()
         return rid
 
@@ -181,6 +187,7 @@ class AsyncEngine:
         if st is not None and not st.req.finished:
             self.scheduler.abort(st.req)
             log.debug("request_aborted", rid=rid)
+            self._publish_finished(st.req)
 
     def is_idle(self) -> bool:
         return not self.scheduler.has_work()
@@ -221,6 +228,8 @@ class AsyncEngine:
         while True:
             plan = self.scheduler.schedule() if self.scheduler.has_work() else None
             fut = None
+            if plan is not None and self.events.active:
+                self._publish_scheduling(plan)
             if plan is not None and plan.chunks:
                 batch = self._build_batch(plan)
                 fut = self.device.submit(lambda b=batch: self.parts.runner.run(b))  # type: ignore[misc]
@@ -284,6 +293,30 @@ class AsyncEngine:
                     text += st.detok.finish()
             self.counters["generation_tokens"] += len(new_ids)
             st.queue.put_nowait(_chunk(req, text, new_ids, start))
+            if self.events.active:
+                self.events.publish("tokens", req.rid, count=len(new_ids), first=start == 0)
+                if req.finished:
+                    self._publish_finished(req)
+
+    def _publish_scheduling(self, plan: StepPlan) -> None:
+        for req in plan.retracted:
+            self.events.publish("retracted", req.rid)
+        for chunk in plan.chunks:
+            st = self._streams.get(chunk.req.rid)
+            if st is not None and not st.admitted:
+                st.admitted = True
+                self.events.publish("admitted", chunk.req.rid, cached_tokens=chunk.req.cached_tokens)
+
+    def _publish_finished(self, req: Request) -> None:
+        st = self._streams.get(req.rid)
+        if st is None or st.finish_published:
+            return
+        st.finish_published = True
+        if self.events.active:
+            self.events.publish(
+                "finished", req.rid, reason=req.finish_reason, prompt_tokens=len(req.prompt_ids),
+                completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens,
+            )
 
     def _halt(self, exc: BaseException) -> None:
         self._closed = True
@@ -298,6 +331,7 @@ class AsyncEngine:
                 req.finish("error")
                 req.error = str(exc)
             self.scheduler.release(req)
+            self._publish_finished(req)
             st = self._streams.get(req.rid)
             if st is not None:
                 st.queue.put_nowait(RuntimeError(f"step failed: {exc}"))

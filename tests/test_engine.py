@@ -150,3 +150,16 @@ def test_failed_step_fails_its_requests_and_frees_pages(tiny_engine: Engine) -> 
         runner.run = real_run  # type: ignore[method-assign]
     # The engine keeps serving, and nothing the failed requests held stays allocated.
     assert tiny_engine.generate("after", GREEDY)["meta_info"]["completion_tokens"] == 24  # type: ignore[index]
+
+
+def test_lifecycle_events_in_order(tiny_engine: Engine) -> None:
+    seen: list[tuple[str, str]] = []
+    unsubscribe = tiny_engine.engine.events.subscribe(lambda e: seen.append((e.kind, e.rid)))
+    try:
+        out = tiny_engine.generate("events please", {**GREEDY, "max_new_tokens": 3})
+    finally:
+        unsubscribe()
+    rid = out["meta_info"]["id"]  # type: ignore[index]
+    kinds = [k for k, r in seen if r == rid]
+    assert kinds[:2] == ["queued", "admitted"] and kinds[-1] == "finished"
+    assert kinds.count("finished") == 1 and kinds.count("tokens") == 3
