@@ -1,0 +1,174 @@
+"""Admin API: a websocket at `GET /admin/ws` plus a few plain HTTP routes.
+
+Access
+------
+With `server.admin_api_key` set: send `Authorization: Bearer <key>` on the upgrade
+request, or (browsers cannot set that header) make the first message
+`{"type": "auth", "key": "<key>"}` within 10 s; the reply is `{"type": "auth", "ok": true}`.
+A wrong header gets HTTP 401 before the upgrade; a wrong or missing first message gets
+`{"type": "error", ...}` and close code 1008. Without a key, only loopback clients are
+served (others: HTTP 403), and a browser `Origin` must be loopback too.
+
+Protocol
+--------
+Every message, both ways, is a JSON text frame holding an object with a string
+`type`; a reply has the type of the message it answers and echoes its `id` field if it
+had one. Problems (malformed JSON, unknown type, bad arguments, a failing command) are
+answered with `{"type": "error", "message": "..."}`; the socket stays open.
+
+- `{"type": "snapshot"}` → `{"type": "snapshot", "page_size", "nodes": [...]}`: one
+  object per radix-tree node, root first: `id`, `parent`, `num_tokens`, `num_pages`,
+  `lock_ref`, `hit_count`, `last_access` (the tree's logical clock), `priority`, `tier`,
+  `namespace`, `state_slot`. Empty with `cache.prefix: none`.
+- `{"type": "stats"}` → `pages` {usable, free, cached, evictable, held}, `requests`
+  {waiting, running}, `idle`, `counters` {steps, prompt_tokens, generation_tokens},
+  `cache` (prefix query/hit tokens, cached/evictable pages), `num_retractions`,
+  `policies` {schedule, evict}.
+- `{"type": "flush"}` → `{"type": "flush", "ok", "reason"}`: empties the prefix cache;
+  refused (ok false) while requests are in flight.
+- `{"type": "set_policy", "kind": "evict" | "schedule", "name": "lru"}` → `{"type":
+  "set_policy", "ok": true, "kind", "name"}`; takes effect from the next step. Only
+  registered names; an unknown one gets an error listing the known ones.
+- `{"type": "check"}` → `{"type": "check", "ok": true}` or `{"ok": false, "message"}`:
+  runs the scheduler's and the tree's integrity checks now.
+- `{"type": "subscribe"}` → `{"type": "subscribe", "ok": true}`, then pushes:
+  `{"type": "kv_event", "event": "BlockStored", "block_hashes", "parent_block_hash",
+  "token_ids", "block_size", "lora_id", "medium"}`, `{"type": "kv_event", "event":
+  "BlockRemoved", "block_hashes", "medium"}`, `{"type": "kv_event", "event":
+  "AllBlocksCleared"}` (hashes are unsigned 64-bit integers, see cache/kv_events.py;
+  JavaScript clients must parse them as BigInt), and `{"type": "request_event", "kind":
+  "queued" | "admitted" | "retracted" | "tokens" | "finished", "rid", "time"
+  (monotonic seconds), ...}` with `prompt_tokens` (queued), `cached_tokens` (admitted),
+  `count` and `first` (tokens), `reason`, `prompt_tokens`, `completion_tokens`,
+  `cached_tokens` (finished). To follow the tree: subscribe, then ask for a snapshot and
+  apply the events that arrive after its reply.
+- `{"type": "unsubscribe"}` → `{"type": "unsubscribe", "ok": true, "was_subscribed"}`;
+  no event follows this reply.
+
+Replies and events share one bounded send queue per connection (1024 by default). A
+client that falls that far behind is dropped, with close code 1013 and the reason,
+instead of slowing the engine down.
+
+Plain HTTP (same access rules, bearer header only): `GET /admin/snapshot`,
+`GET /admin/stats`, `GET /admin/check`, `POST /admin/flush`, `POST /admin/set_policy`
+(JSON body `{"kind", "name"}`) answer with the same objects as the socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import Awaitable, Callable
+
+import orjson
+from aiohttp import WSCloseCode, WSMsgType, web
+
+from kernel.async_engine import AsyncEngine
+from plugins.admin.auth import Verdict, judge, key_matches, refusal
+from plugins.admin.messages import COMMANDS, Command, Message, ProtocolError
+from plugins.admin.session import AdminSession, close_socket, parse
+
+AUTH_TIMEOUT_S = 10.0
+DEFAULT_QUEUE_SIZE = 1024
+READ_ROUTES = ("snapshot", "stats", "check")
+WRITE_ROUTES = ("flush", "set_policy")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def add_admin_routes(app: web.Application, engine: AsyncEngine, *, queue_size: int = DEFAULT_QUEUE_SIZE) -> None:
+    """Mount the admin websocket and plain routes on `app` (see the module docstring)."""
+    admin = AdminRoutes(engine, queue_size)
+    app.router.add_get("/admin/ws", admin.websocket)
+    for name in READ_ROUTES:
+        app.router.add_get(f"/admin/{name}", admin.plain(COMMANDS[name]))
+    for name in WRITE_ROUTES:
+        app.router.add_post(f"/admin/{name}", admin.plain(COMMANDS[name]))
+    app.on_shutdown.append(admin.close_all)
+
+
+class AdminRoutes:
+    def __init__(self, engine: AsyncEngine, queue_size: int) -> None:
+        if queue_size < 1:
+            raise ValueError("queue_size must be >= 1")
+        self.engine = engine
+        self.queue_size = queue_size
+        self.key = engine.config.server.admin_api_key
+        self._sockets: weakref.WeakSet[web.WebSocketResponse] = weakref.WeakSet()
+
+    async def websocket(self, request: web.Request) -> web.StreamResponse:
+        verdict = judge(request, self.key)
+        if verdict in (Verdict.BAD_KEY, Verdict.FORBIDDEN):
+            return refusal(verdict)
+        ws = web.WebSocketResponse(heartbeat=30.0, compress=False, timeout=5.0, max_msg_size=1 << 16)
+        await ws.prepare(request)
+        if verdict is Verdict.NEEDS_KEY and not await self._authenticate(ws):
+            return ws
+        await self._serve(ws)
+        return ws
+
+    async def _authenticate(self, ws: web.WebSocketResponse) -> bool:
+        """First-message auth; refuses (error message, close 1008) on anything but the key."""
+        if await self._first_message_has_key(ws):
+            await ws.send_str(orjson.dumps({"type": "auth", "ok": True}).decode())
+            return True
+        if not ws.closed:
+            refused = {"type": "error", "message": "unauthorized: send {\"type\": \"auth\", \"key\": ...} first"}
+            await ws.send_str(orjson.dumps(refused).decode())
+            await close_socket(ws, WSCloseCode.POLICY_VIOLATION, "unauthorized")
+        return False
+
+    async def _first_message_has_key(self, ws: web.WebSocketResponse) -> bool:
+        try:
+            msg = await ws.receive(timeout=AUTH_TIMEOUT_S)
+            first = parse(msg.data) if msg.type is WSMsgType.TEXT else {}
+        except (TimeoutError, ProtocolError):
+            return False
+        return first.get("type") == "auth" and self.key is not None and key_matches(first.get("key"), self.key)
+
+    async def _serve(self, ws: web.WebSocketResponse) -> None:
+        session = AdminSession(ws, self.engine, self.queue_size)
+        self._sockets.add(ws)
+        try:
+            async for msg in ws:
+                if msg.type is WSMsgType.TEXT:
+                    session.handle(msg.data)
+                elif msg.type is WSMsgType.BINARY:
+                    session.outbox.put({"type": "error", "message": "binary frames are not supported"})
+        finally:
+            self._sockets.discard(ws)
+            await session.close()
+
+    def plain(self, command: Command) -> Handler:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            verdict = judge(request, self.key)
+            if verdict is not Verdict.ALLOWED:
+                return refusal(Verdict.BAD_KEY if verdict is Verdict.NEEDS_KEY else verdict)
+            try:
+                reply = command(self.engine, await request_body(request))
+            except ProtocolError as exc:
+                return json_response({"type": "error", "message": str(exc)}, status=400)
+            return json_response(reply)
+
+        return handler
+
+    async def close_all(self, app: web.Application) -> None:
+        # Together: each unresponsive client may take the whole close timeout.
+        await asyncio.gather(*(close_socket(ws, WSCloseCode.GOING_AWAY, "server shutdown") for ws in self._sockets))
+
+
+async def request_body(request: web.Request) -> Message:
+    if not request.can_read_body:
+        return {}
+    try:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError as exc:
+        raise ProtocolError(f"malformed JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise ProtocolError("the body must be a JSON object")
+    return body
+
+
+def json_response(obj: Message, status: int = 200) -> web.Response:
+    # orjson, like the socket: snapshots of big trees are the largest replies.
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")

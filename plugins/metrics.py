@@ -1,0 +1,158 @@
+"""Prometheus metrics at `GET /metrics`, from one `CollectorRegistry` per engine.
+
+Token and cache counters, queue lengths and pool usage are read from the engine at
+scrape time (a custom collector), so they are exact and cost nothing between scrapes.
+Latency histograms and the per-finish-reason request counter are fed by the engine's
+lifecycle events. Prefix-cache counters are in tokens with a `tier` label (only
+`device` so far): rates and hit ratios are the reader's to compute, per the
+architecture page, instead of a gauge each batch overwrites.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
+
+from kernel.async_engine import AsyncEngine
+from kernel.events import LifecycleEvent
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0)
+# Listed up front so rate() over them works before the first such finish.
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+def add_metrics_route(app: web.Application, engine: AsyncEngine) -> None:
+    """Mount `GET /metrics` for `engine`; the event subscription ends with the app."""
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(engine))
+    tracker = RequestTracker(registry)
+    unsubscribe = engine.events.subscribe(tracker.observe)
+
+    async def metrics(request: web.Request) -> web.Response:
+        encode, content_type = choose_encoder(request.headers.get("Accept", ""))
+        return web.Response(body=encode(registry), headers={"Content-Type": content_type})
+
+    async def stop_tracking(app: web.Application) -> None:
+        unsubscribe()
+
+    app.router.add_get("/metrics", metrics)
+    app.on_cleanup.append(stop_tracking)
+
+
+class EngineCollector(Collector):
+    """Reads the engine's own counters and pool state at each scrape."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterable[Metric]:
+        yield from self.collect_counters()
+        yield from self.collect_gauges()
+
+    def collect_counters(self) -> Iterable[Metric]:
+        counters, cache = self.engine.counters, self.engine.cache_stats()
+        yield CounterMetricFamily(
+            "tierserve_prompt_tokens", "Prompt tokens of accepted requests.", counters["prompt_tokens"]
+        )
+        yield CounterMetricFamily(
+            "tierserve_generation_tokens", "Generated tokens.", counters["generation_tokens"]
+        )
+        yield tier_counter(
+            "tierserve_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache.",
+            cache["prefix_query_tokens"],
+        )
+        yield tier_counter(
+            "tierserve_prefix_cache_hits_tokens", "Prompt tokens served from the prefix cache.",
+            cache["prefix_hit_tokens"],
+        )
+        yield CounterMetricFamily(
+            "tierserve_retractions", "Running requests sent back to the queue for lack of pages.",
+            self.engine.scheduler.num_retractions,
+        )
+
+    def collect_gauges(self) -> Iterable[Metric]:
+        sched = self.engine.scheduler
+        alloc = sched.allocator
+        cached = self.engine.cache_stats()["cached_pages"]
+        yield GaugeMetricFamily("tierserve_running_requests", "Admitted requests.", len(sched.running))
+        yield GaugeMetricFamily("tierserve_queued_requests", "Requests waiting for admission.", len(sched.waiting))
+        yield GaugeMetricFamily(
+            "tierserve_kv_pages_used", "KV pages in use (by requests or the prefix cache).",
+            alloc.num_usable - alloc.num_free,
+        )
+        yield GaugeMetricFamily("tierserve_kv_pages_total", "Usable KV pages.", alloc.num_usable)
+        yield GaugeMetricFamily("tierserve_kv_pages_cached", "KV pages owned by the prefix cache.", cached)
+
+
+def tier_counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=["tier"])
+    family.add_metric(["device"], value)
+    return family
+
+
+class RequestTracker:
+    """Turns lifecycle events into latency observations.
+
+    Keeps two timestamps per live request (queued, last token) and forgets them when
+    it finishes. Runs inside the step loop: constant work per event.
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "tierserve_requests", "Finished requests.", ["finish_reason"], registry=registry
+        )
+        for reason in FINISH_REASONS:
+            self.requests.labels(reason)
+        self.ttft = histogram("tierserve_time_to_first_token_seconds", "Queued to first token.", TTFT_BUCKETS, registry)
+        self.itl = histogram("tierserve_inter_token_latency_seconds", "Between output tokens.", ITL_BUCKETS, registry)
+        self.e2e = histogram("tierserve_e2e_request_latency_seconds", "Queued to finished.", E2E_BUCKETS, registry)
+        self.queue = histogram("tierserve_queue_time_seconds", "Queued to first admitted.", QUEUE_BUCKETS, registry)
+        self._queued: dict[str, float] = {}
+        self._last_token: dict[str, float] = {}
+
+    def observe(self, event: LifecycleEvent) -> None:
+        if event.kind == "queued":
+            self._queued[event.rid] = event.time
+        elif event.kind == "admitted":
+            self.observe_since_queued(self.queue, event)
+        elif event.kind == "tokens":
+            self.observe_tokens(event)
+        elif event.kind == "finished":
+            self.observe_finished(event)
+
+    def observe_since_queued(self, hist: Histogram, event: LifecycleEvent) -> None:
+        queued = self._queued.get(event.rid)
+        if queued is not None:
+            hist.observe(event.time - queued)
+
+    def observe_tokens(self, event: LifecycleEvent) -> None:
+        count = int(event.data.get("count", 0))
+        if count == 0:  # a finish without new tokens (e.g. aborted mid-prefill)
+            return
+        last = self._last_token.get(event.rid)
+        if event.data.get("first") or last is None:
+            self.observe_since_queued(self.ttft, event)
+        else:
+            # Several tokens in one chunk: spread the gap so each token counts once.
+            gap = (event.time - last) / count
+            for _ in range(count):
+                self.itl.observe(gap)
+        self._last_token[event.rid] = event.time
+
+    def observe_finished(self, event: LifecycleEvent) -> None:
+        self.requests.labels(event.data.get("reason") or "unknown").inc()
+        self.observe_since_queued(self.e2e, event)
+        self._queued.pop(event.rid, None)
+        self._last_token.pop(event.rid, None)
+
+
+def histogram(name: str, doc: str, buckets: tuple[float, ...], registry: CollectorRegistry) -> Histogram:
+    return Histogram(name, doc, buckets=buckets, registry=registry)
