@@ -78,21 +78,10 @@ def _generate(config, args: argparse.Namespace) -> int:  # type: ignore[no-untyp
 
 
 def _serve(config) -> int:  # type: ignore[no-untyped-def]
-    # The HTTP server lands with the API issue; until then `serve` runs a demo
-    # generation so that `make serve` exercises the whole engine.
-    from kernel.engine import Engine
+    # Imported here so that `generate` does not load the HTTP stack.
+    from plugins.http.server import run_server
 
-    engine = Engine(config)
-    try:
-        out = engine.generate(
-            "The capital of France is", {"max_new_tokens": 16, "temperature": 0.0}
-        )
-        assert isinstance(out, dict)
-        print("tierserve: HTTP server not built yet; demo generation:")
-        print("The capital of France is" + out["text"])
-    finally:
-        engine.shutdown()
-    return 0
+    return run_server(config)
 
 
 if __name__ == "__main__":

@@ -44,5 +44,5 @@ class EventBus:
         for callback in list(self._subscribers):
             try:
                 callback(event)
-            except Exception:  # noqa: BLE001 - an observer must not break serving
+            except Exception:
                 log.exception("event_subscriber_failed", kind=kind)

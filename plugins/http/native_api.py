@@ -1,0 +1,143 @@
+"""Native routes: /generate (engine parameters as they are), /health, /server_info."""
+
+from __future__ import annotations
+
+from importlib import metadata
+from typing import Any, cast
+
+from aiohttp import web
+
+from kernel.async_engine import AsyncEngine
+from kernel.sampling_params import SamplingParams, SamplingParamsError
+from plugins.http.choice import Choice
+from plugins.http.errors import APIError, bad_request, from_value_error
+from plugins.http.protocol import Prompt, get_bool, read_body
+from plugins.http.sse import EventStream, json_response
+from plugins.http.state import state_of
+from plugins.http.submission import Submission
+
+
+def _is_ids(value: object) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
+
+
+def parse_inputs(body: dict[str, Any]) -> tuple[list[Prompt], bool]:
+    """(prompts, batched) from exactly one of `text` and `input_ids`, each one or a list."""
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise bad_request("send exactly one of text and input_ids", param="text")
+    if isinstance(text, str) and text:
+        return [text], False
+    if isinstance(text, list) and text and all(isinstance(t, str) and t for t in text):
+        return list(text), True
+    if _is_ids(ids):
+        return [cast(list[int], ids)], False
+    if isinstance(ids, list) and ids and all(_is_ids(p) for p in ids):
+        return [list(p) for p in ids], True
+    param = "text" if ids is None else "input_ids"
+    raise bad_request(f"{param} must be non-empty: a string / token-id list, or a list of them", param=param)
+
+
+def parse_params(body: dict[str, Any]) -> SamplingParams:
+    fields = body.get("sampling_params") or {}
+    if not isinstance(fields, dict):
+        raise bad_request("sampling_params must be an object", param="sampling_params")
+    fields = dict(fields)
+    for name in ("return_logprob", "top_logprobs_num"):  # also accepted at top level
+        if body.get(name) is not None:
+            fields[name] = body[name]
+    if fields.get("max_new_tokens") == 0 or fields.get("max_tokens") == 0:
+        raise bad_request("max_new_tokens must be at least 1", param="max_new_tokens")
+    try:
+        return SamplingParams.from_dict(fields)
+    except SamplingParamsError as exc:
+        raise from_value_error(exc, {}) from None
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    state = state_of(request)
+    state.require_engine()
+    body = await read_body(request)
+    prompts, batched = parse_inputs(body)
+    params = parse_params(body)
+    stream = get_bool(body, "stream")
+    async with state.generation([(p, params) for p in prompts], {}) as sub:
+        if stream:
+            return await _stream(request, sub, params, batched)
+        choices = [Choice(i, rid) for i, rid in enumerate(sub.rids)]
+        async for i, chunk in sub.events():
+            choices[i].add(chunk)
+        outs = [c.native(params.return_logprob, params.top_logprobs_num > 0) for c in choices]
+        return json_response(outs if batched else outs[0])
+
+
+async def _stream(
+    request: web.Request, sub: Submission, params: SamplingParams, batched: bool
+) -> web.StreamResponse:
+    """SSE of cumulative results (each event is the whole output so far), then [DONE]."""
+    events = await EventStream().open(request)
+    choices = [Choice(i, rid) for i, rid in enumerate(sub.rids)]
+    try:
+        async for i, chunk in sub.events():
+            choices[i].add(chunk)
+            out = choices[i].native(params.return_logprob, params.top_logprobs_num > 0)
+            await events.send({"index": i, **out} if batched else out)
+    except APIError as exc:
+        await events.send(exc.body())
+    return await events.finish()
+
+
+async def health(request: web.Request) -> web.Response:
+    state = state_of(request)
+    status = "draining" if state.draining else "starting" if state.engine is None else "ok"
+    return json_response({"status": status}, status=200 if status == "ok" else 503)
+
+
+def _version() -> str:
+    try:
+        return metadata.version("tierserve")
+    except metadata.PackageNotFoundError:
+        return "0.1.0"
+
+
+def pool_usage(engine: AsyncEngine) -> dict[str, int]:
+    """Page accounting an operator (or a test) can watch return to idle."""
+    sched = engine.scheduler
+    return {
+        "free_pages": sched.allocator.num_free,
+        "usable_pages": sched.allocator.num_usable,
+        "cached_pages": engine.cache_stats()["cached_pages"],
+        "running": len(sched.running),
+        "waiting": len(sched.waiting),
+    }
+
+
+async def server_info(request: web.Request) -> web.Response:
+    """Config (without keys), pool usage and counters; answered while draining too."""
+    state = state_of(request)
+    if state.engine is None:
+        raise APIError(503, "the server is starting; the model is still loading", code="starting")
+    engine = state.engine
+    config = state.config.to_dict()
+    for key in ("api_key", "admin_api_key"):  # secrets never leave the process
+        config["server"].pop(key, None)
+    return json_response({
+        "version": _version(),
+        "model": engine.parts.model_name,
+        "context_length": engine.parts.context_length,
+        "num_pages": engine.parts.num_pages,
+        "page_size": state.config.cache.page_size,
+        "draining": state.draining,
+        "pool": pool_usage(engine),
+        "cache": engine.cache_stats(),
+        "counters": dict(engine.counters),
+        "config": config,
+    })
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/generate", generate)
+    app.router.add_get("/health", health)
+    app.router.add_get("/server_info", server_info)

@@ -1,0 +1,159 @@
+"""Reading request bodies: JSON, typed fields, prompts and chat messages.
+
+Every check names the offending field, so a client sees exactly what to fix, and all of
+them run before anything reaches the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import orjson
+from aiohttp import web
+
+from plugins.http.errors import APIError, bad_request
+
+MAX_BODY_BYTES = 8 * 1024 * 1024
+MAX_N = 16
+
+Prompt = str | list[int]
+
+
+async def read_body(request: web.Request) -> dict[str, Any]:
+    """The JSON object of the request; 413 is decided from Content-Length, before reading."""
+    if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+        raise APIError(413, f"request body is over {MAX_BODY_BYTES} bytes", code="request_too_large")
+    raw = await request.read()  # aiohttp's client_max_size bounds chunked bodies too
+    if not raw:
+        raise bad_request("request body is empty; send a JSON object")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def get_bool(body: dict[str, Any], name: str, default: bool = False) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"{name} must be a boolean, got {value!r}", param=name)
+    return value
+
+
+def get_int(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise bad_request(f"{name} must be an integer, got {value!r}", param=name)
+    if not lo <= value <= hi:
+        raise bad_request(f"{name} must be in [{lo}, {hi}], got {value}", param=name)
+    return int(value)
+
+
+def get_n(body: dict[str, Any]) -> int:
+    n = get_int(body, "n", 1, MAX_N)
+    return 1 if n is None else n
+
+
+def check_model(body: dict[str, Any], served: str) -> None:
+    """`model` may be left out; if given it must name the served model."""
+    model = body.get("model")
+    if model is None or model == served:
+        return
+    if not isinstance(model, str):
+        raise bad_request(f"model must be a string, got {model!r}", param="model")
+    raise bad_request(
+        f"the model `{model}` does not exist; this server serves `{served}`", param="model",
+        code="model_not_found",
+    )
+
+
+def reject_unsupported(body: dict[str, Any], harmless: dict[str, tuple[Any, ...]]) -> None:
+    """Fields that would change the answer but are not implemented: refuse, never ignore.
+
+    `harmless` lists, per field, the values that mean "not used" and so are accepted.
+    """
+    for name, accepted in harmless.items():
+        value = body.get(name)
+        if value is not None and value not in accepted:
+            raise bad_request(f"{name} is not supported by this server", param=name)
+
+
+def get_stream(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(stream, include_usage); stream_options without stream is an error, as with OpenAI."""
+    stream = get_bool(body, "stream")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+    if not isinstance(options, dict):
+        raise bad_request("stream_options must be an object", param="stream_options")
+    return stream, get_bool(options, "include_usage")
+
+
+def _is_id_list(value: object) -> bool:
+    return isinstance(value, list) and bool(value) and all(_is_int(t) for t in value)
+
+
+def parse_prompts(value: object, param: str = "prompt") -> list[Prompt]:
+    """A string, list of strings, token ids, or list of token-id lists -> list of prompts."""
+    if value is None:
+        raise bad_request(f"{param} is required", param=param)
+    if isinstance(value, str):
+        prompts: list[Prompt] = [value]
+    elif _is_id_list(value):
+        prompts = [cast(list[int], value)]
+    elif isinstance(value, list) and value and all(isinstance(p, str) or _is_id_list(p) for p in value):
+        prompts = list(value)
+    else:
+        raise bad_request(
+            f"{param} must be a non-empty string, list of strings, list of token ids or list of "
+            "token-id lists", param=param,
+        )
+    if any(p == "" for p in prompts):
+        raise bad_request(f"{param} is empty", param=param)
+    return prompts
+
+
+def parse_messages(value: object) -> list[dict[str, str]]:
+    """OpenAI chat messages -> plain {role, content} dicts for the chat template."""
+    if not isinstance(value, list) or not value:
+        raise bad_request("messages must be a non-empty list of message objects", param="messages")
+    return [_parse_message(i, m) for i, m in enumerate(value)]
+
+
+def _parse_message(i: int, message: object) -> dict[str, str]:
+    param = f"messages[{i}]"
+    if not isinstance(message, dict):
+        raise bad_request(f"{param} must be an object", param=param)
+    role = message.get("role")
+    if not isinstance(role, str) or not role:
+        raise bad_request(f"{param}.role must be a non-empty string", param=f"{param}.role")
+    # Templates know "system"; "developer" is OpenAI's newer name for the same thing.
+    role = "system" if role == "developer" else role
+    return {"role": role, "content": _content_text(message.get("content"), f"{param}.content")}
+
+
+def _content_text(content: object, param: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{param} must be a string or a list of content parts", param=param)
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise bad_request(f"{param}: only text content parts are supported", param=param)
+        texts.append(part["text"])
+    return "\n".join(texts)

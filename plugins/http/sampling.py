@@ -1,0 +1,48 @@
+"""OpenAI request fields -> engine `SamplingParams`, one set per choice."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from kernel.sampling_params import MAX_NEW_TOKENS_LIMIT, SamplingParams, SamplingParamsError
+from plugins.http.errors import from_value_error
+from plugins.http.protocol import Prompt, get_int
+
+# Fields passed through under the engine's own names; top_k, min_p, repetition_penalty,
+# ignore_eos, stop_token_ids and skip_special_tokens are extensions OpenAI lacks.
+PASSTHROUGH = (
+    "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+)
+
+
+def get_max_tokens(body: dict[str, Any], name: str) -> int | None:
+    # At least 1: a completion of zero tokens has nothing to return (no prompt logprobs).
+    return get_int(body, name, 1, MAX_NEW_TOKENS_LIMIT)
+
+
+def build_params(
+    body: dict[str, Any], max_new_tokens: int, top_logprobs: int | None, names: dict[str, str],
+) -> SamplingParams:
+    fields = {k: body[k] for k in PASSTHROUGH if k in body}
+    fields["max_new_tokens"] = max_new_tokens
+    if top_logprobs is not None:
+        fields["return_logprob"] = True
+        fields["top_logprobs_num"] = top_logprobs
+    try:
+        return SamplingParams.from_dict(fields)
+    except SamplingParamsError as exc:
+        raise from_value_error(exc, names) from None
+
+
+def expand(prompts: Sequence[Prompt], params: SamplingParams, n: int) -> list[tuple[Prompt, SamplingParams]]:
+    """n choices per prompt, choice k*n+j for sample j of prompt k. With a seed, sample j
+    uses seed+j: the request stays reproducible without n identical answers."""
+    out = []
+    for prompt in prompts:
+        for j in range(n):
+            p = params if j == 0 or params.seed is None else dataclasses.replace(params, seed=params.seed + j)
+            out.append((prompt, p))
+    return out

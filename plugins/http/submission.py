@@ -1,0 +1,91 @@
+"""The engine requests behind one HTTP request, merged into one stream of events.
+
+Every engine request gets a pump task that drains `engine.stream(rid)` into one queue.
+The pumps are created before the handler can next be cancelled, so they always start;
+cancelling a started pump closes the engine stream, which aborts the request and frees
+its pages within one step. That is how a client disconnect (aiohttp cancels the
+handler), a drain timeout and a failed batch admission all clean up the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+from kernel.async_engine import AsyncEngine, OutputChunk
+from kernel.sampling_params import SamplingParams
+from plugins.http.errors import APIError, from_value_error
+
+_SHUTDOWN = "shutdown"
+
+Event = tuple[int, OutputChunk | BaseException | str]
+
+
+class Submission:
+    """Pumps for `rids`; iterate `events()`, and always `close()` (see the module doc)."""
+
+    def __init__(self, engine: AsyncEngine, rids: Sequence[str]) -> None:
+        self.engine = engine
+        self.rids = list(rids)
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self._pumps = [asyncio.create_task(self._pump(i, rid)) for i, rid in enumerate(self.rids)]
+
+    async def _pump(self, index: int, rid: str) -> None:
+        try:
+            async for chunk in self.engine.stream(rid):
+                self._events.put_nowait((index, chunk))
+        except Exception as exc:  # noqa: BLE001 - a failed step or halted engine: the handler reports it
+            self._events.put_nowait((index, exc))
+
+    async def events(self) -> AsyncIterator[tuple[int, OutputChunk]]:
+        """(index, chunk) in arrival order until every request has finished."""
+        remaining = len(self.rids)
+        while remaining:
+            index, item = await self._events.get()
+            if isinstance(item, str):  # _SHUTDOWN
+                raise APIError(503, "the server is shutting down; generation was aborted", code="shutdown")
+            if isinstance(item, BaseException):
+                raise APIError(500, f"generation failed: {item}") from item
+            assert isinstance(item, OutputChunk)
+            if item.finished:
+                remaining -= 1
+            yield index, item
+
+    def abort(self) -> None:
+        """Stop generating now (drain timeout): the handler's `events()` raises 503."""
+        for pump in self._pumps:
+            pump.cancel()
+        self._events.put_nowait((-1, _SHUTDOWN))
+
+    async def close(self) -> None:
+        try:
+            # Let pumps created just now reach their stream first: a task cancelled
+            # before its first step never runs the stream's clean-up.
+            await asyncio.sleep(0)
+        finally:
+            for pump in self._pumps:
+                pump.cancel()
+        await asyncio.gather(*self._pumps, return_exceptions=True)
+
+
+async def submit(
+    engine: AsyncEngine, requests: Sequence[tuple[str | list[int], SamplingParams]],
+    names: dict[str, str], max_queued: int,
+) -> Submission:
+    """Queue every request or none: a refused one rolls back those already queued."""
+    queued = len(engine.scheduler.waiting) + len(engine.scheduler.running)
+    if queued + len(requests) > max_queued:
+        raise APIError(
+            429, f"the server queue is full ({queued} requests, limit {max_queued}); retry later",
+            code="queue_full", headers={"Retry-After": "1"},
+        )
+    rids: list[str] = []
+    try:
+        for prompt, params in requests:
+            rids.append(engine.add_request(prompt, params))
+    except ValueError as exc:
+        for rid in rids:
+            engine.abort(rid)  # synchronous: out of the waiting queue before any step
+        await Submission(engine, rids).close()
+        raise from_value_error(exc, names) from None
+    return Submission(engine, rids)
