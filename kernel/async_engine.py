@@ -113,6 +113,10 @@ class AsyncEngine:
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop)
         self._streams[rid] = _Stream(req, detok)
+        if params.max_new_tokens == 0:  # nothing to generate: done without a step
+            req.finish("length")
+            self._streams[rid].queue.put_nowait(_chunk(req, "", [], 0))
+            return rid
         self.scheduler.add(req)
         self.counters["prompt_tokens"] += len(ids)
         log.debug("request_queued", rid=rid, prompt_tokens=len(ids))

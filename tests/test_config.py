@@ -91,3 +91,13 @@ def test_engine_start_fails_on_unknown_policy(tiny_chat_folder: str) -> None:
 
     with pytest.raises(registry.RegistryError, match="fcfs"):
         Engine(None, {"model.path": tiny_chat_folder, "scheduler.policy": "nope", "cache.num_pages": 16})
+
+
+def test_every_packaged_launch_file_loads() -> None:
+    folder = Path(CONFIG).parent
+    files = sorted(folder.glob("*.yaml"))
+    assert {f.name for f in files} >= {"default.yaml", "shared-prefix.yaml"}
+    for f in files:
+        cfg = load_config(f)
+        assert cfg.model.path
+    assert load_config(folder / "shared-prefix.yaml").cache.prefix == "radix"

@@ -163,3 +163,9 @@ def test_lifecycle_events_in_order(tiny_engine: Engine) -> None:
     kinds = [k for k, r in seen if r == rid]
     assert kinds[:2] == ["queued", "admitted"] and kinds[-1] == "finished"
     assert kinds.count("finished") == 1 and kinds.count("tokens") == 3
+
+
+def test_zero_max_new_tokens_generates_nothing(tiny_engine: Engine) -> None:
+    out = tiny_engine.generate("nothing", {"max_new_tokens": 0})
+    assert out["output_ids"] == [] and out["text"] == ""  # type: ignore[index]
+    assert out["meta_info"]["finish_reason"] == "length"  # type: ignore[index]
