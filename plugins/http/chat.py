@@ -11,7 +11,7 @@ from aiohttp import web
 
 from kernel.async_engine import AsyncEngine
 from kernel.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
-from plugins.http.choice import Choice, usage
+from plugins.http.choice import collect_choices, new_choices, usage
 from plugins.http.errors import APIError, bad_request
 from plugins.http.logprobs import TokenNames, chat_logprobs
 from plugins.http.protocol import (
@@ -117,9 +117,7 @@ class _Reply:
         return chat_logprobs(self.names, ids, lps, tops) if self.req.logprobs else None
 
     async def collect(self, sub: Submission) -> web.Response:
-        choices = [Choice(i, rid) for i, rid in enumerate(sub.rids)]
-        async for i, chunk in sub.events():
-            choices[i].add(chunk)
+        choices = await collect_choices(sub)
         body = self._head("chat.completion")
         body["choices"] = [
             {
@@ -135,7 +133,7 @@ class _Reply:
 
     async def stream(self, request: web.Request, sub: Submission) -> web.StreamResponse:
         events = await EventStream().open(request)
-        choices = [Choice(i, rid) for i, rid in enumerate(sub.rids)]
+        choices = new_choices(sub)
         try:
             for c in choices:
                 await events.send(self._chunk(c.index, {"role": "assistant", "content": ""}))

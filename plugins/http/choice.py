@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kernel.async_engine import OutputChunk
+
+if TYPE_CHECKING:
+    from plugins.http.submission import Submission
 
 
 @dataclass
@@ -66,3 +69,16 @@ def usage(choices: Sequence[Choice], n: int) -> dict[str, Any]:
         "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in firsts)},
     }
 
+
+
+def new_choices(sub: Submission) -> list[Choice]:
+    """One empty choice per engine request of `sub`, in choice order."""
+    return [Choice(i, rid) for i, rid in enumerate(sub.rids)]
+
+
+async def collect_choices(sub: Submission) -> list[Choice]:
+    """Every choice of `sub`, run to the end (the non-streaming responses)."""
+    choices = new_choices(sub)
+    async for i, chunk in sub.events():
+        choices[i].add(chunk)
+    return choices

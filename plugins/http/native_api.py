@@ -9,7 +9,7 @@ from aiohttp import web
 
 from kernel.async_engine import AsyncEngine
 from kernel.sampling_params import SamplingParams, SamplingParamsError
-from plugins.http.choice import Choice
+from plugins.http.choice import collect_choices, new_choices
 from plugins.http.errors import APIError, bad_request, from_value_error
 from plugins.http.protocol import Prompt, get_bool, read_body
 from plugins.http.sse import EventStream, json_response
@@ -66,9 +66,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     async with state.generation([(p, params) for p in prompts], {}) as sub:
         if stream:
             return await _stream(request, sub, params, batched)
-        choices = [Choice(i, rid) for i, rid in enumerate(sub.rids)]
-        async for i, chunk in sub.events():
-            choices[i].add(chunk)
+        choices = await collect_choices(sub)
         outs = [c.native(params.return_logprob, params.top_logprobs_num > 0) for c in choices]
         return json_response(outs if batched else outs[0])
 
@@ -78,7 +76,7 @@ async def _stream(
 ) -> web.StreamResponse:
     """SSE of cumulative results (each event is the whole output so far), then [DONE]."""
     events = await EventStream().open(request)
-    choices = [Choice(i, rid) for i, rid in enumerate(sub.rids)]
+    choices = new_choices(sub)
     try:
         async for i, chunk in sub.events():
             choices[i].add(chunk)

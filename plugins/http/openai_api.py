@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from aiohttp import web
 
+from gpu.tokenizer import Tokenizer
+from kernel.async_engine import AsyncEngine
 from plugins.http.chat import create_chat_completion, render_prompt
 from plugins.http.completions import create_completion
 from plugins.http.errors import APIError, bad_request
@@ -33,37 +37,39 @@ async def get_model(request: web.Request) -> web.Response:
     return json_response(card)
 
 
-async def tokenize(request: web.Request) -> web.Response:
-    """{"prompt": str} or {"messages": [...]} -> {"tokens", "count", "max_model_len"}."""
+async def _tokenizer_call(request: web.Request) -> tuple[AsyncEngine, Tokenizer, dict[str, Any]]:
+    """The engine, its tokenizer and the request body of a (de)tokenize call."""
     engine = state_of(request).require_engine()
     body = await read_body(request)
     check_model(body, engine.parts.model_name)
     if engine.tokenizer is None:
         raise bad_request("this model has no tokenizer")
+    return engine, engine.tokenizer, body
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """{"prompt": str} or {"messages": [...]} -> {"tokens", "count", "max_model_len"}."""
+    engine, tokenizer, body = await _tokenizer_call(request)
     if "messages" in body:
         ids = render_prompt(engine, body["messages"], get_bool(body, "add_generation_prompt", True))
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise bad_request("send prompt (a string) or messages (a list)", param="prompt")
-        ids = engine.tokenizer.encode(prompt)
+        ids = tokenizer.encode(prompt)
     return json_response({"tokens": ids, "count": len(ids), "max_model_len": engine.parts.context_length})
 
 
 async def detokenize(request: web.Request) -> web.Response:
     """{"tokens": [ids]} -> {"prompt": text}, special tokens kept so the text is faithful."""
-    engine = state_of(request).require_engine()
-    body = await read_body(request)
-    check_model(body, engine.parts.model_name)
-    if engine.tokenizer is None:
-        raise bad_request("this model has no tokenizer")
+    _, tokenizer, body = await _tokenizer_call(request)
     tokens = body.get("tokens")
-    vocab = engine.tokenizer.vocab_size
+    vocab = tokenizer.vocab_size
     if not isinstance(tokens, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens
     ):
         raise bad_request(f"tokens must be a list of integers in [0, {vocab})", param="tokens")
-    return json_response({"prompt": engine.tokenizer.decode(tokens, skip_special_tokens=False)})
+    return json_response({"prompt": tokenizer.decode(tokens, skip_special_tokens=False)})
 
 
 def add_routes(app: web.Application) -> None:
