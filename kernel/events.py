@@ -46,3 +46,12 @@ class EventBus:
                 callback(event)
             except Exception:
                 log.exception("event_subscriber_failed", kind=kind)
+
+
+def log_lifecycle(event: LifecycleEvent) -> None:
+    """One structured log line per lifecycle step of a request (the first token only,
+    not every token: a line per token would drown the log)."""
+    if event.kind == "tokens" and not event.data.get("first"):
+        return
+    kind = "first_token" if event.kind == "tokens" else event.kind
+    log.info(f"request_{kind}", rid=event.rid, **{k: v for k, v in event.data.items() if k != "first"})

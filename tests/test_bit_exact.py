@@ -147,7 +147,12 @@ def test_deterministic_matches_default_numerics(det: Engine, tiny_engine: Engine
 
 
 # ---- revert-then-red: planted bugs make the guards fail -------------------------
-def test_red_off_by_one_in_reused_prefix(det: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "guard",
+    [guard_prefill_hit, guard_decode_hit, guard_branching, lambda e: guard_branching(e, noise=15)],
+    ids=["a-prefill", "b-decode", "c-branching", "d-concurrent"],
+)
+def test_red_off_by_one_in_reused_prefix(det: Engine, monkeypatch: pytest.MonkeyPatch, guard: Any) -> None:
     real_match = RadixPrefixCache.match
 
     def off_by_one(self: RadixPrefixCache, req: Any) -> None:
@@ -157,8 +162,8 @@ def test_red_off_by_one_in_reused_prefix(det: Engine, monkeypatch: pytest.Monkey
             row[: req.kv_len] = row[1 : req.kv_len + 1].clone()
 
     monkeypatch.setattr(RadixPrefixCache, "match", off_by_one)
-    with pytest.raises(AssertionError):
-        guard_prefill_hit(det)
+    with pytest.raises(AssertionError, match="==|!="):  # the bit-exact compare itself goes red
+        guard(det)
 
 
 def test_red_unaligned_cut_under_pool_pressure(tiny_chat_folder: str, monkeypatch: pytest.MonkeyPatch) -> None:

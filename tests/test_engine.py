@@ -169,3 +169,19 @@ def test_zero_max_new_tokens_generates_nothing(tiny_engine: Engine) -> None:
     out = tiny_engine.generate("nothing", {"max_new_tokens": 0})
     assert out["output_ids"] == [] and out["text"] == ""  # type: ignore[index]
     assert out["meta_info"]["finish_reason"] == "length"  # type: ignore[index]
+
+
+def test_lifecycle_log_lines(tiny_engine: Engine) -> None:
+    from structlog.testing import capture_logs
+
+    from kernel.events import log_lifecycle
+
+    unsubscribe = tiny_engine.engine.events.subscribe(log_lifecycle)
+    try:
+        with capture_logs() as logs:
+            out = tiny_engine.generate("log me", {**GREEDY, "max_new_tokens": 4})
+    finally:
+        unsubscribe()
+    rid = out["meta_info"]["id"]  # type: ignore[index]
+    mine = [entry["event"] for entry in logs if entry.get("rid") == rid]
+    assert mine == ["request_queued", "request_admitted", "request_first_token", "request_finished"]

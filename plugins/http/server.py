@@ -19,6 +19,7 @@ from aiohttp.typedefs import Middleware
 
 from kernel.async_engine import AsyncEngine
 from kernel.config import Config
+from kernel.events import log_lifecycle
 from plugins.http import native_api, openai_api
 from plugins.http.auth import auth_middleware
 from plugins.http.engine_routes import EngineRoutes
@@ -72,6 +73,7 @@ async def serve(config: Config, grace_s: float = DRAIN_GRACE_S) -> int:
         await web.TCPSite(runner, config.server.host, config.server.port).start()
         state.engine = await AsyncEngine.create(config)
         app[ENGINE_ROUTES].bind(state.engine)
+        state.engine.events.subscribe(log_lifecycle)
     except Exception as exc:  # noqa: BLE001 - a taken port or a model that fails to load: exit 1
         log.error("server_start_failed", error=str(exc))
         await runner.cleanup()
