@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import WSMsgType, web
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
 from cache.kv_events import chain_hashes, page_hashes
 from kernel.async_engine import AsyncEngine
@@ -18,6 +18,7 @@ from plugins.admin import add_admin_routes
 from plugins.admin.auth import is_loopback, origin_is_local
 from plugins.admin.outbox import Outbox
 from tests.conftest import TINY_OVERRIDES
+from tests.inprocess import serve_engine
 
 PAGE = int(TINY_OVERRIDES["cache.page_size"])  # type: ignore[call-overload]
 GREEDY = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
@@ -32,17 +33,11 @@ async def serve(
     folder: str, overrides: dict[str, Any] | None = None, *, queue_size: int = 1024,
     middlewares: tuple[Any, ...] = (),
 ) -> AsyncIterator[Admin]:
-    config = {"model.path": folder, **TINY_OVERRIDES, "cache.prefix": "radix", **(overrides or {})}
-    engine = await AsyncEngine.create(None, config)
-    app = web.Application(middlewares=middlewares)
-    add_admin_routes(app, engine, queue_size=queue_size)
-    client = TestClient(TestServer(app))
-    await client.start_server()
-    try:
-        yield engine, client
-    finally:
-        await client.close()
-        await engine.shutdown()
+    def mount(app: web.Application, engine: AsyncEngine) -> None:
+        add_admin_routes(app, engine, queue_size=queue_size)
+
+    async with serve_engine(folder, mount, overrides, middlewares) as served:
+        yield served
 
 
 async def ask(ws: aiohttp.ClientWebSocketResponse, msg: dict[str, Any]) -> dict[str, Any]:

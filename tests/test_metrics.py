@@ -6,12 +6,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from kernel.async_engine import AsyncEngine
 from plugins.metrics import add_metrics_route
-from tests.conftest import TINY_OVERRIDES
+from tests.inprocess import serve_engine
 
 PROMPTS = [list(range(100, 130)), list(range(100, 121)), list(range(200, 213))]
 NEW_TOKENS = 5
@@ -22,16 +22,8 @@ Client = TestClient[web.Request, web.Application]
 
 @asynccontextmanager
 async def serve(folder: str) -> AsyncIterator[tuple[AsyncEngine, Client]]:
-    engine = await AsyncEngine.create(None, {"model.path": folder, **TINY_OVERRIDES, "cache.prefix": "radix"})
-    app = web.Application()
-    add_metrics_route(app, engine)
-    client = TestClient(TestServer(app))
-    await client.start_server()
-    try:
-        yield engine, client
-    finally:
-        await client.close()
-        await engine.shutdown()
+    async with serve_engine(folder, add_metrics_route) as served:
+        yield served
 
 
 async def scrape(client: Client) -> Samples:
