@@ -42,6 +42,7 @@ from throughput import (
     TOKEN_IDS,
     RunResult,
     Timing,
+    add_engine_args,
     agreement,
     consume,
     engine_config,
@@ -276,14 +277,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--rate", type=float, help="Poisson arrivals per second (default: all at once)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--config", default="config/default.yaml", help="tierserve config file")
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="config override (repeatable); cache.prefix and deterministic are set per mode",
-    )
+    add_engine_args(p, "; cache.prefix and deterministic are set per mode")
     p.add_argument("--evict-nodes", type=int, default=100_000, help="evict tree size (multiple of 100)")
     p.add_argument("--evict-calls", type=int, default=10_000)
     p.add_argument("--noise", type=float, default=0.10, help="relative throughput change read as noise")

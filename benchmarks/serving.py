@@ -40,7 +40,7 @@ import orjson
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # `python benchmarks/serving.py` puts benchmarks/, not the repo, on the path
 
-from benchmarks.throughput import TOKEN_IDS, engine_config, greedy, percentile, warn_if_busy
+from benchmarks.throughput import TOKEN_IDS, add_engine_args, engine_config, greedy, percentile, warn_if_busy
 
 T = TypeVar("T")
 
@@ -572,9 +572,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     o.add_argument("--offline-compare", action="store_true",
                    help="after the server levels, run the same workload in-process and compare")
     o.add_argument("--offline-concurrency", type=int, default=32)
-    o.add_argument("--config", default="config/default.yaml", help="offline engine config (match the server's)")
-    o.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="offline engine config override (repeatable)")
+    add_engine_args(o, " for the offline engine; match the server's config")
     o.add_argument("--tolerance", type=float, default=0.15, help="allowed server shortfall vs offline")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--json", metavar="PATH", help="also write the numbers here")

@@ -160,6 +160,13 @@ async def run_engine(workload: list[Request], config: Any) -> RunResult:
     )
 
 
+def add_engine_args(p: argparse.ArgumentParser | Any, note: str = "") -> None:
+    """`--config` and repeatable `--set`, the flags `engine_config` reads."""
+    p.add_argument("--config", default="config/default.yaml", help="tierserve config file")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help=f"tierserve config override (repeatable){note}")
+
+
 def engine_config(args: argparse.Namespace) -> Any:
     from kernel.config import load_config, parse_set_args
     from kernel.logging_setup import setup_logging
@@ -434,14 +441,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-min", type=int, help="default 64, or --output-max if lower")
     p.add_argument("--output-max", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=16, help="transformers baseline batch size")
-    p.add_argument("--config", default="config/default.yaml", help="tierserve config file")
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="tierserve config override (repeatable)",
-    )
+    add_engine_args(p)
     which = p.add_mutually_exclusive_group()
     which.add_argument("--skip-baseline", action="store_true", help="run tierserve only")
     which.add_argument("--only-baseline", action="store_true", help="run transformers only")

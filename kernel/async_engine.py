@@ -255,7 +255,8 @@ class AsyncEngine:
                 self._fail(plan, exc)
                 continue
             pending = self.scheduler.apply(plan, sampled)
-            pending += [c.req for c in plan.chunks if c.req.finished and c.req not in pending]
+            produced = {id(r) for r in pending}  # finished without a token: emit their end too
+            pending += [c.req for c in plan.chunks if c.req.finished and id(c.req) not in produced]
             self.counters["steps"] += 1
             if self.config.debug.check_invariants:
                 try:

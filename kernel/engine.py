@@ -17,6 +17,7 @@ import uvloop
 
 from kernel.async_engine import AsyncEngine
 from kernel.config import Config
+from kernel.sampling_params import SamplingParams
 
 T = TypeVar("T")
 log = structlog.get_logger("tierserve")
@@ -53,8 +54,6 @@ class Engine:
 
     async def _generate_all(self, prompts: list[Prompt], params: list[Params]) -> list[dict[str, Any]]:
         # Validate every prompt before queueing any, so a bad one changes nothing.
-        from kernel.sampling_params import SamplingParams
-
         parsed = [SamplingParams.from_dict(p) for p in params]
         rids: list[str] = []
         try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -37,7 +36,6 @@ class Request:
     priority: int = 0
     namespace: str | None = None  # requests in different namespaces never share cached KV
     arrival: int = field(default_factory=lambda: next(_arrival))
-    arrival_time: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -53,7 +51,6 @@ class Request:
     matched_stop: str | int | None = None
     error: str | None = None
     num_retractions: int = 0
-    first_token_time: float | None = None
 
     @property
     def total_len(self) -> int:
