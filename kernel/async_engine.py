@@ -187,11 +187,14 @@ class AsyncEngine:
         return _result(req, "".join(text), last)
 
     def abort(self, rid: str) -> None:
+        """Stop `rid`; a consumer of its stream gets a final chunk (finish_reason "abort")."""
         st = self._streams.get(rid)
         if st is not None and not st.req.finished:
             self.scheduler.abort(st.req)
             log.debug("request_aborted", rid=rid)
             self._publish_finished(st.req)
+            if not st.req.inflight:  # an in-flight one ends through its step's output
+                st.queue.put_nowait(_chunk(st.req, "", [], st.emitted))
 
     def is_idle(self) -> bool:
         return not self.scheduler.has_work()

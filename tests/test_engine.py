@@ -185,3 +185,21 @@ def test_lifecycle_log_lines(tiny_engine: Engine) -> None:
     rid = out["meta_info"]["id"]  # type: ignore[index]
     mine = [entry["event"] for entry in logs if entry.get("rid") == rid]
     assert mine == ["request_queued", "request_admitted", "request_first_token", "request_finished"]
+
+
+async def test_abort_from_outside_ends_the_consumers_stream(tiny_chat_folder: str) -> None:
+    engine = await AsyncEngine.create(None, {"model.path": tiny_chat_folder, **TINY_OVERRIDES})
+    try:
+        params = SamplingParams(max_new_tokens=300, temperature=0, ignore_eos=True)
+        queued = [engine.add_request("busy", params) for _ in range(TINY_OVERRIDES["scheduler.max_running_requests"])]
+        waiting = engine.add_request("never admitted", params)  # behind a full batch
+        running = queued[0]
+        consumers = [asyncio.create_task(engine.collect(rid)) for rid in (waiting, running)]
+        await asyncio.sleep(0.05)
+        for rid in [waiting, *queued]:
+            engine.abort(rid)
+        results = await asyncio.wait_for(asyncio.gather(*consumers), timeout=10)
+        assert [r["meta_info"]["finish_reason"] for r in results] == ["abort", "abort"]
+        assert results[0]["output_ids"] == []
+    finally:
+        await engine.shutdown()
