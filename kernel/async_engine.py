@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import random
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import structlog
 
 from gpu.device_thread import DeviceThread
 from gpu.forward_batch import ForwardBatch, SamplingRow
+from kernel import registry
 from kernel.components import Components, build_components, pick_device
 from kernel.config import Config, load_config
 from kernel.detokenizer import IncrementalDetokenizer
@@ -48,6 +49,24 @@ class OutputChunk(NamedTuple):
     cached_tokens: int
 
 
+class EngineInfo(NamedTuple):
+    """What the engine serves, fixed once it is built."""
+
+    model_name: str
+    context_length: int
+    num_pages: int
+    page_size: int
+    pool_tokens: int  # tokens the KV pool can hold (the reserved page excluded)
+    vocab_size: int
+
+
+class PolicyError(ValueError):
+    """`set_policy` with an unknown kind or name; nothing changed."""
+
+
+POLICY_KINDS = ("evict", "schedule")
+
+
 class _Stream:
     """Per-request output state: where emission stands, detokenizer, consumer queue."""
 
@@ -75,6 +94,13 @@ class AsyncEngine:
         self._closed = False
         self.counters = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0}
         self.events = EventBus()  # request lifecycle, for metrics and the admin socket
+        self.halt_reason: str | None = None  # set when the step loop stopped for good
+        page_size = config.cache.page_size
+        self.info = EngineInfo(
+            model_name=parts.model_name, context_length=parts.context_length, num_pages=parts.num_pages,
+            page_size=page_size, pool_tokens=(parts.num_pages - 1) * page_size,
+            vocab_size=parts.runner.vocab_size,
+        )
         self._loop_task = asyncio.get_running_loop().create_task(self._run())
 
     @classmethod
@@ -217,6 +243,81 @@ class AsyncEngine:
             "cached_pages": cache.tree_pages,
             "evictable_pages": cache.evictable_pages,
         }
+
+    # ---- public surface for plugins (admin socket, metrics, HTTP) ---------------
+    def num_requests(self) -> int:
+        """Requests queued or running (what a queue limit counts)."""
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    def stats(self) -> dict[str, Any]:
+        """Pool, request and cache accounting, computed here and nowhere else."""
+        sched = self.scheduler
+        alloc = sched.allocator
+        cache = self.cache_stats()
+        return {
+            "pages": {
+                "usable": alloc.num_usable,
+                "free": alloc.num_free,
+                "cached": cache["cached_pages"],
+                "evictable": cache["evictable_pages"],
+                # Pages requests own outright (not shared through the tree).
+                "held": alloc.num_usable - alloc.num_free - cache["cached_pages"],
+            },
+            "requests": {"waiting": len(sched.waiting), "running": len(sched.running)},
+            "idle": self.is_idle(),
+            "counters": dict(self.counters),
+            "cache": cache,
+            "num_retractions": sched.num_retractions,
+            "policies": self.policies(),
+            "halt_reason": self.halt_reason,
+        }
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Every node of the prefix tree (empty without a radix cache)."""
+        tree = self._tree()
+        return tree.snapshot() if tree is not None else []
+
+    def subscribe_kv_events(self, callback: Callable[[list[Any]], None]) -> Callable[[], None] | None:
+        """Follow the prefix tree's KV events; None when there is no tree."""
+        tree = self._tree()
+        return tree.subscribe(callback) if tree is not None else None
+
+    def check(self) -> str | None:
+        """Run the integrity check now; the failure message, or None when it holds."""
+        try:
+            self.scheduler.check_integrity()
+        except AssertionError as exc:
+            return str(exc)
+        return None
+
+    def set_policy(self, kind: str, name: str) -> None:
+        """Switch the eviction or scheduling policy to a registered name."""
+        if kind not in POLICY_KINDS:
+            raise PolicyError(f"'kind' must be one of {list(POLICY_KINDS)}, got {kind!r}")
+        known = registry.names(kind)
+        # Registered names only: a dotted `pkg.module:Class` path would let a remote
+        # caller import arbitrary code into the server.
+        if name not in known:
+            raise PolicyError(f"unknown {kind} policy {name!r}; known: {known}")
+        if kind == "evict":
+            tree = self._tree()
+            if tree is None:
+                raise PolicyError("no prefix cache (cache.prefix is none), nothing to evict")
+            tree.set_policy(registry.lookup("evict", name)())
+        else:
+            fallback = self.config.scheduler.lpm_fallback_queue
+            self.scheduler.policy = registry.lookup("schedule", name)(lpm_fallback_queue=fallback)
+
+    def policies(self) -> dict[str, str | None]:
+        """The registry names of the policies in use now."""
+        tree = self._tree()
+        return {
+            "schedule": registry.name_of("schedule", self.scheduler.policy),
+            "evict": registry.name_of("evict", tree.policy) if tree is not None else None,
+        }
+
+    def _tree(self) -> Any:
+        return getattr(self.scheduler.cache, "tree", None)
 
     async def shutdown(self) -> None:
         self._closed = True

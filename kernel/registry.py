@@ -74,6 +74,14 @@ def names(kind: str) -> list[str]:
     return sorted(_handlers[kind])
 
 
+def name_of(kind: str, handler: object) -> str | None:
+    """The registered name of a handler instance's class (its qualname if unregistered)."""
+    for name in names(kind):
+        if type(handler) is _handlers[kind][name]:
+            return name
+    return type(handler).__qualname__
+
+
 def _import_builtins(kind: str) -> None:
     for module in _BUILTIN_MODULES.get(kind, ()):
         importlib.import_module(module)
