@@ -150,7 +150,7 @@ async def run_mode(name: str, work: Workload, config: Any, n_out: int) -> ModeRe
     try:
         # Ask the device thread itself: torch's thread setting can differ per thread.
         threads = await asyncio.get_running_loop().run_in_executor(
-            None, engine.device.call, torch.get_num_threads
+            None, engine.device_thread.call, torch.get_num_threads
         )
         await engine.generate(work.system + work.warmup_question, greedy(n_out))
         before = engine.cache_stats()  # the warm-up's lookup must not count towards the hit ratio

@@ -141,7 +141,7 @@ async def run_engine(workload: list[Request], config: Any) -> RunResult:
     try:
         # Ask the device thread itself: torch's thread setting can differ per thread.
         threads = await asyncio.get_running_loop().run_in_executor(
-            None, engine.device.call, torch.get_num_threads
+            None, engine.device_thread.call, torch.get_num_threads
         )
         # Warm-up, not timed; a prompt unrelated to the workload so no prefix cache can help it.
         await engine.generate(list(range(1000, 1032)), greedy(4))

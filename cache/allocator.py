@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages needed to hold `num_tokens` tokens (the one ceiling division of the project)."""
+    return -(-num_tokens // page_size)
+
+
 class OutOfPages(RuntimeError):
     """Raised only when a caller ignored `can_allocate`; the scheduler never does."""
 
@@ -31,10 +36,6 @@ class PageAllocator:
     def num_usable(self) -> int:
         return self.num_pages - 1
 
-    @property
-    def num_allocated(self) -> int:
-        return len(self._allocated)
-
     def can_allocate(self, n: int) -> bool:
         return n <= len(self._free)
 
@@ -51,6 +52,3 @@ class PageAllocator:
                 raise RuntimeError(f"page {page} freed but not allocated (double free?)")
             self._allocated.remove(page)
             self._free.append(page)
-
-    def is_allocated(self, page: int) -> bool:
-        return page in self._allocated

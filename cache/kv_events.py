@@ -22,12 +22,11 @@ that needs namespaces must know them (there is no field for one in the shared sc
 from __future__ import annotations
 
 import hashlib
-import logging
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-log = logging.getLogger(__name__)
+from cache.hub import Hub
 
 NAMESPACE_PREFIX = b"tierserve.namespace\x00"
 
@@ -91,35 +90,13 @@ def page_hashes(tokens: Sequence[int], page_size: int, namespace: str | None = N
 Subscriber = Callable[[list[KVEvent]], None]
 
 
-class EventHub:
-    """Fans a list of events per cache operation out to subscribers, synchronously.
+class EventHub(Hub[list[KVEvent]]):
+    """The tree's KV events: one list of events per cache operation (see cache/hub.py)."""
 
-    NOTE: a failing subscriber is logged, never raised into the cache operation: the
-    operation has already completed, and an exception would make its caller believe it
-    failed (e.g. free pages the tree now owns). Subscribers must be cheap (push into a
-    bounded queue); they run inside the operation.
-    """
-
-    def __init__(self) -> None:
-        self._subscribers: list[Subscriber] = []
-
-    def subscribe(self, callback: Subscriber) -> Callable[[], None]:
-        """Add `callback`; returns a function that removes it."""
-        self._subscribers.append(callback)
-
-        def unsubscribe() -> None:
-            if callback in self._subscribers:
-                self._subscribers.remove(callback)
-
-        return unsubscribe
+    def __init__(self, strict: bool = False) -> None:
+        super().__init__("kv_events", strict)
 
     def emit(self, build: Callable[[], list[KVEvent]]) -> None:
         """Build the events only if someone listens, then deliver them."""
-        if not self._subscribers:
-            return
-        events = build()
-        for callback in list(self._subscribers):
-            try:
-                callback(events)
-            except Exception:
-                log.exception("kv event subscriber %r failed", callback)
+        if self.active:
+            self.publish(build())

@@ -1,149 +1,143 @@
-"""Prefix reuse as the scheduler sees it: match on admission, cache computed pages,
-release on finish/abort/retraction. `none` disables reuse; `radix` uses the radix tree.
+"""The prefix cache's contract: tokens, pages and opaque match handles, never requests.
 
-NOTE: page ownership (invariant 3). A request's `pages` list is its KV in order; the
-first `req.tree_pages` of them belong to the tree (shared, kept alive by the lock on
-`req.node`), the rest belong to the request alone and are freed by it exactly once.
-free + tree pages + request-owned pages == all usable pages, at every step.
+Implementations: `RadixTree` (cache/radix_tree.py, `cache.prefix: radix`) and
+`NoPrefixCache` below (`cache.prefix: none`). The request-aware side — which request
+fields a match sets, when a request inserts, what it frees — is the scheduler's
+(kernel/prefix_reuse.py).
+
+NOTE: page ownership (invariant 3). Every allocated page has exactly one owner: the
+cache (the page was inserted and not evicted) or the caller that allocated it. `match`
+lends pages, `insert` takes the caller's pages except the duplicates it reports, and
+only `evict` / `reset` give cached pages back to the allocator.
+
+A match result is deliberately a small record (`length`, `node`, `pages`) whose `node`
+is an opaque handle the caller only passes back to `lock` / `unlock`; tiered or
+hybrid caches extend the record (lengths per tier, a resumable state) without the
+caller learning how the cache stores anything.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
-from cache.allocator import PageAllocator
-from cache.evict_policy import EvictPolicy
-from cache.radix_node import TreeNode
-from cache.radix_tree import RadixTree
-from cache.req_table import ReqToTokenTable
-from kernel.request import Request
+from cache.kv_events import Subscriber
+from cache.radix_node import InsertResult, MatchResult, TreeNode
+
+__all__ = ["InsertResult", "MatchResult", "NoPrefixCache", "PrefixCache"]
 
 
 class PrefixCache(ABC):
-    """Contract: `match` runs once per admission, before any page is allocated for the
-    request, and may set `kv_len`/`pages`; `cache_computed` may replace duplicate pages
-    with the tree's; `release` returns everything the request owns. None of them may
-    change the tokens a request will compute, only where their KV lives."""
+    """What the scheduler may ask of a prefix cache. Matches and inserts are whole pages."""
 
-    reuses = False  # whether a request can ever start from cached KV
-
-    def __init__(self, allocator: PageAllocator, req_table: ReqToTokenTable, page_size: int) -> None:
-        self.allocator = allocator
-        self.req_table = req_table
-        self.page_size = page_size
-        self.query_tokens = 0  # prompt tokens looked up (engine-wide counter)
-        self.hit_tokens = 0  # of which served from the cache
+    reuses = True  # whether a match can ever be non-empty
+    page_size: int
 
     @property
+    @abstractmethod
+    def total_pages(self) -> int:
+        """Pages the cache owns now."""
+
+    @property
+    @abstractmethod
     def evictable_pages(self) -> int:
-        return 0
-
-    @property
-    def tree_pages(self) -> int:
-        return 0
-
-    def evict(self, num_pages: int) -> None:
-        """Free at least `num_pages` cached pages if possible."""
-
-    def match(self, req: Request) -> None:
-        """Reuse the longest cached prefix of `req` (none here)."""
-
-    def probe(self, req: Request) -> tuple[int, TreeNode | None]:
-        """Cached prefix length (and its node) of `req`, without using or counting it."""
-        return 0, None
-
-    def cache_computed(self, req: Request) -> None:
-        """Offer the request's computed whole pages to the cache (nothing here)."""
+        """Owned pages in unlocked entries: what repeated `evict` calls could free."""
 
     @abstractmethod
-    def release(self, req: Request) -> None:
-        """Give back every page the request owns; afterwards it holds none."""
+    def match(
+        self, tokens: Sequence[int], namespace: str | None = None, *, priority: int = 0, touch: bool = True
+    ) -> MatchResult:
+        """Longest cached whole-page prefix of `tokens` in `namespace`.
 
+        May change: access statistics of the matched entries (only with `touch`), and
+        the cache's internal layout (a node may split) — never which tokens are cached.
+        The pages are lent: lock the handle before anything can call `evict`.
+        """
+
+    @abstractmethod
+    def insert(
+        self, tokens: Sequence[int], pages: Sequence[int], namespace: str | None = None, priority: int = 0
+    ) -> InsertResult:
+        """Cache `tokens` (whole pages) backed by `pages`, one page per page of tokens.
+
+        May change: which tokens are cached (more), page ownership (the cache takes every
+        page of `pages` except `result.duplicates(pages)`, which the caller still owns and
+        must free after pointing its table at `result.pages`). The handle is unlocked.
+        """
+
+    @abstractmethod
+    def lock(self, node: TreeNode) -> None:
+        """Protect the handle's pages (and its whole prefix) from eviction."""
+
+    @abstractmethod
+    def unlock(self, node: TreeNode) -> None:
+        """Undo one `lock`; raises ValueError if the handle is not locked."""
+
+    @abstractmethod
+    def evict(self, num_pages: int) -> list[int]:
+        """Free at least `num_pages` unlocked pages if possible (through the allocator's
+        free callback); returns the freed ids. Locked entries are never touched."""
+
+    @abstractmethod
     def reset(self) -> None:
-        """Drop everything cached (only when no request holds a cached node)."""
+        """Drop everything cached; raises while anything is locked."""
 
-    def check_integrity(self) -> None:
-        """Raise AssertionError if the cache's own bookkeeping is broken."""
+    @abstractmethod
+    def check_integrity(self, held_pages: Iterable[int] = ()) -> None:
+        """Raise AssertionError if the cache's bookkeeping is broken, or if one of
+        `held_pages` (pages callers own) is also owned by the cache."""
+
+    def set_policy(self, policy: Any) -> None:
+        """Switch the eviction policy (caches without eviction ignore it)."""
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """One dict per entry, for inspection (the admin socket)."""
+        return []
+
+    def subscribe(self, callback: Subscriber) -> Callable[[], None] | None:
+        """Follow KV events; None if this cache publishes none."""
+        return None
 
 
 class NoPrefixCache(PrefixCache):
-    def release(self, req: Request) -> None:
-        self.allocator.free(req.pages)
-        req.pages = []
+    """`cache.prefix: none`: nothing is ever cached; every caller keeps its pages."""
 
+    reuses = False
 
-class RadixPrefixCache(PrefixCache):
-    reuses = True
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self._root = TreeNode(0, (), [], [], None, None)
 
-    def __init__(
-        self, allocator: PageAllocator, req_table: ReqToTokenTable, page_size: int, policy: EvictPolicy
-    ) -> None:
-        super().__init__(allocator, req_table, page_size)
-        self.tree = RadixTree(page_size, allocator.free, policy)
+    @property
+    def total_pages(self) -> int:
+        return 0
 
     @property
     def evictable_pages(self) -> int:
-        return self.tree.evictable_pages
+        return 0
 
-    @property
-    def tree_pages(self) -> int:
-        return self.tree.total_pages
+    def match(
+        self, tokens: Sequence[int], namespace: str | None = None, *, priority: int = 0, touch: bool = True
+    ) -> MatchResult:
+        return MatchResult(0, self._root, [])
 
-    def evict(self, num_pages: int) -> None:
-        self.tree.evict(num_pages)
+    def insert(
+        self, tokens: Sequence[int], pages: Sequence[int], namespace: str | None = None, priority: int = 0
+    ) -> InsertResult:
+        raise NotImplementedError("cache.prefix is none: nothing may be inserted")
 
-    def probe(self, req: Request) -> tuple[int, TreeNode | None]:
-        result = self.tree.match(self._matchable(req), req.namespace, touch=False)
-        return result.length, result.node
+    def lock(self, node: TreeNode) -> None:
+        pass
 
-    def match(self, req: Request) -> None:
-        assert not req.pages and req.row is not None and req.node is None
-        result = self.tree.match(self._matchable(req), req.namespace, priority=req.priority)
-        req.cached_tokens = result.length
-        if result.length == 0:
-            return
-        self.tree.lock(result.node)
-        req.node = result.node
-        req.pages = list(result.pages)
-        req.tree_pages = len(result.pages)
-        req.kv_len = result.length
-        self.req_table.write_pages(req.row, 0, req.pages, self.page_size)
+    def unlock(self, node: TreeNode) -> None:
+        pass
 
-    def _matchable(self, req: Request) -> list[int]:
-        # At least one token must be computed to sample from: cap below the last token.
-        usable = (req.total_len - 1) // self.page_size * self.page_size
-        return req.token_slice(0, usable)
-
-    def cache_computed(self, req: Request) -> None:
-        full = req.kv_len // self.page_size
-        if full <= req.tree_pages:
-            return
-        assert req.row is not None
-        mine = req.pages[:full]
-        result = self.tree.insert(req.token_slice(0, full * self.page_size), mine, req.namespace, req.priority)
-        dupes = result.duplicates(mine)
-        if dupes:
-            # Another request cached the same pages first: point at the tree's copy and
-            # free ours (they are ours alone, so exactly once).
-            req.pages[:full] = result.pages
-            self.req_table.write_pages(req.row, 0, req.pages[:full], self.page_size)
-            self.allocator.free(dupes)
-        self.tree.lock(result.node)
-        if req.node is not None:
-            self.tree.unlock(req.node)
-        req.node = result.node
-        req.tree_pages = full
-
-    def release(self, req: Request) -> None:
-        if req.row is not None and req.error is None:
-            self.cache_computed(req)
-        self.allocator.free(req.pages[req.tree_pages :])
-        if req.node is not None:
-            self.tree.unlock(req.node)
-        req.pages, req.tree_pages, req.node = [], 0, None
+    def evict(self, num_pages: int) -> list[int]:
+        return []
 
     def reset(self) -> None:
-        self.tree.reset()
+        pass
 
-    def check_integrity(self) -> None:
-        self.tree.check_integrity()
+    def check_integrity(self, held_pages: Iterable[int] = ()) -> None:
+        pass

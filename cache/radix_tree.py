@@ -38,6 +38,7 @@ from cache.kv_events import (
     chain_hashes,
     namespace_seed,
 )
+from cache.prefix_cache import PrefixCache
 from cache.radix_check import TreeIntegrityError, check_tree
 from cache.radix_node import ChildKey, InsertResult, MatchResult, PageKey, TreeNode
 
@@ -53,8 +54,12 @@ class TreeLockedError(RuntimeError):
     """`reset` while a node is locked, or a lock on a node that is no longer in the tree."""
 
 
-class RadixTree:
-    def __init__(self, page_size: int, free_pages: FreePages, policy: EvictPolicy) -> None:
+class RadixTree(PrefixCache):
+    """`cache.prefix: radix`; the PrefixCache contract, with the rules in the docstring above."""
+
+    def __init__(
+        self, page_size: int, free_pages: FreePages, policy: EvictPolicy, strict_events: bool = False
+    ) -> None:
         if page_size < 1:
             raise ValueError("page_size must be >= 1")
         self.page_size = page_size
@@ -64,7 +69,7 @@ class RadixTree:
         self._clock = 0
         self._wall = 0.0
         self._heap = EvictHeap(policy)
-        self._events = EventHub()
+        self._events = EventHub(strict_events)  # strict: a failing subscriber raises (debug)
         self._total = 0
         self._evictable = 0
         self._protected = 0

@@ -1,4 +1,9 @@
-"""What crosses from the event loop to the device thread: plain lists, no tensors.
+"""The device contract: what crosses from the event loop to the device thread and back.
+
+Everything here is built from plain values (ints, floats, tuples) that the loop copies
+when it builds a step, so the device thread never reads a list the loop may change
+while the step runs: planning step N+1 while step N is in flight is safe by
+construction. Only `SampledToken`s come back.
 
 NOTE: invariant 6. Warm-up and live batches are both made by `ForwardBatch.build`;
 the device side never fills in a missing field with zeros.
@@ -7,47 +12,77 @@ the device side never fills in a missing field with zeros.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from kernel.sampling_params import SamplingParams
 
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SamplingRow:
-    params: SamplingParams
+    """How one row samples its next token: settings copied from the request's parameters,
+    the draw's (seed, step), and — only when a penalty needs it — a snapshot of the
+    tokens so far."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    frequency_penalty: float
+    presence_penalty: float
+    repetition_penalty: float
+    top_logprobs_num: int
     seed: int
     step: int  # index of the token being sampled (tokens generated so far)
-    prompt_ids: list[int]
-    output_ids: list[int]
+    prompt_ids: tuple[int, ...] = ()
+    output_ids: tuple[int, ...] = ()
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether the penalties read prompt/output tokens."""
+        return self.repetition_penalty != 1.0 or bool(self.frequency_penalty or self.presence_penalty)
+
+
+class SampledToken(NamedTuple):
+    """What the device thread returns per sampling row."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]]
+
+
+class PrefillChunk(NamedTuple):
+    """One request's tokens in a step: `token_ids` go at positions prefix_len.. of its
+    request-table row."""
+
+    token_ids: tuple[int, ...]
+    table_row: int
+    prefix_len: int
 
 
 @dataclass(frozen=True)
 class ForwardBatch:
-    input_ids: list[int]  # all chunks' tokens, flattened in request order
-    rows: list[int]  # request-table row of each request
-    prefix_lens: list[int]  # tokens already in the KV cache per request
-    extend_lens: list[int]  # tokens this step computes per request
-    sample_rows: list[int]  # indices (into rows) of the requests that sample
-    sampling: list[SamplingRow]  # one per sampling request, same order
+    input_ids: tuple[int, ...]  # all chunks' tokens, flattened in request order
+    rows: tuple[int, ...]  # request-table row of each request
+    prefix_lens: tuple[int, ...]  # tokens already in the KV cache per request
+    extend_lens: tuple[int, ...]  # tokens this step computes per request
+    sample_rows: tuple[int, ...]  # indices (into rows) of the requests that sample
+    sampling: tuple[SamplingRow, ...]  # one per sampling request, same order
 
     @classmethod
-    def build(
-        cls,
-        chunks: list[tuple[list[int], int, int, int]],
-        sampling: list[tuple[int, SamplingRow]],
-    ) -> ForwardBatch:
-        """chunks: (token ids, row, prefix_len, extend_len); sampling: (chunk index, row)."""
-        for ids, row, _, extend in chunks:
-            if len(ids) != extend or row <= 0 or extend <= 0:
-                raise ValueError(f"malformed chunk: row {row}, {len(ids)} ids, extend {extend}")
+    def build(cls, chunks: list[PrefillChunk], sampling: list[tuple[int, SamplingRow]]) -> ForwardBatch:
+        """chunks in batch order; sampling: (chunk index, how that chunk's request samples)."""
+        for chunk in chunks:
+            if chunk.table_row <= 0 or not chunk.token_ids or chunk.prefix_len < 0:
+                raise ValueError(
+                    f"malformed chunk: row {chunk.table_row}, {len(chunk.token_ids)} ids, "
+                    f"prefix {chunk.prefix_len}"
+                )
+        for index, _ in sampling:
+            if not 0 <= index < len(chunks):
+                raise ValueError(f"sampling row for chunk {index} of {len(chunks)}")
         return cls(
-            input_ids=[t for ids, _, _, _ in chunks for t in ids],
-            rows=[c[1] for c in chunks],
-            prefix_lens=[c[2] for c in chunks],
-            extend_lens=[c[3] for c in chunks],
-            sample_rows=[i for i, _ in sampling],
-            sampling=[s for _, s in sampling],
+            input_ids=tuple(t for c in chunks for t in c.token_ids),
+            rows=tuple(c.table_row for c in chunks),
+            prefix_lens=tuple(c.prefix_len for c in chunks),
+            extend_lens=tuple(len(c.token_ids) for c in chunks),
+            sample_rows=tuple(i for i, _ in sampling),
+            sampling=tuple(s for _, s in sampling),
         )
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.input_ids)

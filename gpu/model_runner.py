@@ -6,10 +6,9 @@ import torch
 
 from cache.kv_pool import KVPool
 from gpu.attention.base import AttentionBackend
-from gpu.forward_batch import ForwardBatch
+from gpu.forward_batch import ForwardBatch, SampledToken
 from gpu.models.llama import LlamaModel
 from gpu.sampling import SamplingBatch, sample
-from kernel.scheduler import SampledToken
 
 
 class ModelRunner:
@@ -45,7 +44,7 @@ class ModelRunner:
     def sample(self, logits: torch.Tensor, batch: ForwardBatch) -> list[SampledToken]:
         rows = batch.sampling
         sb = SamplingBatch.build(
-            params=[r.params for r in rows],
+            params=rows,
             seeds=[r.seed for r in rows],
             steps=[r.step for r in rows],
             prompt_ids=[r.prompt_ids for r in rows],

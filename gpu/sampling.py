@@ -16,17 +16,38 @@ noise bits), and a request recomputed after retraction repeats its draws exactly
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
-
-from kernel.sampling_params import SamplingParams
 
 # Below this temperature logits/T overflows float32; such rows are treated as greedy.
 _MIN_TEMPERATURE = 1e-5
 _MASK32 = 0xFFFFFFFF
 _MASK64 = 0xFFFFFFFFFFFFFFFF
+
+
+class SamplingSettings(Protocol):
+    """The per-row settings the sampler reads (gpu.forward_batch.SamplingRow has them;
+    so does the API-level SamplingParams, which tests pass directly)."""
+
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def top_p(self) -> float: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def min_p(self) -> float: ...
+    @property
+    def frequency_penalty(self) -> float: ...
+    @property
+    def presence_penalty(self) -> float: ...
+    @property
+    def repetition_penalty(self) -> float: ...
+    @property
+    def top_logprobs_num(self) -> int: ...
 
 
 class SampleResult(NamedTuple):
@@ -110,8 +131,8 @@ class SamplingBatch:
         return self.repetition_penalty is not None or self.output_counts is not None
 
     @classmethod
-    def build(cls, params: list[SamplingParams], seeds: list[int], steps: list[int],
-              prompt_ids: list[list[int]], output_ids: list[list[int]], vocab_size: int,
+    def build(cls, params: Sequence[SamplingSettings], seeds: list[int], steps: list[int],
+              prompt_ids: Sequence[Sequence[int]], output_ids: Sequence[Sequence[int]], vocab_size: int,
               device: torch.device) -> SamplingBatch:
         n = len(params)
         if not n == len(seeds) == len(steps) == len(prompt_ids) == len(output_ids):
@@ -122,7 +143,7 @@ class SamplingBatch:
         batch._set_penalties(params, prompt_ids, output_ids, device)
         return batch
 
-    def _set_random(self, params: list[SamplingParams], seeds: list[int], steps: list[int],
+    def _set_random(self, params: Sequence[SamplingSettings], seeds: list[int], steps: list[int],
                     device: torch.device) -> None:
         rows = [i for i, p in enumerate(params) if not _is_greedy(p)]
         if not rows:
@@ -140,12 +161,12 @@ class SamplingBatch:
         if any(p.min_p > 0.0 for p in chosen):
             self.log_min_p = torch.log(_column([p.min_p for p in chosen], device))
 
-    def _set_penalties(self, params: list[SamplingParams], prompt_ids: list[list[int]],
-                       output_ids: list[list[int]], device: torch.device) -> None:
+    def _set_penalties(self, params: Sequence[SamplingSettings], prompt_ids: Sequence[Sequence[int]],
+                       output_ids: Sequence[Sequence[int]], device: torch.device) -> None:
         rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
         if rep_rows:
             self.repetition_penalty = _column([p.repetition_penalty for p in params], device)
-            seen = [prompt_ids[i] + output_ids[i] for i in rep_rows]
+            seen = [[*prompt_ids[i], *output_ids[i]] for i in rep_rows]
             self.seen_mask = self._count(rep_rows, seen, device) > 0
         freq_rows = [i for i, p in enumerate(params) if p.frequency_penalty or p.presence_penalty]
         if freq_rows:
@@ -153,7 +174,7 @@ class SamplingBatch:
             self.presence_penalty = _column([p.presence_penalty for p in params], device)
             self.output_counts = self._count(freq_rows, [output_ids[i] for i in freq_rows], device)
 
-    def _count(self, rows: list[int], ids: list[list[int]], device: torch.device) -> torch.Tensor:
+    def _count(self, rows: list[int], ids: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
         """[B, V] float32 token counts for the given rows (zeros elsewhere)."""
         counts = torch.zeros(self.size, self.vocab_size, dtype=torch.float32, device=device)
         flat = [r * self.vocab_size + t for r, row_ids in zip(rows, ids) for t in row_ids]
@@ -163,8 +184,8 @@ class SamplingBatch:
         return counts
 
 
-def _is_greedy(p: SamplingParams) -> bool:
-    return p.greedy or p.temperature < _MIN_TEMPERATURE
+def _is_greedy(p: SamplingSettings) -> bool:
+    return p.temperature < _MIN_TEMPERATURE or p.top_k == 1
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:

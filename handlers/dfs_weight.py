@@ -7,23 +7,23 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
-from cache.prefix_cache import PrefixCache
 from cache.radix_node import TreeNode
 from kernel.policy import SchedulePolicy
+from kernel.prefix_reuse import PrefixReuse
 from kernel.registry import register
 from kernel.request import Request
 
 
 @register("schedule", "dfs_weight")
 class DFSWeight(SchedulePolicy):
-    def order(self, waiting: Sequence[Request], cache: PrefixCache) -> list[Request]:
+    def order(self, waiting: Sequence[Request], prefix: PrefixReuse) -> list[Request]:
         at_node: dict[int, list[Request]] = defaultdict(list)
         weight: dict[int, int] = defaultdict(int)
         children: dict[int, dict[int, TreeNode]] = defaultdict(dict)
         roots: dict[int, TreeNode] = {}
         unmatched: list[Request] = []
         for req in waiting:
-            _, node = cache.probe(req)
+            node = prefix.probe(req).node
             if node is None or node.parent is None:
                 unmatched.append(req)
                 continue

@@ -6,18 +6,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cache.prefix_cache import PrefixCache
 from handlers.fcfs import FCFS
 from kernel.policy import SchedulePolicy
+from kernel.prefix_reuse import PrefixReuse
 from kernel.registry import register
 from kernel.request import Request
 
 
 @register("schedule", "lpm")
 class LongestPrefixMatch(SchedulePolicy):
-    def order(self, waiting: Sequence[Request], cache: PrefixCache) -> list[Request]:
+    def order(self, waiting: Sequence[Request], prefix: PrefixReuse) -> list[Request]:
         limit = int(self.config.get("lpm_fallback_queue", 128))  # type: ignore[call-overload]
         if len(waiting) > limit:
-            return FCFS().order(waiting, cache)
-        cached = {id(r): cache.probe(r)[0] for r in waiting}
+            return FCFS().order(waiting, prefix)
+        cached = {id(r): prefix.probe(r).length for r in waiting}
         return sorted(waiting, key=lambda r: (-cached[id(r)], r.arrival))

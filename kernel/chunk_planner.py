@@ -9,11 +9,6 @@ covers the whole remaining tail. A planner result of 0 means "wait", never a cut
 from __future__ import annotations
 
 
-def pages_for(num_tokens: int, page_size: int) -> int:
-    """Pages needed to hold `num_tokens` tokens."""
-    return -(-num_tokens // page_size)
-
-
 def plan_chunk(
     start: int,
     total: int,

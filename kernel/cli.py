@@ -1,14 +1,19 @@
-"""`tierserve` command line: `generate` (offline) and `serve`."""
+"""`tierserve` command line: the parser, and `generate` (offline).
+
+`serve` needs the HTTP server, which lives in plugins/; the console script's entry
+point is `plugins.cli:main`, which passes the server in (`kernel/` never imports
+`plugins/`). Run alone (`python -m kernel.cli`), this module only generates.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import orjson
 
-from kernel.config import ConfigError, load_config, parse_set_args
+from kernel.config import Config, ConfigError, load_config, parse_set_args
 from kernel.logging_setup import setup_logging
 
 
@@ -34,7 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, serve: Callable[[Config], int] | None = None) -> int:
+    """Run a command; `serve(config)` runs the server (plugins/cli.py passes it)."""
     args = _parser().parse_args(argv)
     try:
         config = load_config(args.config, parse_set_args(args.set))
@@ -44,10 +50,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(config.logging.level, config.logging.json)
     if args.command == "generate":
         return _generate(config, args)
-    return _serve(config)
+    if serve is None:
+        print("tierserve: `serve` runs through the `tierserve` console script (plugins.cli)", file=sys.stderr)
+        return 2
+    return serve(config)
 
 
-def _generate(config, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
+def _generate(config: Config, args: argparse.Namespace) -> int:
     from kernel.engine import Engine
 
     params = {
@@ -75,13 +84,6 @@ def _generate(config, args: argparse.Namespace) -> int:  # type: ignore[no-untyp
     finally:
         engine.shutdown()
     return 0
-
-
-def _serve(config) -> int:  # type: ignore[no-untyped-def]
-    # Imported here so that `generate` does not load the HTTP stack.
-    from plugins.http.server import run_server
-
-    return run_server(config)
 
 
 if __name__ == "__main__":

@@ -8,15 +8,17 @@ from typing import NamedTuple
 import structlog
 import torch
 
-from cache.allocator import PageAllocator
+from cache.allocator import PageAllocator, pages_for
 from cache.kv_pool import KVPool
-from cache.prefix_cache import NoPrefixCache, PrefixCache, RadixPrefixCache
+from cache.prefix_cache import NoPrefixCache, PrefixCache
+from cache.radix_tree import RadixTree
 from cache.req_table import ReqToTokenTable
 from gpu.loader import load_checkpoint
 from gpu.model_runner import ModelRunner
 from gpu.tokenizer import Tokenizer
 from kernel import registry
 from kernel.config import Config
+from kernel.prefix_reuse import PrefixReuse
 from kernel.scheduler import Scheduler
 
 log = structlog.get_logger("tierserve")
@@ -51,7 +53,7 @@ def build_components(config: Config, device: torch.device) -> Components:
     page_size = config.cache.page_size
     num_pages = _size_pool(config, arch.num_layers, arch.num_kv_heads, arch.head_dim, dtype, device)
     pool = KVPool(arch.num_layers, num_pages, page_size, arch.num_kv_heads, arch.head_dim, dtype, device)
-    max_ctx_padded = -(-context // page_size) * page_size
+    max_ctx_padded = pages_for(context, page_size) * page_size
     table = ReqToTokenTable(config.scheduler.max_running_requests + 1, max_ctx_padded, device)
     # Deterministic mode needs batch-invariant attention too, whatever backend is named.
     attention_name = "deterministic" if config.deterministic else config.model.attention
@@ -63,9 +65,9 @@ def build_components(config: Config, device: torch.device) -> Components:
     cache: PrefixCache
     if config.cache.prefix == "radix":
         evict = registry.lookup("evict", config.cache.evict_policy)()
-        cache = RadixPrefixCache(allocator, table, page_size, evict)
+        cache = RadixTree(page_size, allocator.free, evict, strict_events=config.debug.check_invariants)
     else:
-        cache = NoPrefixCache(allocator, table, page_size)
+        cache = NoPrefixCache(page_size)
     return Components(
         runner=ModelRunner(model, pool, attention),
         scheduler=Scheduler(
@@ -76,7 +78,7 @@ def build_components(config: Config, device: torch.device) -> Components:
             policy,
             eos_ids=tokenizer.eos_token_ids if tokenizer is not None else frozenset(),
             max_context=context,
-            cache=cache,
+            prefix=PrefixReuse(cache, allocator, table),
         ),
         tokenizer=tokenizer,
         num_pages=num_pages,

@@ -48,7 +48,7 @@ class CacheConfig:
     num_pages: int | None = None
     memory_fraction: float = 0.25
     max_pages: int = 16384
-    prefix: str = "none"
+    prefix: str = "radix"  # reuse is the product; "none" turns it off
     evict_policy: str = "lru"
 
     def validate(self) -> None:

@@ -2,16 +2,17 @@
 
 Publishing is synchronous and happens on the event loop, so subscribers must be cheap:
 count, or put into a bounded queue and return. A subscriber that raises is logged and
-kept away from the step loop's control flow.
+kept away from the step loop's control flow (raised only in strict/debug runs).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import structlog
+
+from cache.hub import Hub
 
 log = structlog.get_logger("tierserve")
 
@@ -23,29 +24,14 @@ class LifecycleEvent(NamedTuple):
     data: dict[str, Any]
 
 
-Subscriber = Callable[[LifecycleEvent], None]
+class EventBus(Hub[LifecycleEvent]):
+    """Request lifecycle events (see cache/hub.py for the delivery rules)."""
 
+    def __init__(self, strict: bool = False) -> None:
+        super().__init__("lifecycle", strict)
 
-class EventBus:
-    def __init__(self) -> None:
-        self._subscribers: list[Subscriber] = []
-
-    @property
-    def active(self) -> bool:
-        """Whether anyone listens: callers skip building events when not."""
-        return bool(self._subscribers)
-
-    def subscribe(self, callback: Subscriber) -> Callable[[], None]:
-        self._subscribers.append(callback)
-        return lambda: self._subscribers.remove(callback) if callback in self._subscribers else None
-
-    def publish(self, kind: str, rid: str, **data: Any) -> None:
-        event = LifecycleEvent(kind, rid, time.monotonic(), data)
-        for callback in list(self._subscribers):
-            try:
-                callback(event)
-            except Exception:
-                log.exception("event_subscriber_failed", kind=kind)
+    def emit(self, kind: str, rid: str, **data: Any) -> None:
+        self.publish(LifecycleEvent(kind, rid, time.monotonic(), data))
 
 
 def log_lifecycle(event: LifecycleEvent) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-from cache.prefix_cache import PrefixCache
+from kernel.prefix_reuse import PrefixReuse
 from kernel.request import Request
 
 
@@ -13,7 +13,7 @@ class SchedulePolicy(ABC):
     """Orders waiting requests for admission.
 
     Contract: `order` returns the same requests (a permutation), changes no request and
-    uses the cache only through `cache.probe` (which counts nothing), and must be cheap:
+    uses the cache only through `prefix.probe(req)` (which locks and counts nothing), and must be cheap:
     it runs every step the queue is non-empty. Admission stops at the first request in
     this order that cannot be admitted, so a policy also decides who waits behind whom.
     Handlers are built with the scheduler config as keyword arguments they may ignore.
@@ -23,4 +23,4 @@ class SchedulePolicy(ABC):
         self.config = config
 
     @abstractmethod
-    def order(self, waiting: Sequence[Request], cache: PrefixCache) -> list[Request]: ...
+    def order(self, waiting: Sequence[Request], prefix: PrefixReuse) -> list[Request]: ...

@@ -1,12 +1,15 @@
 """A tiny generic registry: handlers by (kind, name); names are YAML values.
 
 Built-in handlers register with the `register` decorator when their module is
-imported; third-party classes load by dotted path (`pkg.module:Class`).
+imported, and every module of a kind's packages is imported on its first lookup;
+third-party classes load by dotted path (`pkg.module:Class`). This is a leaf module:
+anything may import it, and it imports nothing of the project at import time.
 """
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -23,14 +26,19 @@ KINDS = (
     "storage",
 )
 
-# Modules that hold the built-in handlers of each kind; imported on first lookup so
-# that registration never depends on import order elsewhere.
-_BUILTIN_MODULES: dict[str, tuple[str, ...]] = {
-    "model": ("gpu.models.llama",),
-    "attention": ("gpu.attention.torch_backend", "gpu.attention.deterministic"),
-    "schedule": ("handlers.fcfs", "handlers.lpm", "handlers.dfs_weight"),
-    "evict": ("handlers.evict_lru", "handlers.evict_lfu", "handlers.evict_fifo", "handlers.evict_priority"),
+# Packages that hold the built-in handlers of each kind. On the first lookup of a kind
+# every module of its packages is imported, so a built-in handler registers itself by
+# existing: adding one is adding a file, and registration never depends on import order.
+_BUILTIN_PACKAGES: dict[str, tuple[str, ...]] = {
+    "model": ("gpu.models",),
+    "attention": ("gpu.attention",),
+    "schedule": ("handlers",),
+    "evict": ("handlers",),
+    "tier_write": ("handlers",),
+    "tier_prefetch": ("handlers",),
+    "state_strategy": ("handlers",),
 }
+_imported: set[str] = set()
 
 _handlers: dict[str, dict[str, Any]] = {kind: {} for kind in KINDS}
 
@@ -83,8 +91,14 @@ def name_of(kind: str, handler: object) -> str | None:
 
 
 def _import_builtins(kind: str) -> None:
-    for module in _BUILTIN_MODULES.get(kind, ()):
-        importlib.import_module(module)
+    for package_name in _BUILTIN_PACKAGES.get(kind, ()):
+        if package_name in _imported:
+            continue
+        package = importlib.import_module(package_name)
+        for info in pkgutil.iter_modules(package.__path__, prefix=f"{package_name}."):
+            if not info.ispkg:
+                importlib.import_module(info.name)
+        _imported.add(package_name)
 
 
 def _load_dotted(path: str) -> Any:

@@ -42,8 +42,8 @@ class Request:
     status: Status = Status.WAITING
     row: int | None = None
     pages: list[int] = field(default_factory=list)
-    tree_pages: int = 0  # leading pages owned by the prefix cache (see cache/prefix_cache.py)
-    node: TreeNode | None = None  # locked cache node covering those pages
+    shared_pages: int = 0  # leading pages owned by the prefix cache (see kernel/prefix_reuse.py)
+    cache_handle: TreeNode | None = None  # the cache's (locked) handle covering those pages
     kv_len: int = 0
     cached_tokens: int = 0
     inflight: bool = False

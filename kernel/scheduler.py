@@ -14,12 +14,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from cache.allocator import PageAllocator
-from cache.prefix_cache import PrefixCache
+from cache.allocator import PageAllocator, pages_for
 from cache.req_table import ReqToTokenTable
-from kernel.chunk_planner import pages_for, plan_chunk
+from gpu.forward_batch import SampledToken
+from kernel.chunk_planner import plan_chunk
 from kernel.config import SchedulerConfig
 from kernel.policy import SchedulePolicy
+from kernel.prefix_reuse import PrefixReuse
 from kernel.request import Request, Status
 
 
@@ -37,12 +38,6 @@ class ScheduledChunk(NamedTuple):
 class StepPlan(NamedTuple):
     chunks: list[ScheduledChunk]
     retracted: list[Request]
-
-
-class SampledToken(NamedTuple):
-    token_id: int
-    logprob: float
-    top_logprobs: list[tuple[int, float]]
 
 
 def _shared_pages(a: list[int], b: list[int], page_size: int) -> int:
@@ -67,7 +62,7 @@ class Scheduler:
         policy: SchedulePolicy,
         eos_ids: frozenset[int],
         max_context: int,
-        cache: PrefixCache,
+        prefix: PrefixReuse,
     ) -> None:
         self.config = config
         self.page_size = page_size
@@ -76,7 +71,7 @@ class Scheduler:
         self.policy = policy
         self.eos_ids = eos_ids
         self.max_context = max_context
-        self.cache = cache
+        self.prefix = prefix
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # admitted (hold a table row), oldest first
         self.num_retractions = 0
@@ -130,7 +125,7 @@ class Scheduler:
                 if length:
                     chunks.append(ScheduledChunk(req, req.kv_len, length))
                     budget -= length
-        for req in self.policy.order(self.waiting, self.cache):
+        for req in self.policy.order(self.waiting, self.prefix):
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
             if self.req_table.num_free == 0:
@@ -149,12 +144,12 @@ class Scheduler:
         with `req` and is still computing part of it that the cache does not hold yet
         (in-batch prefix sharing: wait a step rather than compute it twice)."""
         min_tokens = self.config.share_prefix_min_tokens
-        if not min_tokens or not self.cache.reuses:
+        if not min_tokens or not self.prefix.reuses:
             return False
         prefilling = [r for r in self.running if r.total_len - r.kv_len > 1]
         if not prefilling:
             return False
-        cached, _ = self.cache.probe(req)
+        cached = self.prefix.probe(req).length
         for other in prefilling:
             shared = _shared_pages(req.prompt_ids, other.prompt_ids, self.page_size)
             if shared >= min_tokens and cached < shared and other.kv_len < shared:
@@ -170,15 +165,14 @@ class Scheduler:
             page_size=self.page_size,
             token_budget=min(budget, self.config.chunked_prefill_size),
             owned_pages=len(req.pages),
-            free_pages=self.allocator.num_free + self.cache.evictable_pages,
+            free_pages=self.allocator.num_free + self.prefix.evictable_pages,
         )
         if length == 0:
             if admitting:
                 self._unadmit(req)
             return 0
         if admitting:
-            self.cache.query_tokens += req.total_len
-            self.cache.hit_tokens += req.kv_len
+            self.prefix.count_admission(req)
         reserved = self._reserve(req, req.kv_len + length)
         assert reserved, "chunk planner promised pages that are neither free nor evictable"
         return length
@@ -197,7 +191,7 @@ class Scheduler:
         if need <= 0:
             return True
         if not self.allocator.can_allocate(need):
-            self.cache.evict(need - self.allocator.num_free)
+            self.prefix.evict(need - self.allocator.num_free)
         if not self.allocator.can_allocate(need):
             return False
         pages = self.allocator.allocate(need)
@@ -214,7 +208,7 @@ class Scheduler:
         self.waiting.remove(req)
         self.running.append(req)
         self.running.sort(key=lambda r: r.arrival)
-        self.cache.match(req)
+        self.prefix.match(req)
 
     def _unadmit(self, req: Request) -> None:
         """Undo an admission whose first chunk could not be planned."""
@@ -240,7 +234,7 @@ class Scheduler:
     def release(self, req: Request) -> None:
         """Return a request's pages and row (on finish, abort, error or retraction);
         computed whole pages stay in the prefix cache for later requests."""
-        self.cache.release(req)
+        self.prefix.release(req)
         if req.row is not None:
             self.req_table.free(req.row)
             req.row = None
@@ -257,7 +251,7 @@ class Scheduler:
             req.inflight = False
             req.kv_len = chunk.start + chunk.length
             if chunk.length > 1:
-                self.cache.cache_computed(req)  # after every prefill chunk
+                self.prefix.cache_computed(req)  # after every prefill chunk
             token = next(tokens) if chunk.samples else None
             if req.finished:  # aborted or stopped by text while this step ran
                 self.release(req)
@@ -284,16 +278,16 @@ class Scheduler:
     # ---- invariants -------------------------------------------------------------
     def check_integrity(self) -> None:
         """Invariants 1 and 3: aligned chunk cuts and exact page accounting."""
-        held: list[int] = [p for r in self.running for p in r.pages[r.tree_pages :]]
+        held: list[int] = [p for r in self.running for p in r.pages[r.shared_pages :]]
         if len(held) != len(set(held)):
             raise IntegrityError("a page is held by two requests")
-        cached = self.cache.tree_pages
+        cached = self.prefix.cache.total_pages
         if self.allocator.num_free + len(held) + cached != self.allocator.num_usable:
             raise IntegrityError(
                 f"page leak: free {self.allocator.num_free} + held {len(held)} + cached {cached} "
                 f"!= usable {self.allocator.num_usable}"
             )
-        self.cache.check_integrity()
+        self.prefix.cache.check_integrity(held)  # also: no page both held and cached
         for req in self.running:
             if pages_for(req.kv_len, self.page_size) > len(req.pages):
                 raise IntegrityError(f"request {req.rid} computed past its pages")

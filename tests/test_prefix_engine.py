@@ -47,8 +47,8 @@ def test_small_pool_evicts_and_loses_nothing(tiny_chat_folder: str, tiny_engine:
         got2 = engine.generate(prompts, GREEDY)  # again, with whatever survived eviction
         for r, a, b in zip(ref, got, got2):  # type: ignore[arg-type]
             assert a["output_ids"] == r["output_ids"] == b["output_ids"]
-        sched = engine.engine.scheduler
-        assert sched.allocator.num_free + sched.cache.tree_pages == sched.allocator.num_usable
+        pages = engine.engine.stats()["pages"]
+        assert pages["free"] + pages["cached"] == pages["usable"]
     finally:
         engine.shutdown()
 

@@ -6,6 +6,7 @@ import random
 from collections.abc import Callable, Sequence
 
 import pytest
+import structlog.testing
 
 from cache.allocator import PageAllocator
 from cache.evict_policy import EvictPolicy
@@ -326,18 +327,36 @@ def test_reset_refuses_while_locked() -> None:
         c.tree.lock(node)
 
 
-def test_failing_subscriber_does_not_fail_the_operation(caplog: pytest.LogCaptureFixture) -> None:
+def test_failing_subscriber_does_not_fail_the_operation() -> None:
     c = Cache(1)
 
     def broken(events: list[KVEvent]) -> None:
         raise RuntimeError("subscriber bug")
 
     unsubscribe = c.tree.subscribe(broken)
-    c.put([1])
-    assert c.tree.total_pages == 1 and "subscriber" in caplog.text
+    with structlog.testing.capture_logs() as logs:
+        c.put([1])
+    assert c.tree.total_pages == 1 and any("subscriber" in entry["event"] for entry in logs)
     unsubscribe()
     c.put([2])
     assert len(c.events) == 2
+
+
+def test_strict_hub_raises_a_subscriber_failure_after_the_operation() -> None:
+    """Debug runs (`debug.check_invariants`): an assertion inside a subscriber is loud."""
+    alloc = PageAllocator(16)
+    tree = RadixTree(1, alloc.free, LRU(), strict_events=True)
+    seen: list[int] = []
+
+    def asserting(events: list[KVEvent]) -> None:
+        raise AssertionError("a subscriber's assertion")
+
+    tree.subscribe(asserting)
+    tree.subscribe(lambda events: seen.append(len(events)))
+    with pytest.raises(AssertionError, match="subscriber's assertion"):
+        tree.insert([1], alloc.allocate(1))
+    assert tree.total_pages == 1, "the operation completed before the error was raised"
+    assert seen == [1], "later subscribers still got the events"
 
 
 def planted_tree() -> Cache:

@@ -58,6 +58,7 @@ class RadixMachine(RuleBasedStateMachine):
         self._tree: RadixTree | None = None
         self.requests: list[Req] = []
         self.cached_hashes: set[int] = set()  # what the events say is in the tree
+        self.unchecked: list[KVEvent] = []  # delivered but not yet checked
 
     @property
     def tree(self) -> RadixTree:
@@ -68,9 +69,13 @@ class RadixMachine(RuleBasedStateMachine):
     def setup(self, ps: int, policy: str) -> None:
         self.ps = ps
         self._tree = RadixTree(ps, self.alloc.free, POLICIES[policy]())
-        self._tree.subscribe(self.follow_events)
+        self._tree.subscribe(self.unchecked.extend)
 
-    def follow_events(self, events: list[KVEvent]) -> None:
+    def follow_events(self) -> None:
+        """Check the delivered events here, in the test body: an assertion inside a
+        subscriber would be caught and logged by the event hub, never failing a test."""
+        events = list(self.unchecked)
+        self.unchecked.clear()
         for event in events:
             if isinstance(event, BlockStored):
                 assert event.parent_block_hash is None or event.parent_block_hash in self.cached_hashes
@@ -214,8 +219,23 @@ class RadixMachine(RuleBasedStateMachine):
     def events_describe_the_tree(self) -> None:
         if self._tree is None:
             return
+        self.follow_events()
         assert self.cached_hashes == {h for node in self.tree.nodes() for h in node.hashes}
 
 
 RadixMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 TestRadixTreeStateful = RadixMachine.TestCase
+
+
+def test_event_checks_fail_on_a_wrong_event() -> None:
+    """The event assertions run in the test body, so a wrong event fails the test
+    (inside a subscriber the hub would only have logged it)."""
+    import pytest
+
+    machine = RadixMachine()
+    machine.setup(ps=1, policy="lru")
+    machine.insert_fresh(num_pages=2, pool=[1] * 24, namespace=None, priority=0)
+    machine.events_describe_the_tree()  # the real events pass
+    machine.unchecked.append(BlockRemoved(block_hashes=[12345]))  # never stored
+    with pytest.raises(AssertionError):
+        machine.events_describe_the_tree()

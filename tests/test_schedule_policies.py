@@ -27,12 +27,12 @@ def test_lpm_orders_by_cached_prefix_then_falls_back_to_fcfs() -> None:
     half = prompt_req("half", hot[:16] + [99] * 8)
     full = prompt_req("full", hot + [98] * 4)
     lpm = registry.lookup("schedule", "lpm")(lpm_fallback_queue=8)
-    assert [r.rid for r in lpm.order([cold, half, full], s.cache)] == ["full", "half", "cold"]
+    assert [r.rid for r in lpm.order([cold, half, full], s.prefix)] == ["full", "half", "cold"]
     small_queue = registry.lookup("schedule", "lpm")(lpm_fallback_queue=2)
-    assert [r.rid for r in small_queue.order([cold, half, full], s.cache)] == ["cold", "half", "full"]
-    hits_before = s.cache.hit_tokens
-    lpm.order([cold, half, full], s.cache)
-    assert s.cache.hit_tokens == hits_before
+    assert [r.rid for r in small_queue.order([cold, half, full], s.prefix)] == ["cold", "half", "full"]
+    hits_before = s.prefix.hit_tokens
+    lpm.order([cold, half, full], s.prefix)
+    assert s.prefix.hit_tokens == hits_before
 
 
 def test_dfs_weight_groups_requests_of_the_heaviest_prefix() -> None:
@@ -48,7 +48,7 @@ def test_dfs_weight_groups_requests_of_the_heaviest_prefix() -> None:
         prompt_req("a3", a + [8, 8]),
     ]
     dfs = registry.lookup("schedule", "dfs_weight")()
-    order = [r.rid for r in dfs.order(reqs, s.cache)]
+    order = [r.rid for r in dfs.order(reqs, s.prefix)]
     assert order[:3] == ["a1", "a2", "a3"] and order[3] == "b1" and order[-1] == "x"
     assert sorted(order) == sorted(r.rid for r in reqs)
 

@@ -8,14 +8,17 @@ import pytest
 import torch
 
 from cache.allocator import PageAllocator
-from cache.prefix_cache import NoPrefixCache, PrefixCache, RadixPrefixCache
+from cache.prefix_cache import NoPrefixCache, PrefixCache
+from cache.radix_tree import RadixTree
 from cache.req_table import ReqToTokenTable
+from gpu.forward_batch import SampledToken
 from handlers.evict_lru import LRU
 from handlers.fcfs import FCFS
 from kernel.config import SchedulerConfig
+from kernel.prefix_reuse import PrefixReuse
 from kernel.request import Request, Status
 from kernel.sampling_params import SamplingParams
-from kernel.scheduler import SampledToken, Scheduler
+from kernel.scheduler import Scheduler
 
 EOS = 0
 
@@ -30,10 +33,11 @@ def make_scheduler(num_pages: int = 64, page_size: int = 4, **cfg: int) -> Sched
     allocator = PageAllocator(num_pages)
     cache: PrefixCache
     if cfg.get("radix"):
-        cache = RadixPrefixCache(allocator, table, page_size, LRU())
+        cache = RadixTree(page_size, allocator.free, LRU(), strict_events=True)
     else:
-        cache = NoPrefixCache(allocator, table, page_size)
-    return Scheduler(conf, page_size, allocator, table, FCFS(), frozenset({EOS}), 512, cache)
+        cache = NoPrefixCache(page_size)
+    prefix = PrefixReuse(cache, allocator, table)
+    return Scheduler(conf, page_size, allocator, table, FCFS(), frozenset({EOS}), 512, prefix)
 
 
 def make_req(n: int, max_new: int = 8, rid: str | None = None) -> Request:
@@ -174,9 +178,9 @@ def test_random_workload_keeps_accounting(seed: int, radix: bool) -> None:
             s.abort(rng.choice(s.running))
         run_step(s, token=rng.randint(1, 9))
     assert not s.has_work()
-    assert s.allocator.num_free + s.cache.tree_pages == s.allocator.num_usable
+    assert s.allocator.num_free + s.prefix.cache.total_pages == s.allocator.num_usable
     if radix:
-        assert s.cache.hit_tokens > 0 or s.cache.tree_pages > 0
+        assert s.prefix.hit_tokens > 0 or s.prefix.cache.total_pages > 0
 
 
 def test_radix_hit_skips_cached_pages() -> None:
@@ -186,7 +190,7 @@ def test_radix_hit_skips_cached_pages() -> None:
     while s.has_work():
         run_step(s)
     # 10 prompt + 2 generated tokens; KV exists for 11 of them -> 2 whole pages cached.
-    assert s.cache.tree_pages == 2
+    assert s.prefix.cache.total_pages == 2
     second = make_req(10, max_new=2, rid="second")
     second.prompt_ids = first.prompt_ids + first.output_ids[:1] + [3, 3]
     s.add(second)
@@ -201,7 +205,7 @@ def test_planted_double_owned_page_is_caught() -> None:
     a = make_req(9, max_new=4, rid="a")
     s.add(a)
     run_step(s)
-    s.cache.tree_pages  # noqa: B018 - the tree holds a's first two pages now
-    a.tree_pages = 0  # planted: the request claims pages the tree owns
+    s.prefix.cache.total_pages  # noqa: B018 - the tree holds a's first two pages now
+    a.shared_pages = 0  # planted: the request claims pages the tree owns
     with pytest.raises(AssertionError):
         s.check_integrity()

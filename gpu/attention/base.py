@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import torch
 
@@ -25,7 +26,7 @@ class AttentionBackend(ABC):
         self.req_to_token = req_to_token
 
     @abstractmethod
-    def prepare(self, rows: list[int], prefix_lens: list[int], extend_lens: list[int]) -> None: ...
+    def prepare(self, rows: Sequence[int], prefix_lens: Sequence[int], extend_lens: Sequence[int]) -> None: ...
 
     @abstractmethod
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

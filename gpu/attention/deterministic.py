@@ -17,6 +17,8 @@ no rounding: the chunk that follows reads the same blocks a cold run reads.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -38,7 +40,7 @@ class DeterministicAttention(AttentionBackend):
         self._key_slots = torch.empty(0, dtype=torch.int64)  # [tiles, blocks, KEY_BLOCK]
         self._mask = torch.empty(0, dtype=torch.bool)  # [tiles, blocks, QUERY_TILE, KEY_BLOCK]
 
-    def prepare(self, rows: list[int], prefix_lens: list[int], extend_lens: list[int]) -> None:
+    def prepare(self, rows: Sequence[int], prefix_lens: Sequence[int], extend_lens: Sequence[int]) -> None:
         device = self.req_to_token.device
         table = self.req_to_token
         locs, tile_tok, tile_pos, tile_row = [], [], [], []

@@ -7,6 +7,7 @@ waste far more than the loop costs).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -44,7 +45,7 @@ class TorchAttention(AttentionBackend):
         self._decodes: list[_DecodeGroup] = []
         self._extends: list[_Extend] = []
 
-    def prepare(self, rows: list[int], prefix_lens: list[int], extend_lens: list[int]) -> None:
+    def prepare(self, rows: Sequence[int], prefix_lens: Sequence[int], extend_lens: Sequence[int]) -> None:
         device = self.req_to_token.device
         table = self.req_to_token
         locs, dec_tok, dec_rows, dec_lens = [], [], [], []

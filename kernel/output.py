@@ -1,0 +1,184 @@
+"""Output processing, the one path from sampled tokens to what a consumer reads:
+detokenize → cut stop strings → stream chunks → lifecycle events, and the native result
+dict (`{text, output_ids, meta_info}`) that the offline engine and the HTTP API return.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from kernel.detokenizer import IncrementalDetokenizer
+from kernel.events import EventBus
+from kernel.request import Request, Status
+
+
+class OutputChunk(NamedTuple):
+    """What one step adds to a request's output (deltas), plus its state after it."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+    finished: bool
+    finish_reason: str | None
+    matched_stop: str | int | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class Collected:
+    """Everything one request has produced so far: chunks added up."""
+
+    rid: str = ""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    matched_stop: str | int | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, chunk: OutputChunk) -> None:
+        self.text += chunk.text
+        self.token_ids += chunk.token_ids
+        self.logprobs += chunk.logprobs
+        self.top_logprobs += chunk.top_logprobs
+        self.finish_reason = chunk.finish_reason
+        self.matched_stop = chunk.matched_stop
+        self.prompt_tokens = chunk.prompt_tokens
+        self.completion_tokens = chunk.completion_tokens
+        self.cached_tokens = chunk.cached_tokens
+
+    def native(self, return_logprob: bool, top_logprobs: bool) -> dict[str, Any]:
+        """The native result: {text, output_ids, meta_info} (SGLang's shape)."""
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+            "finish_reason": self.finish_reason,
+            "matched_stop": self.matched_stop,
+        }
+        if return_logprob:
+            meta["output_token_logprobs"] = list(zip(self.logprobs, self.token_ids))
+            if top_logprobs:
+                meta["output_top_logprobs"] = self.top_logprobs
+        return {"text": self.text, "output_ids": list(self.token_ids), "meta_info": meta}
+
+
+class RequestStream:
+    """Per-request output state: where emission stands, detokenizer, consumer queue."""
+
+    def __init__(self, req: Request, detok: IncrementalDetokenizer | None) -> None:
+        self.req = req
+        self.detok = detok
+        self.emitted = 0
+        self.admitted = False
+        self.finish_published = False
+        self.queue: asyncio.Queue[OutputChunk | BaseException] = asyncio.Queue()
+
+    def chunk(self, text: str, new_ids: list[int], start: int) -> OutputChunk:
+        req = self.req
+        return OutputChunk(
+            text=text,
+            token_ids=new_ids,
+            logprobs=req.output_logprobs[start : start + len(new_ids)],
+            top_logprobs=req.output_top_logprobs[start : start + len(new_ids)],
+            finished=req.status is Status.FINISHED,
+            finish_reason=req.finish_reason,
+            matched_stop=req.matched_stop,
+            prompt_tokens=len(req.prompt_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
+        )
+
+    def end(self) -> None:
+        """Queue a final chunk with nothing new (the request ended without a token)."""
+        self.queue.put_nowait(self.chunk("", [], self.emitted))
+
+
+StopText = Callable[[Request, str], None]  # finish a request whose text hit a stop string
+
+
+class OutputProcessor:
+    """Turns the requests a step gave tokens to into chunks on their streams.
+
+    `emit` runs on the event loop while the next step is in flight; it may finish a
+    request (a stop string in its text) through `stop_text`, never anything else.
+    """
+
+    def __init__(self, events: EventBus, stop_text: StopText) -> None:
+        self.streams: dict[str, RequestStream] = {}
+        self.events = events
+        self.stop_text = stop_text
+        self.generation_tokens = 0
+
+    def open(self, req: Request, detok: IncrementalDetokenizer | None) -> RequestStream:
+        stream = RequestStream(req, detok)
+        self.streams[req.rid] = stream
+        return stream
+
+    def emit(self, reqs: Iterable[Request]) -> None:
+        for req in reqs:
+            st = self.streams.get(req.rid)
+            if st is not None:
+                self._emit_one(st)
+
+    def _emit_one(self, st: RequestStream) -> None:
+        req = st.req
+        new_ids = req.output_ids[st.emitted :]
+        start, st.emitted = st.emitted, len(req.output_ids)
+        text = ""
+        if st.detok is not None:
+            step = st.detok.push(new_ids)
+            text = step.text
+            if step.stop_hit:
+                assert step.matched_stop is not None
+                self.stop_text(req, step.matched_stop)
+            elif req.finished:
+                text += st.detok.finish()
+        self.generation_tokens += len(new_ids)
+        st.queue.put_nowait(st.chunk(text, new_ids, start))
+        if self.events.active:
+            self.events.emit("tokens", req.rid, count=len(new_ids), first=start == 0)
+        if req.finished:
+            self.publish_finished(req)
+
+    def publish_admitted(self, reqs: Iterable[Request]) -> None:
+        for req in reqs:
+            st = self.streams.get(req.rid)
+            if st is not None and not st.admitted:
+                st.admitted = True
+                if self.events.active:
+                    self.events.emit("admitted", req.rid, cached_tokens=req.cached_tokens)
+
+    def publish_finished(self, req: Request) -> None:
+        """Once per request, whichever path ended it."""
+        st = self.streams.get(req.rid)
+        if st is None or st.finish_published:
+            return
+        st.finish_published = True
+        if self.events.active:
+            self.events.emit(
+                "finished", req.rid, reason=req.finish_reason, prompt_tokens=len(req.prompt_ids),
+                completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens,
+            )
+
+    def fail(self, req: Request, exc: BaseException) -> None:
+        """Deliver `exc` to the request's consumer (its stream raises it)."""
+        self.publish_finished(req)
+        st = self.streams.get(req.rid)
+        if st is not None:
+            st.queue.put_nowait(exc)
+
+    def fail_all(self, exc: BaseException) -> None:
+        for st in self.streams.values():
+            self.publish_finished(st.req)
+            st.queue.put_nowait(exc)

@@ -1,0 +1,101 @@
+"""Prefix reuse as the scheduler sees it: the one place that turns a request into prefix
+cache calls (cache/prefix_cache.py) and writes the results back into request fields.
+
+NOTE: page ownership (invariant 3). A request's `pages` list is its KV in order; the
+first `req.shared_pages` of them belong to the cache (shared, kept alive by the lock on
+`req.cache_handle`), the rest belong to the request alone and are freed by it exactly
+once. free + cached pages + request-owned pages == all usable pages, at every step.
+"""
+
+from __future__ import annotations
+
+from cache.allocator import PageAllocator
+from cache.prefix_cache import MatchResult, PrefixCache
+from cache.req_table import ReqToTokenTable
+from kernel.request import Request
+
+
+class PrefixReuse:
+    """Match on admission, cache computed pages after every prefill chunk, release on
+    finish/abort/retraction/error. Owns the engine-wide hit counters (in tokens)."""
+
+    def __init__(self, cache: PrefixCache, allocator: PageAllocator, req_table: ReqToTokenTable) -> None:
+        self.cache = cache
+        self.allocator = allocator
+        self.req_table = req_table
+        self.page_size = cache.page_size
+        self.query_tokens = 0  # prompt tokens looked up on admission
+        self.hit_tokens = 0  # of which served from the cache
+
+    @property
+    def reuses(self) -> bool:
+        return self.cache.reuses
+
+    @property
+    def evictable_pages(self) -> int:
+        return self.cache.evictable_pages
+
+    def evict(self, num_pages: int) -> None:
+        self.cache.evict(num_pages)
+
+    def probe(self, req: Request) -> MatchResult:
+        """The cached prefix of `req` without using, locking or counting it."""
+        return self.cache.match(self._matchable(req), req.namespace, touch=False)
+
+    def match(self, req: Request) -> None:
+        """On admission, before any page is allocated: reuse the longest cached prefix."""
+        assert not req.pages and req.row is not None and req.cache_handle is None
+        result = self.cache.match(self._matchable(req), req.namespace, priority=req.priority)
+        # Prompt tokens served from the cache (what usage reports; a readmitted request
+        # may also resume tokens it generated itself before its retraction).
+        req.cached_tokens = min(result.length, len(req.prompt_ids))
+        if result.length == 0:
+            return
+        self.cache.lock(result.node)
+        req.cache_handle = result.node
+        req.pages = list(result.pages)
+        req.shared_pages = len(result.pages)
+        req.kv_len = result.length
+        self.req_table.write_pages(req.row, 0, req.pages, self.page_size)
+
+    def count_admission(self, req: Request) -> None:
+        """Count an admission whose first chunk is planned (a refused one is not)."""
+        self.query_tokens += req.total_len
+        self.hit_tokens += req.kv_len
+
+    def _matchable(self, req: Request) -> list[int]:
+        # At least one token must be computed to sample from: cap below the last token.
+        usable = (req.total_len - 1) // self.page_size * self.page_size
+        return req.token_slice(0, usable)
+
+    def cache_computed(self, req: Request) -> None:
+        """Offer the request's computed whole pages to the cache; the request then points
+        at the cache's copy of any page the cache already had, and frees its own."""
+        full = req.kv_len // self.page_size
+        if not self.cache.reuses or full <= req.shared_pages:
+            return
+        assert req.row is not None
+        mine = req.pages[:full]
+        result = self.cache.insert(req.token_slice(0, full * self.page_size), mine, req.namespace, req.priority)
+        dupes = result.duplicates(mine)
+        if dupes:
+            # Another request cached the same pages first: point at the cache's copy and
+            # free ours (they are ours alone, so exactly once).
+            req.pages[:full] = result.pages
+            self.req_table.write_pages(req.row, 0, req.pages[:full], self.page_size)
+            self.allocator.free(dupes)
+        self.cache.lock(result.node)
+        if req.cache_handle is not None:
+            self.cache.unlock(req.cache_handle)
+        req.cache_handle = result.node
+        req.shared_pages = full
+
+    def release(self, req: Request) -> None:
+        """Give back every page the request owns; computed whole pages stay cached
+        (not after a failed step: its KV may be incomplete)."""
+        if req.row is not None and req.error is None:
+            self.cache_computed(req)
+        self.allocator.free(req.pages[req.shared_pages :])
+        if req.cache_handle is not None:
+            self.cache.unlock(req.cache_handle)
+        req.pages, req.shared_pages, req.cache_handle = [], 0, None

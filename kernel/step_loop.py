@@ -1,0 +1,151 @@
+"""The step loop: plan, submit, emit the previous step, await, apply — forever.
+
+Step N+1 is planned and submitted as soon as step N's tokens are applied, and only
+then is step N's output detokenized and streamed, so text work overlaps the forward.
+Planning waits for N's ids because a finish or a retraction changes the next plan.
+
+NOTE: the loop must never die silently. A failed device step fails only its own
+requests; anything else that raises here (a planner bug, a double free, a broken
+invariant) halts the engine: every client gets the error, new work is refused, and
+`halt_reason` says why (the HTTP layer turns it into 503s and a health gauge).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+from gpu.device_thread import DeviceThread
+from gpu.forward_batch import ForwardBatch, PrefillChunk, SampledToken, SamplingRow
+from gpu.model_runner import ModelRunner
+from kernel.output import OutputProcessor
+from kernel.request import Request
+from kernel.scheduler import Scheduler, StepPlan
+
+log = structlog.get_logger("tierserve")
+
+class StepLoop:
+    def __init__(
+        self, scheduler: Scheduler, device_thread: DeviceThread, runner: ModelRunner, output: OutputProcessor,
+        check_invariants: bool, halt: Callable[[BaseException], None],
+    ) -> None:
+        self.scheduler = scheduler
+        self.device_thread = device_thread
+        self.runner = runner
+        self.output = output
+        self.check_invariants = check_invariants
+        self.halt = halt
+        self.wake = asyncio.Event()
+        self.steps = 0
+
+    async def run(self) -> None:
+        try:
+            await self._loop()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            log.exception("step_loop_died")
+            self.halt(exc)
+
+    async def _loop(self) -> None:
+        emit_next: list[Request] = []
+        while True:
+            plan = self.plan()
+            step = self.submit(plan)
+            self.output.emit(emit_next)  # overlaps with the step in flight
+            emit_next = []
+            if step is None:
+                await self.idle(plan)
+                continue
+            assert plan is not None
+            sampled = await self.await_step(plan, step)
+            if sampled is None:
+                continue
+            emit_next = self.apply(plan, sampled)
+            self.check()
+
+    def plan(self) -> StepPlan | None:
+        if not self.scheduler.has_work():
+            return None
+        plan = self.scheduler.schedule()
+        if self.output.events.active:
+            for req in plan.retracted:
+                self.output.events.emit("retracted", req.rid)
+            self.output.publish_admitted(c.req for c in plan.chunks)
+        return plan
+
+    def submit(self, plan: StepPlan | None) -> asyncio.Future[Any] | None:
+        if plan is None or not plan.chunks:
+            return None
+        batch = build_forward_batch(plan)
+        return self.device_thread.submit(lambda: self.runner.run(batch))
+
+    async def idle(self, plan: StepPlan | None) -> None:
+        if plan is not None and self.scheduler.has_work():
+            await asyncio.sleep(0.001)  # nothing runnable yet; do not spin hot
+            return
+        self.wake.clear()
+        await self.wake.wait()
+
+    async def await_step(self, plan: StepPlan, step: asyncio.Future[Any]) -> list[SampledToken] | None:
+        """The step's tokens; None if it failed (its requests are failed, the engine goes on)."""
+        try:
+            return await step  # type: ignore[no-any-return]
+        except Exception as exc:
+            log.exception("step_failed")
+            self.fail(plan, exc)
+            return None
+
+    def apply(self, plan: StepPlan, sampled: list[SampledToken]) -> list[Request]:
+        """Record the step; returns the requests whose output to emit next."""
+        produced = self.scheduler.apply(plan, sampled)
+        seen = {id(r) for r in produced}  # finished without a token: emit their end too
+        produced += [c.req for c in plan.chunks if c.req.finished and id(c.req) not in seen]
+        self.steps += 1
+        return produced
+
+    def check(self) -> None:
+        if self.check_invariants:
+            # A broken invariant means cached KV can no longer be trusted: raising here
+            # halts the engine loudly (see `run`).
+            self.scheduler.check_integrity()
+
+    def fail(self, plan: StepPlan, exc: Exception) -> None:
+        for chunk in plan.chunks:
+            req = chunk.req
+            req.inflight = False
+            if not req.finished:
+                req.finish("error")
+                req.error = str(exc)
+            self.scheduler.release(req)
+            self.output.fail(req, RuntimeError(f"step failed: {exc}"))
+
+
+def build_forward_batch(plan: StepPlan) -> ForwardBatch:
+    """The device's copy of a plan: token ids and sampling settings as plain values."""
+    chunks, sampling = [], []
+    for i, ch in enumerate(plan.chunks):
+        req = ch.req
+        assert req.row is not None
+        chunks.append(PrefillChunk(tuple(req.token_slice(ch.start, ch.start + ch.length)), req.row, ch.start))
+        if ch.samples:
+            sampling.append((i, sampling_row(req)))
+    return ForwardBatch.build(chunks, sampling)
+
+
+def sampling_row(req: Request) -> SamplingRow:
+    p = req.params
+    row = SamplingRow(
+        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
+        frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
+        repetition_penalty=p.repetition_penalty, top_logprobs_num=p.top_logprobs_num,
+        seed=req.seed, step=len(req.output_ids),
+    )
+    if not row.needs_history:
+        return row
+    # A snapshot: the loop appends to output_ids while this step may still be running.
+    return dataclasses.replace(row, prompt_ids=tuple(req.prompt_ids), output_ids=tuple(req.output_ids))
