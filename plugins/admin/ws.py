@@ -64,9 +64,11 @@ import orjson
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from kernel.async_engine import AsyncEngine
-from plugins.admin.auth import Verdict, judge, key_matches, refusal
+from plugins.admin.auth import Verdict, judge, refusal
 from plugins.admin.messages import COMMANDS, Command, Message, ProtocolError
 from plugins.admin.session import AdminSession, close_socket, parse
+from plugins.bearer import key_matches
+from plugins.jsonio import JSONBodyError, decode_object, json_response
 
 AUTH_TIMEOUT_S = 10.0
 DEFAULT_QUEUE_SIZE = 1024
@@ -161,14 +163,6 @@ async def request_body(request: web.Request) -> Message:
     if not request.can_read_body:
         return {}
     try:
-        body = orjson.loads(await request.read())
-    except orjson.JSONDecodeError as exc:
-        raise ProtocolError(f"malformed JSON body: {exc}") from None
-    if not isinstance(body, dict):
-        raise ProtocolError("the body must be a JSON object")
-    return body
-
-
-def json_response(obj: Message, status: int = 200) -> web.Response:
-    # orjson, like the socket: snapshots of big trees are the largest replies.
-    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
+        return decode_object(await request.read())
+    except JSONBodyError as exc:
+        raise ProtocolError(f"the body: {exc}") from None
