@@ -20,17 +20,18 @@ answered with `{"type": "error", "message": "..."}`; the socket stays open.
   object per radix-tree node, root first: `id`, `parent`, `num_tokens`, `num_pages`,
   `lock_ref`, `hit_count`, `last_access` (the tree's logical clock), `priority`, `tier`,
   `namespace`, `state_slot`. Empty with `cache.prefix: none`.
-- `{"type": "stats"}` → `pages` {usable, free, cached, evictable, held}, `requests`
-  {waiting, running}, `idle`, `counters` {steps, prompt_tokens, generation_tokens},
-  `cache` (prefix query/hit tokens, cached/evictable pages), `num_retractions`,
-  `policies` {schedule, evict}.
+- `{"type": "stats"}` → `engine.stats()` as it is: `pages` {usable, free, cached,
+  evictable, held}, `requests` {waiting, running}, `idle`, `counters` {steps,
+  prompt_tokens, generation_tokens}, `cache` (prefix query/hit tokens, cached/evictable
+  pages), `num_retractions`, `policies` {schedule, evict}, `halt_reason` (null while the
+  step loop runs).
 - `{"type": "flush"}` → `{"type": "flush", "ok", "reason"}`: empties the prefix cache;
   refused (ok false) while requests are in flight.
 - `{"type": "set_policy", "kind": "evict" | "schedule", "name": "lru"}` → `{"type":
   "set_policy", "ok": true, "kind", "name"}`; takes effect from the next step. Only
   registered names; an unknown one gets an error listing the known ones.
 - `{"type": "check"}` → `{"type": "check", "ok": true}` or `{"ok": false, "message"}`:
-  runs the scheduler's and the tree's integrity checks now.
+  runs the engine's integrity check (scheduler and tree) now.
 - `{"type": "subscribe"}` → `{"type": "subscribe", "ok": true}`, then pushes:
   `{"type": "kv_event", "event": "BlockStored", "block_hashes", "parent_block_hash",
   "token_ids", "block_size", "lora_id", "medium"}`, `{"type": "kv_event", "event":
