@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -13,6 +13,7 @@ from kernel.async_engine import AsyncEngine
 from kernel.config import Config
 from kernel.sampling_params import SamplingParams
 from plugins.http.errors import APIError
+from plugins.http.protocol import Prompt
 from plugins.http.submission import Submission, submit
 
 
@@ -34,7 +35,7 @@ class ServerState:
 
     @asynccontextmanager
     async def generation(
-        self, requests: Sequence[tuple[str | list[int], SamplingParams]], names: dict[str, str],
+        self, requests: Sequence[tuple[Prompt, SamplingParams]], names: Mapping[str, str],
     ) -> AsyncIterator[Submission]:
         """Queue `requests` (all or none); on exit, whatever still runs is aborted."""
         engine = self.require_engine()

@@ -10,11 +10,12 @@ handler), a drain timeout and a failed batch admission all clean up the same way
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 
-from kernel.async_engine import AsyncEngine, OutputChunk
-from kernel.sampling_params import SamplingParams
-from plugins.http.errors import APIError, from_value_error
+from kernel.async_engine import AsyncEngine, EngineInfo, OutputChunk, RequestError
+from kernel.sampling_params import SamplingParams, SamplingParamsError
+from plugins.http.errors import APIError, bad_request, client_words, sampling_error
+from plugins.http.protocol import Prompt
 
 _SHUTDOWN = "shutdown"
 
@@ -46,7 +47,6 @@ class Submission:
                 raise APIError(503, "the server is shutting down; generation was aborted", code="shutdown")
             if isinstance(item, BaseException):
                 raise APIError(500, f"generation failed: {item}") from item
-            assert isinstance(item, OutputChunk)
             if item.finished:
                 remaining -= 1
             yield index, item
@@ -69,23 +69,49 @@ class Submission:
 
 
 async def submit(
-    engine: AsyncEngine, requests: Sequence[tuple[str | list[int], SamplingParams]],
-    names: dict[str, str], max_queued: int,
+    engine: AsyncEngine, requests: Sequence[tuple[Prompt, SamplingParams]],
+    names: Mapping[str, str], max_queued: int,
 ) -> Submission:
     """Queue every request or none: a refused one rolls back those already queued."""
-    queued = len(engine.scheduler.waiting) + len(engine.scheduler.running)
+    queued = engine.num_requests()
     if queued + len(requests) > max_queued:
         raise APIError(
             429, f"the server queue is full ({queued} requests, limit {max_queued}); retry later",
             code="queue_full", headers={"Retry-After": "1"},
         )
     rids: list[str] = []
-    try:
-        for prompt, params in requests:
+    for prompt, params in requests:
+        try:
             rids.append(engine.add_request(prompt, params))
-    except ValueError as exc:
-        for rid in rids:
-            engine.abort(rid)  # synchronous: out of the waiting queue before any step
-        await Submission(engine, rids).close()
-        raise from_value_error(exc, names) from None
+        except (RequestError, SamplingParamsError) as exc:
+            for rid in rids:
+                engine.abort(rid)  # synchronous: out of the waiting queue before any step
+            await Submission(engine, rids).close()
+            raise refusal(engine, exc, prompt, params, names) from None
     return Submission(engine, rids)
+
+
+def refusal(
+    engine: AsyncEngine, exc: RequestError | SamplingParamsError, prompt: Prompt, params: SamplingParams,
+    names: Mapping[str, str],
+) -> APIError:
+    """The HTTP answer to a request `add_request` refused, decided by type, not text."""
+    if isinstance(exc, SamplingParamsError):
+        return sampling_error(exc, names)
+    overflow = prompt_tokens(engine, prompt) + params.max_new_tokens > token_limit(engine.info)
+    return bad_request(
+        client_words(str(exc), names), param="prompt",
+        code="context_length_exceeded" if overflow else None,
+    )
+
+
+def token_limit(info: EngineInfo) -> int:
+    """Prompt + output tokens one request may have: the context, or the KV pool if smaller."""
+    return min(info.context_length, info.pool_tokens)
+
+
+def prompt_tokens(engine: AsyncEngine, prompt: Prompt) -> int:
+    """How many tokens `prompt` is (tokenized again only on this refusal path)."""
+    if isinstance(prompt, list):
+        return len(prompt)
+    return len(engine.tokenizer.encode(prompt)) if engine.tokenizer is not None else 0
