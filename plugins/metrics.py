@@ -1,7 +1,8 @@
 """Prometheus metrics at `GET /metrics`, from one `CollectorRegistry` per engine.
 
-Token and cache counters, queue lengths and pool usage are read from `engine.stats()`
-at scrape time (a custom collector), so they are exact and cost nothing between scrapes.
+Token and cache counters, queue lengths, pool usage and engine health
+(`tierserve_engine_healthy`) are read from `engine.stats()` at scrape time (a custom
+collector), so they are exact and cost nothing between scrapes.
 Latency histograms and the per-finish-reason request counter are fed by the engine's
 lifecycle events. Prefix-cache counters are in tokens with a `tier` label (only
 `device` so far): rates and hit ratios are the reader's to compute, per the
@@ -82,6 +83,10 @@ def counters(stats: dict[str, Any]) -> Iterable[Metric]:
 
 def gauges(stats: dict[str, Any]) -> Iterable[Metric]:
     pages, requests = stats["pages"], stats["requests"]
+    yield GaugeMetricFamily(
+        "tierserve_engine_healthy", "1 while the step loop runs, 0 once it has halted (see /health).",
+        0 if stats["halt_reason"] is not None else 1,
+    )
     yield GaugeMetricFamily("tierserve_running_requests", "Admitted requests.", requests["running"])
     yield GaugeMetricFamily("tierserve_queued_requests", "Requests waiting for admission.", requests["waiting"])
     yield GaugeMetricFamily(

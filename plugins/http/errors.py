@@ -55,6 +55,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+def halted(reason: str) -> APIError:
+    """The engine's step loop has stopped for good: nothing more will be generated."""
+    return APIError(503, f"the engine has halted: {reason}", code="engine_halted")
+
+
 def client_words(message: str, names: Mapping[str, str]) -> str:
     """An engine message in the client's words.
 

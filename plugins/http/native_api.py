@@ -9,7 +9,7 @@ from aiohttp import web
 
 from kernel.sampling_params import SamplingParams, SamplingParamsError
 from plugins.http.choice import collect_choices, new_choices
-from plugins.http.errors import APIError, bad_request, sampling_error
+from plugins.http.errors import APIError, bad_request, halted, sampling_error
 from plugins.http.protocol import Prompt, get_bool, read_body
 from plugins.http.sse import EventStream
 from plugins.http.state import state_of
@@ -88,7 +88,10 @@ async def _stream(
 
 
 async def health(request: web.Request) -> web.Response:
+    """200 {"status": "ok"}; 503 while starting or draining, and an error once halted."""
     state = state_of(request)
+    if state.engine is not None and state.engine.halt_reason is not None:
+        raise halted(state.engine.halt_reason)  # the reason, for whoever reads the probe
     status = "draining" if state.draining else "starting" if state.engine is None else "ok"
     return json_response({"status": status}, status=200 if status == "ok" else 503)
 
@@ -113,7 +116,8 @@ def pool_summary(stats: dict[str, Any]) -> dict[str, int]:
 
 
 async def server_info(request: web.Request) -> web.Response:
-    """Config (without keys), pool usage and counters; answered while draining too."""
+    """Config (without keys), pool usage, counters and health; answered while draining
+    or halted too, since that is when an operator looks."""
     state = state_of(request)
     if state.engine is None:
         raise APIError(503, "the server is starting; the model is still loading", code="starting")
@@ -129,6 +133,7 @@ async def server_info(request: web.Request) -> web.Response:
         "num_pages": engine.info.num_pages,
         "page_size": engine.info.page_size,
         "draining": state.draining,
+        "halt_reason": stats["halt_reason"],
         "pool": pool_summary(stats),
         "cache": stats["cache"],
         "counters": stats["counters"],

@@ -12,7 +12,7 @@ from aiohttp import web
 from kernel.async_engine import AsyncEngine
 from kernel.config import Config
 from kernel.sampling_params import SamplingParams
-from plugins.http.errors import APIError
+from plugins.http.errors import APIError, halted
 from plugins.http.protocol import Prompt
 from plugins.http.submission import Submission, submit
 
@@ -26,11 +26,13 @@ class ServerState:
     live: set[Submission] = field(default_factory=set)
 
     def require_engine(self) -> AsyncEngine:
-        """The engine, or 503 while it loads or the server drains."""
+        """The engine, or 503 while it loads, once it has halted, or while the server drains."""
         if self.draining:
             raise APIError(503, "the server is shutting down", code="draining")
         if self.engine is None:
             raise APIError(503, "the server is starting; the model is still loading", code="starting")
+        if self.engine.halt_reason is not None:
+            raise halted(self.engine.halt_reason)
         return self.engine
 
     @asynccontextmanager
