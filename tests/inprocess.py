@@ -32,13 +32,8 @@ async def serve_engine(
     engine = await AsyncEngine.create(None, config)
     app = web.Application(middlewares=middlewares)
     mount(app, engine)
-    client: Client = TestClient(TestServer(app))
-    await client.start_server()
-    try:
+    async with _serving(app, engine) as client:
         yield engine, client
-    finally:
-        await client.close()
-        await engine.shutdown()
 
 
 @asynccontextmanager
@@ -49,10 +44,17 @@ async def serve_http(folder: str, overrides: dict[str, Any] | None = None) -> As
     engine = await AsyncEngine.create(config)
     app = build_app(ServerState(config, engine=engine))
     app[ENGINE_ROUTES].bind(engine)
-    client: Client = TestClient(TestServer(app))
-    await client.start_server()
-    try:
+    async with _serving(app, engine) as client:
         yield engine, client
+
+
+@asynccontextmanager
+async def _serving(app: web.Application, engine: AsyncEngine) -> AsyncIterator[Client]:
+    """A test client on `app`; on exit the client closes, then the engine shuts down."""
+    client: Client = TestClient(TestServer(app))
+    try:
+        await client.start_server()
+        yield client
     finally:
         await client.close()
         await engine.shutdown()

@@ -90,21 +90,15 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     engine = state.require_engine()
     body = await read_body(request)
     req = parse_chat(body, engine)
-    reply = ChatReply(engine, req)
+    reply = ChatReply(engine, req.n, req.include_usage, req.logprobs)
     async with state.generation(expand([req.prompt_ids], req.params, req.n), names_of(body)) as sub:
-        if req.stream:
-            return await reply.stream(request, sub)
-        return await reply.collect(sub)
+        return await reply.respond(request, sub, req.stream)
 
 
 class ChatReply(Reply):
     """Chat shapes: a `message` per choice; stream deltas open with the assistant role."""
 
     id_prefix, whole_object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
-
-    def __init__(self, engine: AsyncEngine, req: ChatRequest) -> None:
-        super().__init__(engine, req.n, req.include_usage)
-        self.want_logprobs = req.logprobs
 
     def _logprobs(self, ids: list[int], lps: list[float], tops: list[Any]) -> dict[str, Any] | None:
         return chat_logprobs(self.names, ids, lps, tops) if self.want_logprobs else None

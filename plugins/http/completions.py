@@ -64,9 +64,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     req = parse_completion(await read_body(request), engine)
     reply = CompletionReply(engine, req)
     async with state.generation(expand(req.prompts, req.params, req.n), NAMES) as sub:
-        if req.stream:
-            return await reply.stream(request, sub)
-        return await reply.collect(sub)
+        return await reply.respond(request, sub, req.stream)
 
 
 def _prompt_text(engine: AsyncEngine, prompt: Prompt) -> str:
@@ -81,8 +79,7 @@ class CompletionReply(Reply):
     id_prefix, whole_object, chunk_object = "cmpl", "text_completion", "text_completion"
 
     def __init__(self, engine: AsyncEngine, req: CompletionRequest) -> None:
-        super().__init__(engine, req.n, req.include_usage)
-        self.want_logprobs = req.logprobs
+        super().__init__(engine, req.n, req.include_usage, req.logprobs)
         # What each choice's text starts with (echo), and its next logprob text offset.
         self.prefix = [_prompt_text(engine, p) if req.echo else "" for p in req.prompts for _ in range(req.n)]
         self.offset = [len(p) for p in self.prefix]

@@ -32,9 +32,10 @@ class Reply(ABC):
     whole_object: ClassVar[str]  # the `object` of the whole response
     chunk_object: ClassVar[str]  # ... and of each stream chunk
 
-    def __init__(self, engine: AsyncEngine, n: int, include_usage: bool) -> None:
+    def __init__(self, engine: AsyncEngine, n: int, include_usage: bool, want_logprobs: bool) -> None:
         self.n = n  # choices per prompt: usage counts each prompt once
         self.include_usage = include_usage
+        self.want_logprobs = want_logprobs
         self.names = TokenNames(engine.tokenizer)
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -54,6 +55,9 @@ class Reply(ABC):
 
     def head(self, obj: str) -> JSON:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    async def respond(self, request: web.Request, sub: Submission, stream: bool) -> web.StreamResponse:
+        return await self.stream(request, sub) if stream else await self.collect(sub)
 
     async def collect(self, sub: Submission) -> web.Response:
         choices = await collect_choices(sub)
