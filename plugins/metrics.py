@@ -1,7 +1,8 @@
 """Prometheus metrics at `GET /metrics`, from one `CollectorRegistry` per engine.
 
-Token and cache counters, queue lengths and pool usage are read from the engine at
-scrape time (a custom collector), so they are exact and cost nothing between scrapes.
+Token and cache counters, queue lengths, pool usage and engine health
+(`tierserve_engine_healthy`) are read from `engine.stats()` at scrape time (a custom
+collector), so they are exact and cost nothing between scrapes.
 Latency histograms and the per-finish-reason request counter are fed by the engine's
 lifecycle events. Prefix-cache counters are in tokens with a `tier` label (only
 `device` so far): rates and hit ratios are the reader's to compute, per the
@@ -11,6 +12,7 @@ architecture page, instead of a gauge each batch overwrites.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -48,48 +50,51 @@ def add_metrics_route(app: web.Application, engine: AsyncEngine) -> None:
 
 
 class EngineCollector(Collector):
-    """Reads the engine's own counters and pool state at each scrape."""
+    """Reads `engine.stats()` once per scrape: the engine does the accounting."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
 
     def collect(self) -> Iterable[Metric]:
-        yield from self.collect_counters()
-        yield from self.collect_gauges()
+        stats = self.engine.stats()
+        yield from counters(stats)
+        yield from gauges(stats)
 
-    def collect_counters(self) -> Iterable[Metric]:
-        counters, cache = self.engine.counters, self.engine.cache_stats()
-        yield CounterMetricFamily(
-            "tierserve_prompt_tokens", "Prompt tokens of accepted requests.", counters["prompt_tokens"]
-        )
-        yield CounterMetricFamily(
-            "tierserve_generation_tokens", "Generated tokens.", counters["generation_tokens"]
-        )
-        yield tier_counter(
-            "tierserve_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache.",
-            cache["prefix_query_tokens"],
-        )
-        yield tier_counter(
-            "tierserve_prefix_cache_hits_tokens", "Prompt tokens served from the prefix cache.",
-            cache["prefix_hit_tokens"],
-        )
-        yield CounterMetricFamily(
-            "tierserve_retractions", "Running requests sent back to the queue for lack of pages.",
-            self.engine.scheduler.num_retractions,
-        )
 
-    def collect_gauges(self) -> Iterable[Metric]:
-        sched = self.engine.scheduler
-        alloc = sched.allocator
-        cached = self.engine.cache_stats()["cached_pages"]
-        yield GaugeMetricFamily("tierserve_running_requests", "Admitted requests.", len(sched.running))
-        yield GaugeMetricFamily("tierserve_queued_requests", "Requests waiting for admission.", len(sched.waiting))
-        yield GaugeMetricFamily(
-            "tierserve_kv_pages_used", "KV pages in use (by requests or the prefix cache).",
-            alloc.num_usable - alloc.num_free,
-        )
-        yield GaugeMetricFamily("tierserve_kv_pages_total", "Usable KV pages.", alloc.num_usable)
-        yield GaugeMetricFamily("tierserve_kv_pages_cached", "KV pages owned by the prefix cache.", cached)
+def counters(stats: dict[str, Any]) -> Iterable[Metric]:
+    tokens, cache = stats["counters"], stats["cache"]
+    yield CounterMetricFamily(
+        "tierserve_prompt_tokens", "Prompt tokens of accepted requests.", tokens["prompt_tokens"]
+    )
+    yield CounterMetricFamily("tierserve_generation_tokens", "Generated tokens.", tokens["generation_tokens"])
+    yield tier_counter(
+        "tierserve_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache.",
+        cache["prefix_query_tokens"],
+    )
+    yield tier_counter(
+        "tierserve_prefix_cache_hits_tokens", "Prompt tokens served from the prefix cache.",
+        cache["prefix_hit_tokens"],
+    )
+    yield CounterMetricFamily(
+        "tierserve_retractions", "Running requests sent back to the queue for lack of pages.",
+        stats["num_retractions"],
+    )
+
+
+def gauges(stats: dict[str, Any]) -> Iterable[Metric]:
+    pages, requests = stats["pages"], stats["requests"]
+    yield GaugeMetricFamily(
+        "tierserve_engine_healthy", "1 while the step loop runs, 0 once it has halted (see /health).",
+        0 if stats["halt_reason"] is not None else 1,
+    )
+    yield GaugeMetricFamily("tierserve_running_requests", "Admitted requests.", requests["running"])
+    yield GaugeMetricFamily("tierserve_queued_requests", "Requests waiting for admission.", requests["waiting"])
+    yield GaugeMetricFamily(
+        "tierserve_kv_pages_used", "KV pages in use (by requests or the prefix cache).",
+        pages["usable"] - pages["free"],
+    )
+    yield GaugeMetricFamily("tierserve_kv_pages_total", "Usable KV pages.", pages["usable"])
+    yield GaugeMetricFamily("tierserve_kv_pages_cached", "KV pages owned by the prefix cache.", pages["cached"])
 
 
 def tier_counter(name: str, doc: str, value: float) -> CounterMetricFamily:

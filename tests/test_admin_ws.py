@@ -135,7 +135,7 @@ async def test_set_policy_switches_and_rejects_unknown(tiny_chat_folder: str) ->
         assert reply == {"type": "set_policy", "ok": True, "kind": "evict", "name": "lfu"}
         await ask(ws, {"type": "set_policy", "kind": "schedule", "name": "lpm"})
         assert (await ask(ws, {"type": "stats"}))["policies"] == {"schedule": "lpm", "evict": "lfu"}
-        assert type(engine.scheduler.policy).__name__ == "LongestPrefixMatch"
+        assert engine.policies() == {"schedule": "lpm", "evict": "lfu"}
         await engine.generate(PROMPT_A, GREEDY)  # still serves after the switch
 
         bad = await ask(ws, {"type": "set_policy", "kind": "evict", "name": "mru"})

@@ -6,10 +6,13 @@ import asyncio
 from typing import Any
 
 import aiohttp
+import openai
 import orjson
+import pytest
 import requests
 
-from tests.test_http_fixtures import ServerProcess, assert_error, post
+from tests.inprocess import serve_http
+from tests.test_http_fixtures import GOOD, MAX_QUEUED, InFlight, ServerProcess, assert_error, post
 
 pytest_plugins = ["tests.test_http_fixtures"]
 
@@ -66,7 +69,8 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     ("/v1/no-such-route", {}, 404, None),
 ]
 
-GOOD = {"prompt": "A long story:", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+ERROR_FIELDS = {"message", "type", "param", "code"}
+KEY = "sekret"
 
 
 async def _send(session: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, dict[str, Any]]:
@@ -75,27 +79,79 @@ async def _send(session: aiohttp.ClientSession, url: str, body: Any) -> tuple[in
         return resp.status, await resp.json(content_type=None)
 
 
-async def _stream_text(session: aiohttp.ClientSession, url: str) -> str:
-    text = []
-    async with session.post(url, json={**GOOD, "stream": True}) as resp:
-        assert resp.status == 200
-        async for line in resp.content:
-            if line.startswith(b"data: {"):
-                text += [c["text"] for c in orjson.loads(line[6:])["choices"]]
-    return "".join(text)
-
-
 async def test_bad_requests_are_400s_and_good_ones_unaffected(server: ServerProcess) -> None:
     expected = post(server, C, GOOD).json()["choices"][0]["text"]
-    async with aiohttp.ClientSession() as session:
-        good = asyncio.ensure_future(_stream_text(session, server.url + C))
+    async with aiohttp.ClientSession() as session, InFlight(server.url + C) as good:
         results = await asyncio.gather(*(_send(session, server.url + path, body) for path, body, _, _ in BAD))
-        assert await good == expected
+        # Every refusal was answered while the good request was still generating.
+        assert server.info()["pool"]["running"] == 1 and not good.finished
+        assert await good.text() == expected
     for (path, body, status, param), (got, err) in zip(BAD, results):
         assert got == status, (path, body, err)
         assert set(err) == {"error"} and set(err["error"]) == {"message", "type", "param", "code"}, err
         if param is not None:
             assert err["error"]["param"] == param, (body, err)
+
+
+def assert_openai_error(exc: openai.APIStatusError, status: int, code: str, kind: str) -> None:
+    """What the official client parsed out of one of our error objects."""
+    assert exc.status_code == status and exc.code == code and exc.type == kind, (exc.status_code, exc.body)
+    assert isinstance(exc.body, dict) and set(exc.body) == ERROR_FIELDS, exc.body
+    assert exc.body["message"] and exc.body["message"] in exc.message
+
+
+async def test_status_errors_parse_in_the_openai_client_while_one_generates(server: ServerProcess) -> None:
+    """Context overflow, unknown model and route, wrong method, full queue, oversized
+    body: each an OpenAI error the client maps to its type, none disturbing a request
+    that is generating meanwhile."""
+    expected = post(server, C, GOOD).json()["choices"][0]["text"]
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    async with InFlight(server.url + C) as good:
+        name = (await client.models.list()).data[0].id
+        with pytest.raises(openai.BadRequestError) as overflow:
+            await client.completions.create(model=name, prompt="x", max_tokens=2048)
+        assert_openai_error(overflow.value, 400, "context_length_exceeded", "invalid_request_error")
+        assert overflow.value.param == "prompt" and "max_tokens" in overflow.value.message
+        with pytest.raises(openai.NotFoundError) as no_model:
+            await client.models.retrieve("no-such-model")
+        assert_openai_error(no_model.value, 404, "model_not_found", "invalid_request_error")
+        assert no_model.value.param == "model"
+        with pytest.raises(openai.NotFoundError) as no_route:
+            await client.post("/no-such-route", cast_to=object, body={})
+        assert_openai_error(no_route.value, 404, "not_found", "invalid_request_error")
+        with pytest.raises(openai.APIStatusError) as wrong_method:
+            await client.get("/completions", cast_to=object)
+        assert_openai_error(wrong_method.value, 405, "method_not_allowed", "invalid_request_error")
+        with pytest.raises(openai.RateLimitError) as full:  # the good one + MAX_QUEUED > the limit
+            await client.completions.create(model=name, prompt=["x"] * MAX_QUEUED, max_tokens=1)
+        assert_openai_error(full.value, 429, "queue_full", "rate_limit_error")
+        assert full.value.response.headers["Retry-After"] == "1"
+        with pytest.raises(openai.APIStatusError) as too_big:
+            await client.completions.create(model=name, prompt="x" * (9 << 20), max_tokens=1)
+        assert_openai_error(too_big.value, 413, "request_too_large", "invalid_request_error")
+        assert server.info()["pool"]["running"] == 1 and not good.finished
+        assert await good.text() == expected
+    await client.close()
+
+
+async def test_wrong_api_key_is_401_while_a_keyed_request_generates(tiny_chat_folder: str) -> None:
+    async with serve_http(tiny_chat_folder, {"server.api_key": KEY}) as (engine, http):
+        base = str(http.make_url("/v1"))
+        auth = {"Authorization": f"Bearer {KEY}"}
+        expected = (await (await http.post(C, json=GOOD, headers=auth)).json())["choices"][0]["text"]
+        wrong = openai.AsyncOpenAI(base_url=base, api_key="wrong", max_retries=0)
+        name = engine.info.model_name
+        async with InFlight(base + "/completions", headers=auth) as good:
+            with pytest.raises(openai.AuthenticationError) as denied:
+                await wrong.completions.create(model=name, prompt="x", max_tokens=1)
+            assert_openai_error(denied.value, 401, "invalid_api_key", "invalid_request_error")
+            with pytest.raises(openai.AuthenticationError):
+                await wrong.models.list()
+            bare = await http.post(C, json={"prompt": "x"})  # no header at all
+            assert bare.status == 401 and set((await bare.json())["error"]) == ERROR_FIELDS
+            assert engine.stats()["requests"]["running"] == 1 and not good.finished
+            assert await good.text() == expected
+        await wrong.close()
 
 
 def test_unknown_model_code_and_wrong_method(server: ServerProcess) -> None:

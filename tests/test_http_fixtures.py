@@ -7,6 +7,7 @@ every page is free again: no HTTP path may leak a request.
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import socket
 import subprocess
@@ -15,13 +16,17 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
+import aiohttp
+import orjson
 import pytest
 import requests
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_QUEUED = 20
+# A greedy completion long enough (over a second on the tiny model) to outlast a burst of refusals.
+GOOD = {"prompt": "A long story:", "max_tokens": 600, "temperature": 0, "ignore_eos": True}
 
 
 def free_port() -> int:
@@ -129,3 +134,55 @@ def assert_error(resp: requests.Response, status: int, param: str | None = None)
         assert err["param"] == param, err
     return err
 
+
+
+class InFlight:
+    """A streamed completion that is generating while the test does something else.
+
+    `async with InFlight(url) as good:` returns once the first chunk has arrived, so
+    the server is running it; `good.finished` says whether its finish has arrived yet
+    (the stream is read all along), `await good.text()` waits for the whole text.
+    An error event in the stream or a status other than 200 fails `text()`.
+    """
+
+    def __init__(self, url: str, body: dict[str, Any] | None = None, headers: dict[str, str] | None = None) -> None:
+        self.url = url
+        self.body = {**(body or GOOD), "stream": True}
+        self.headers = headers
+        self.finished = False
+        self._texts: list[str] = []
+        self._first = asyncio.Event()
+
+    async def __aenter__(self) -> Self:
+        self._session = aiohttp.ClientSession(headers=self.headers)
+        self._task = asyncio.ensure_future(self._read())
+        first = asyncio.ensure_future(self._first.wait())
+        await asyncio.wait({self._task, first}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+        first.cancel()
+        if self._task.done():
+            self._task.result()  # raises what went wrong
+            raise AssertionError("the good request finished before the test could use it")
+        assert self._first.is_set(), "no first chunk within 30 s"
+        return self
+
+    async def _read(self) -> str:
+        async with self._session.post(self.url, json=self.body) as resp:
+            assert resp.status == 200, await resp.text()
+            async for line in resp.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                event = orjson.loads(line[6:])
+                assert "error" not in event, event
+                for choice in event["choices"]:
+                    self._texts.append(choice["text"])
+                    self.finished = self.finished or choice["finish_reason"] is not None
+                self._first.set()
+        return "".join(self._texts)
+
+    async def text(self) -> str:
+        return await self._task
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._task.cancel()  # a no-op once text() has returned
+        await asyncio.gather(self._task, return_exceptions=True)
+        await self._session.close()

@@ -35,8 +35,8 @@ async def assert_idle(engine: AsyncEngine) -> None:
         if engine.is_idle():
             break
         await asyncio.sleep(0.01)
-    alloc = engine.scheduler.allocator
-    assert engine.is_idle() and alloc.num_free == alloc.num_usable
+    pages = engine.stats()["pages"]
+    assert engine.is_idle() and pages["free"] == pages["usable"]
 
 
 async def test_events_deliver_every_choice(engine: AsyncEngine) -> None:
@@ -51,8 +51,8 @@ async def test_refused_request_rolls_back_the_batch(engine: AsyncEngine) -> None
     with pytest.raises(APIError) as err:
         await submit(engine, [("Hi", SHORT), ([1] * 2046, SHORT)], {"max_new_tokens": "max_tokens"}, 8)
     assert err.value.status == 400 and "max_tokens" in err.value.message
-    assert not engine.scheduler.waiting and not engine.scheduler.running
-    assert engine.counters["generation_tokens"] == 0
+    assert engine.stats()["requests"] == {"waiting": 0, "running": 0}
+    assert engine.stats()["counters"]["generation_tokens"] == 0
     await assert_idle(engine)
 
 
@@ -60,7 +60,7 @@ async def test_queue_limit_counts_the_whole_batch(engine: AsyncEngine) -> None:
     with pytest.raises(APIError) as err:
         await submit(engine, [("Hi", SHORT)] * 3, {}, max_queued=2)
     assert err.value.status == 429 and err.value.headers == {"Retry-After": "1"}
-    assert not engine.scheduler.waiting
+    assert engine.stats()["requests"]["waiting"] == 0
 
 
 async def test_close_right_after_submit_aborts(engine: AsyncEngine) -> None:
@@ -68,7 +68,7 @@ async def test_close_right_after_submit_aborts(engine: AsyncEngine) -> None:
     sub = await submit(engine, [("Hi", LONG)] * 2, {}, max_queued=8)
     await sub.close()
     await assert_idle(engine)
-    assert engine.counters["generation_tokens"] < 900
+    assert engine.stats()["counters"]["generation_tokens"] < 900
 
 
 async def test_drain_aborts_what_outlives_the_grace(engine: AsyncEngine) -> None:

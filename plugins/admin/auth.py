@@ -11,12 +11,14 @@ that check any web page open on this machine could drive the admin socket
 
 from __future__ import annotations
 
-import hmac
 import ipaddress
 from enum import Enum
 from urllib.parse import urlsplit
 
 from aiohttp import web
+
+from plugins.bearer import bearer_token, key_matches
+from plugins.jsonio import json_response
 
 _LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
@@ -43,27 +45,15 @@ def judge(request: web.Request, admin_key: str | None) -> Verdict:
 def refusal(verdict: Verdict) -> web.Response:
     """The HTTP answer to a request that is not ALLOWED (before any upgrade)."""
     if verdict is Verdict.FORBIDDEN:
-        return web.json_response(
+        return json_response(
             {"type": "error", "message": "admin API: loopback clients only (no server.admin_api_key set)"},
             status=403,
         )
-    return web.json_response(
+    return json_response(
         {"type": "error", "message": "admin API: missing or wrong bearer key"},
         status=401,
         headers={"WWW-Authenticate": "Bearer"},
     )
-
-
-def key_matches(given: object, expected: str) -> bool:
-    # Constant-time comparison: the key must not leak through response timing.
-    return isinstance(given, str) and hmac.compare_digest(given.encode(), expected.encode())
-
-
-def bearer_token(header: str | None) -> str | None:
-    if header is None:
-        return None
-    scheme, _, token = header.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else ""
 
 
 def is_loopback(remote: str | None) -> bool:

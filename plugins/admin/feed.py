@@ -12,16 +12,15 @@ from typing import Any
 from cache.kv_events import KVEvent
 from kernel.async_engine import AsyncEngine
 from kernel.events import LifecycleEvent
-from plugins.admin.messages import radix_tree
 
 
 class EventFeed:
     def __init__(self, engine: AsyncEngine, put: Callable[[Any], None]) -> None:
         self._put = put
         self._unsubscribe = [engine.events.subscribe(self._on_request_event)]
-        tree = radix_tree(engine)
-        if tree is not None:
-            self._unsubscribe.append(tree.subscribe(self._on_kv_events))
+        stop_kv = engine.subscribe_kv_events(self._on_kv_events)  # None: no prefix tree
+        if stop_kv is not None:
+            self._unsubscribe.append(stop_kv)
 
     def _on_request_event(self, event: LifecycleEvent) -> None:
         self._put(event)

@@ -12,55 +12,23 @@ from collections.abc import Callable
 from typing import Any
 
 from cache.kv_events import KVEvent
-from cache.prefix_cache import RadixPrefixCache
-from cache.radix_tree import RadixTree
-from kernel import registry
-from kernel.async_engine import AsyncEngine
+from kernel.async_engine import AsyncEngine, PolicyError
 from kernel.events import LifecycleEvent
 
 Message = dict[str, Any]
 Command = Callable[[AsyncEngine, Message], Message]
-
-POLICY_KINDS = ("evict", "schedule")
 
 
 class ProtocolError(ValueError):
     """A message the server understood as malformed; the socket stays open."""
 
 
-def radix_tree(engine: AsyncEngine) -> RadixTree | None:
-    """The engine's prefix tree, or None when `cache.prefix` is `none`."""
-    cache = engine.scheduler.cache
-    return cache.tree if isinstance(cache, RadixPrefixCache) else None
-
-
 def snapshot(engine: AsyncEngine, msg: Message) -> Message:
-    tree = radix_tree(engine)
-    nodes = tree.snapshot() if tree is not None else []
-    return {"type": "snapshot", "page_size": engine.config.cache.page_size, "nodes": nodes}
+    return {"type": "snapshot", "page_size": engine.info.page_size, "nodes": engine.snapshot()}
 
 
 def stats(engine: AsyncEngine, msg: Message) -> Message:
-    sched = engine.scheduler
-    alloc = sched.allocator
-    cache = engine.cache_stats()
-    return {
-        "type": "stats",
-        "pages": {
-            "usable": alloc.num_usable,
-            "free": alloc.num_free,
-            "cached": cache["cached_pages"],
-            "evictable": cache["evictable_pages"],
-            # Pages requests own outright (not shared through the tree).
-            "held": alloc.num_usable - alloc.num_free - cache["cached_pages"],
-        },
-        "requests": {"waiting": len(sched.waiting), "running": len(sched.running)},
-        "idle": engine.is_idle(),
-        "counters": dict(engine.counters),
-        "cache": cache,
-        "num_retractions": sched.num_retractions,
-        "policies": current_policies(engine),
-    }
+    return {"type": "stats", **engine.stats()}  # the engine does the accounting
 
 
 def flush(engine: AsyncEngine, msg: Message) -> Message:
@@ -69,51 +37,19 @@ def flush(engine: AsyncEngine, msg: Message) -> Message:
 
 
 def check(engine: AsyncEngine, msg: Message) -> Message:
-    try:
-        engine.scheduler.check_integrity()
-    except AssertionError as exc:  # IntegrityError and TreeIntegrityError both are
-        return {"type": "check", "ok": False, "message": str(exc)}
-    return {"type": "check", "ok": True}
+    failure = engine.check()
+    return {"type": "check", "ok": True} if failure is None else {"type": "check", "ok": False, "message": failure}
 
 
 def set_policy(engine: AsyncEngine, msg: Message) -> Message:
     kind, name = msg.get("kind"), msg.get("name")
-    if kind not in POLICY_KINDS:
-        raise ProtocolError(f"set_policy: 'kind' must be one of {list(POLICY_KINDS)}, got {kind!r}")
-    known = registry.names(kind)
-    # Registered names only: a dotted `pkg.module:Class` path would let a socket
-    # message import arbitrary code into the server.
-    if name not in known:
-        raise ProtocolError(f"set_policy: unknown {kind} policy {name!r}; known: {known}")
-    if kind == "evict":
-        install_evict_policy(engine, name)
-    else:
-        fallback = engine.config.scheduler.lpm_fallback_queue
-        engine.scheduler.policy = registry.lookup("schedule", name)(lpm_fallback_queue=fallback)
+    if not isinstance(kind, str) or not isinstance(name, str):
+        raise ProtocolError(f"set_policy: 'kind' and 'name' must be strings, got {kind!r} and {name!r}")
+    try:  # the engine checks both against the registry and names the known ones
+        engine.set_policy(kind, name)
+    except PolicyError as exc:
+        raise ProtocolError(f"set_policy: {exc}") from None
     return {"type": "set_policy", "ok": True, "kind": kind, "name": name}
-
-
-def install_evict_policy(engine: AsyncEngine, name: str) -> None:
-    tree = radix_tree(engine)
-    if tree is None:
-        raise ProtocolError("set_policy: no prefix cache (cache.prefix is none), nothing to evict")
-    tree.set_policy(registry.lookup("evict", name)())
-
-
-def current_policies(engine: AsyncEngine) -> dict[str, str | None]:
-    tree = radix_tree(engine)
-    return {
-        "schedule": registered_name("schedule", engine.scheduler.policy),
-        "evict": registered_name("evict", tree.policy) if tree is not None else None,
-    }
-
-
-def registered_name(kind: str, handler: object) -> str | None:
-    """The registry name of a handler instance (the config keeps the launch-time one)."""
-    for name in registry.names(kind):
-        if type(handler) is registry.lookup(kind, name):
-            return name
-    return type(handler).__qualname__
 
 
 COMMANDS: dict[str, Command] = {

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
-import orjson
 import structlog
 from aiohttp import WSCloseCode, web
 
@@ -13,6 +11,7 @@ from kernel.async_engine import AsyncEngine
 from plugins.admin.feed import EventFeed
 from plugins.admin.messages import COMMANDS, Message, ProtocolError, encode_outgoing
 from plugins.admin.outbox import Outbox
+from plugins.jsonio import JSONBodyError, decode_object
 
 log = structlog.get_logger("tierserve.admin")
 
@@ -90,10 +89,10 @@ class AdminSession:
 
 def parse(text: str) -> Message:
     try:
-        msg: Any = orjson.loads(text)
-    except orjson.JSONDecodeError as exc:
-        raise ProtocolError(f"malformed JSON: {exc}") from None
-    if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
+        msg = decode_object(text)
+    except JSONBodyError as exc:
+        raise ProtocolError(f"{exc} (each message is an object with a string \"type\")") from None
+    if not isinstance(msg.get("type"), str):
         raise ProtocolError('each message must be a JSON object with a string "type"')
     return msg
 

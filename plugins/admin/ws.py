@@ -20,17 +20,18 @@ answered with `{"type": "error", "message": "..."}`; the socket stays open.
   object per radix-tree node, root first: `id`, `parent`, `num_tokens`, `num_pages`,
   `lock_ref`, `hit_count`, `last_access` (the tree's logical clock), `priority`, `tier`,
   `namespace`, `state_slot`. Empty with `cache.prefix: none`.
-- `{"type": "stats"}` → `pages` {usable, free, cached, evictable, held}, `requests`
-  {waiting, running}, `idle`, `counters` {steps, prompt_tokens, generation_tokens},
-  `cache` (prefix query/hit tokens, cached/evictable pages), `num_retractions`,
-  `policies` {schedule, evict}.
+- `{"type": "stats"}` → `engine.stats()` as it is: `pages` {usable, free, cached,
+  evictable, held}, `requests` {waiting, running}, `idle`, `counters` {steps,
+  prompt_tokens, generation_tokens}, `cache` (prefix query/hit tokens, cached/evictable
+  pages), `num_retractions`, `policies` {schedule, evict}, `halt_reason` (null while the
+  step loop runs).
 - `{"type": "flush"}` → `{"type": "flush", "ok", "reason"}`: empties the prefix cache;
   refused (ok false) while requests are in flight.
 - `{"type": "set_policy", "kind": "evict" | "schedule", "name": "lru"}` → `{"type":
   "set_policy", "ok": true, "kind", "name"}`; takes effect from the next step. Only
   registered names; an unknown one gets an error listing the known ones.
 - `{"type": "check"}` → `{"type": "check", "ok": true}` or `{"ok": false, "message"}`:
-  runs the scheduler's and the tree's integrity checks now.
+  runs the engine's integrity check (scheduler and tree) now.
 - `{"type": "subscribe"}` → `{"type": "subscribe", "ok": true}`, then pushes:
   `{"type": "kv_event", "event": "BlockStored", "block_hashes", "parent_block_hash",
   "token_ids", "block_size", "lora_id", "medium"}`, `{"type": "kv_event", "event":
@@ -64,9 +65,11 @@ import orjson
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from kernel.async_engine import AsyncEngine
-from plugins.admin.auth import Verdict, judge, key_matches, refusal
+from plugins.admin.auth import Verdict, judge, refusal
 from plugins.admin.messages import COMMANDS, Command, Message, ProtocolError
 from plugins.admin.session import AdminSession, close_socket, parse
+from plugins.bearer import key_matches
+from plugins.jsonio import JSONBodyError, decode_object, json_response
 
 AUTH_TIMEOUT_S = 10.0
 DEFAULT_QUEUE_SIZE = 1024
@@ -161,14 +164,6 @@ async def request_body(request: web.Request) -> Message:
     if not request.can_read_body:
         return {}
     try:
-        body = orjson.loads(await request.read())
-    except orjson.JSONDecodeError as exc:
-        raise ProtocolError(f"malformed JSON body: {exc}") from None
-    if not isinstance(body, dict):
-        raise ProtocolError("the body must be a JSON object")
-    return body
-
-
-def json_response(obj: Message, status: int = 200) -> web.Response:
-    # orjson, like the socket: snapshots of big trees are the largest replies.
-    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
+        return decode_object(await request.read())
+    except JSONBodyError as exc:
+        raise ProtocolError(f"the body: {exc}") from None

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
-from kernel.async_engine import AsyncEngine
+from kernel.async_engine import AsyncEngine, OutputChunk
 from kernel.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
-from plugins.http.choice import collect_choices, new_choices, usage
-from plugins.http.errors import APIError, bad_request
-from plugins.http.logprobs import TokenNames, chat_logprobs
+from plugins.http.choice import Choice
+from plugins.http.errors import bad_request
+from plugins.http.logprobs import chat_logprobs
 from plugins.http.protocol import (
     check_model,
     get_bool,
@@ -24,10 +22,10 @@ from plugins.http.protocol import (
     read_body,
     reject_unsupported,
 )
+from plugins.http.reply import JSON, Reply
 from plugins.http.sampling import build_params, expand, get_max_tokens
-from plugins.http.sse import EventStream, json_response
 from plugins.http.state import state_of
-from plugins.http.submission import Submission
+from plugins.http.submission import token_limit
 
 NAMES = {"max_new_tokens": "max_completion_tokens", "top_logprobs_num": "top_logprobs"}
 _HARMLESS: dict[str, tuple[Any, ...]] = {
@@ -61,8 +59,7 @@ def render_prompt(engine: AsyncEngine, messages: object, add_generation_prompt: 
 
 def _room(engine: AsyncEngine, prompt_tokens: int) -> int:
     """Tokens left for the reply: the default max_tokens, as OpenAI's is "up to the context"."""
-    pool_tokens = (engine.parts.num_pages - 1) * engine.config.cache.page_size
-    room = min(engine.parts.context_length, pool_tokens) - prompt_tokens
+    room = token_limit(engine.info) - prompt_tokens
     if room < 1:
         raise bad_request(f"the messages fill the context ({prompt_tokens} tokens)", param="messages")
     return room
@@ -74,7 +71,7 @@ def names_of(body: dict[str, Any]) -> dict[str, str]:
 
 
 def parse_chat(body: dict[str, Any], engine: AsyncEngine) -> ChatRequest:
-    check_model(body, engine.parts.model_name)
+    check_model(body, engine.info.model_name)
     reject_unsupported(body, _HARMLESS)
     want_logprobs = get_bool(body, "logprobs")
     top_n = get_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
@@ -93,68 +90,39 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     engine = state.require_engine()
     body = await read_body(request)
     req = parse_chat(body, engine)
-    reply = _Reply(engine, req)
+    reply = ChatReply(engine, req.n, req.include_usage, req.logprobs)
     async with state.generation(expand([req.prompt_ids], req.params, req.n), names_of(body)) as sub:
-        if req.stream:
-            return await reply.stream(request, sub)
-        return await reply.collect(sub)
+        return await reply.respond(request, sub, req.stream)
 
 
-class _Reply:
-    """Builds one chat completion's response objects, whole or as stream chunks."""
+class ChatReply(Reply):
+    """Chat shapes: a `message` per choice; stream deltas open with the assistant role."""
 
-    def __init__(self, engine: AsyncEngine, req: ChatRequest) -> None:
-        self.req = req
-        self.names = TokenNames(engine.tokenizer)
-        self.id = f"chatcmpl-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self.model = engine.parts.model_name
-
-    def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+    id_prefix, whole_object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
     def _logprobs(self, ids: list[int], lps: list[float], tops: list[Any]) -> dict[str, Any] | None:
-        return chat_logprobs(self.names, ids, lps, tops) if self.req.logprobs else None
+        return chat_logprobs(self.names, ids, lps, tops) if self.want_logprobs else None
 
-    async def collect(self, sub: Submission) -> web.Response:
-        choices = await collect_choices(sub)
-        body = self._head("chat.completion")
-        body["choices"] = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text, "refusal": None},
-                "logprobs": self._logprobs(c.token_ids, c.logprobs, c.top_logprobs),
-                "finish_reason": c.finish_reason,
-            }
-            for c in choices
-        ]
-        body["usage"] = usage(choices, self.req.n)
-        return json_response(body)
+    def whole_choice(self, choice: Choice) -> JSON:
+        return {
+            "index": choice.index,
+            "message": {"role": "assistant", "content": choice.text, "refusal": None},
+            "logprobs": self._logprobs(choice.token_ids, choice.logprobs, choice.top_logprobs),
+            "finish_reason": choice.finish_reason,
+        }
 
-    async def stream(self, request: web.Request, sub: Submission) -> web.StreamResponse:
-        events = await EventStream().open(request)
-        choices = new_choices(sub)
-        try:
-            for c in choices:
-                await events.send(self._chunk(c.index, {"role": "assistant", "content": ""}))
-            async for i, chunk in sub.events():
-                choices[i].add(chunk)
-                if chunk.text or (self.req.logprobs and chunk.token_ids):
-                    lps = self._logprobs(chunk.token_ids, chunk.logprobs, chunk.top_logprobs)
-                    await events.send(self._chunk(i, {"content": chunk.text}, lps))
-                if chunk.finished:
-                    await events.send(self._chunk(i, {}, finish=chunk.finish_reason))
-            if self.req.include_usage:
-                await events.send({**self._head("chat.completion.chunk"), "choices": [],
-                                   "usage": usage(choices, self.req.n)})
-        except APIError as exc:  # the status line is gone: report in-band, as OpenAI does
-            await events.send(exc.body())
-        return await events.finish()
+    def opening_choices(self, choices: list[Choice]) -> list[JSON]:
+        return [_delta(c.index, {"role": "assistant", "content": ""}) for c in choices]
 
-    def _chunk(self, i: int, delta: dict[str, Any], logprobs: dict[str, Any] | None = None,
-               finish: str | None = None) -> dict[str, Any]:
-        choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        out: dict[str, Any] = {**self._head("chat.completion.chunk"), "choices": [choice]}
-        if self.req.include_usage:
-            out["usage"] = None
+    def delta_choices(self, index: int, chunk: OutputChunk) -> list[JSON]:
+        out = []
+        if chunk.text or (self.want_logprobs and chunk.token_ids):
+            lps = self._logprobs(chunk.token_ids, chunk.logprobs, chunk.top_logprobs)
+            out.append(_delta(index, {"content": chunk.text}, lps))
+        if chunk.finished:  # OpenAI ends each choice with an empty delta and the reason
+            out.append(_delta(index, {}, finish=chunk.finish_reason))
         return out
+
+
+def _delta(index: int, delta: JSON, logprobs: JSON | None = None, finish: str | None = None) -> JSON:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}

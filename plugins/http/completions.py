@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
-from kernel.async_engine import AsyncEngine
+from kernel.async_engine import AsyncEngine, OutputChunk
 from kernel.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
-from plugins.http.choice import collect_choices, new_choices, usage
-from plugins.http.errors import APIError, bad_request
-from plugins.http.logprobs import TokenNames, completion_logprobs
+from plugins.http.choice import Choice
+from plugins.http.errors import bad_request
+from plugins.http.logprobs import completion_logprobs
 from plugins.http.protocol import (
     Prompt,
     check_model,
@@ -25,10 +23,9 @@ from plugins.http.protocol import (
     read_body,
     reject_unsupported,
 )
+from plugins.http.reply import JSON, Reply
 from plugins.http.sampling import build_params, expand, get_max_tokens
-from plugins.http.sse import EventStream, json_response
 from plugins.http.state import state_of
-from plugins.http.submission import Submission
 
 NAMES = {"max_new_tokens": "max_tokens", "top_logprobs_num": "logprobs"}
 _HARMLESS: dict[str, tuple[Any, ...]] = {"suffix": ("",), "logit_bias": ({},), "best_of": (1,)}
@@ -47,7 +44,7 @@ class CompletionRequest:
 
 
 def parse_completion(body: dict[str, Any], engine: AsyncEngine) -> CompletionRequest:
-    check_model(body, engine.parts.model_name)
+    check_model(body, engine.info.model_name)
     reject_unsupported(body, _HARMLESS)
     prompts = parse_prompts(body.get("prompt"))
     top_n = get_int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
@@ -65,11 +62,9 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     engine = state.require_engine()
     req = parse_completion(await read_body(request), engine)
-    reply = _Reply(engine, req)
+    reply = CompletionReply(engine, req)
     async with state.generation(expand(req.prompts, req.params, req.n), NAMES) as sub:
-        if req.stream:
-            return await reply.stream(request, sub)
-        return await reply.collect(sub)
+        return await reply.respond(request, sub, req.stream)
 
 
 def _prompt_text(engine: AsyncEngine, prompt: Prompt) -> str:
@@ -78,62 +73,38 @@ def _prompt_text(engine: AsyncEngine, prompt: Prompt) -> str:
     return engine.tokenizer.decode(prompt) if engine.tokenizer is not None else ""
 
 
-class _Reply:
-    """Builds one completion's response objects, whole or as stream chunks."""
+class CompletionReply(Reply):
+    """Legacy shapes: a `text` per choice (after the echoed prompt), legacy logprobs."""
+
+    id_prefix, whole_object, chunk_object = "cmpl", "text_completion", "text_completion"
 
     def __init__(self, engine: AsyncEngine, req: CompletionRequest) -> None:
-        self.req = req
-        self.names = TokenNames(engine.tokenizer)
-        self.head = {
-            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-            "created": int(time.time()), "model": engine.parts.model_name,
-        }
+        super().__init__(engine, req.n, req.include_usage, req.logprobs)
         # What each choice's text starts with (echo), and its next logprob text offset.
         self.prefix = [_prompt_text(engine, p) if req.echo else "" for p in req.prompts for _ in range(req.n)]
         self.offset = [len(p) for p in self.prefix]
 
-    def _logprobs(self, i: int, ids: list[int], lps: list[float], tops: list[Any]) -> dict[str, Any] | None:
-        if not self.req.logprobs:
+    def _logprobs(self, i: int, ids: list[int], lps: list[float], tops: list[Any]) -> JSON | None:
+        if not self.want_logprobs:
             return None
         out = completion_logprobs(self.names, ids, lps, tops, self.offset[i])
         self.offset[i] += sum(len(t) for t in out["tokens"])
         return out
 
-    async def collect(self, sub: Submission) -> web.Response:
-        choices = await collect_choices(sub)
-        body = dict(self.head)
-        body["choices"] = [
-            {
-                "index": c.index, "text": self.prefix[c.index] + c.text,
-                "logprobs": self._logprobs(c.index, c.token_ids, c.logprobs, c.top_logprobs),
-                "finish_reason": c.finish_reason,
-            }
-            for c in choices
-        ]
-        body["usage"] = usage(choices, self.req.n)
-        return json_response(body)
+    def whole_choice(self, choice: Choice) -> JSON:
+        i = choice.index
+        return {
+            "index": i, "text": self.prefix[i] + choice.text,
+            "logprobs": self._logprobs(i, choice.token_ids, choice.logprobs, choice.top_logprobs),
+            "finish_reason": choice.finish_reason,
+        }
 
-    async def stream(self, request: web.Request, sub: Submission) -> web.StreamResponse:
-        events = await EventStream().open(request)
-        choices = new_choices(sub)
-        try:
-            async for i, chunk in sub.events():
-                choices[i].add(chunk)
-                text, self.prefix[i] = self.prefix[i] + chunk.text, ""
-                if text or chunk.finished or (self.req.logprobs and chunk.token_ids):
-                    await events.send(self._chunk(i, text, chunk.token_ids, chunk.logprobs,
-                                                  chunk.top_logprobs, chunk.finish_reason))
-            if self.req.include_usage:
-                await events.send({**self.head, "choices": [], "usage": usage(choices, self.req.n)})
-        except APIError as exc:  # the status line is gone: report in-band, as OpenAI does
-            await events.send(exc.body())
-        return await events.finish()
-
-    def _chunk(self, i: int, text: str, ids: list[int], lps: list[float], tops: list[Any],
-               finish: str | None) -> dict[str, Any]:
-        choice = {"index": i, "text": text, "logprobs": self._logprobs(i, ids, lps, tops),
-                  "finish_reason": finish}
-        out: dict[str, Any] = {**self.head, "choices": [choice]}
-        if self.req.include_usage:
-            out["usage"] = None
-        return out
+    def delta_choices(self, index: int, chunk: OutputChunk) -> list[JSON]:
+        text, self.prefix[index] = self.prefix[index] + chunk.text, ""  # the echo goes out once
+        if not (text or chunk.finished or (self.want_logprobs and chunk.token_ids)):
+            return []
+        return [{
+            "index": index, "text": text,
+            "logprobs": self._logprobs(index, chunk.token_ids, chunk.logprobs, chunk.top_logprobs),
+            "finish_reason": chunk.finish_reason,
+        }]

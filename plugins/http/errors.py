@@ -7,12 +7,12 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-import orjson
 import structlog
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from kernel.sampling_params import SamplingParams
+from kernel.sampling_params import SamplingParams, SamplingParamsError
+from plugins.jsonio import json_response
 
 log = structlog.get_logger("tierserve")
 
@@ -26,7 +26,7 @@ _TYPES = {
     429: "rate_limit_error",
     503: "service_unavailable_error",
 }
-_ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) | {"prompt"}
+_ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 class APIError(Exception):
@@ -48,31 +48,38 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
-        return web.Response(
-            status=self.status, body=orjson.dumps(self.body()), content_type="application/json",
-            headers=self.headers,
-        )
+        return json_response(self.body(), status=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 
 
-def from_value_error(exc: ValueError, names: Mapping[str, str]) -> APIError:
-    """A SamplingParamsError / RequestError as a 400 that names the client's parameter.
+def halted(reason: str) -> APIError:
+    """The engine's step loop has stopped for good: nothing more will be generated."""
+    return APIError(503, f"the engine has halted: {reason}", code="engine_halted")
+
+
+def client_words(message: str, names: Mapping[str, str]) -> str:
+    """An engine message in the client's words.
 
     The engine speaks its own field names (max_new_tokens, top_logprobs_num); `names`
     maps them back to what this endpoint's client wrote (max_tokens, logprobs).
     """
-    message = str(exc)
     for engine_name, client_name in names.items():
         message = message.replace(engine_name, client_name)
-    # Engine messages start with the field they are about ("top_p must be ...").
+    return message
+
+
+def sampling_error(exc: SamplingParamsError, names: Mapping[str, str]) -> APIError:
+    """A 400 that names the client's parameter.
+
+    SamplingParamsError carries no field attribute; its messages start with the field
+    they are about ("top_p must be ..."), which kernel/sampling_params.py documents.
+    """
     first = str(exc).split(" ", 1)[0].rstrip(":")
     param = names.get(first, first if first in _ENGINE_FIELDS else None)
-    if message.startswith("engine is shut down"):
-        return APIError(503, message, code="engine_stopped")
-    return bad_request(message, param=param)
+    return bad_request(client_words(str(exc), names), param=param)
 
 
 def _status_message(exc: web.HTTPException, request: web.Request) -> tuple[str, str | None]:

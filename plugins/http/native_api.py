@@ -7,14 +7,14 @@ from typing import Any, cast
 
 from aiohttp import web
 
-from kernel.async_engine import AsyncEngine
 from kernel.sampling_params import SamplingParams, SamplingParamsError
 from plugins.http.choice import collect_choices, new_choices
-from plugins.http.errors import APIError, bad_request, from_value_error
+from plugins.http.errors import APIError, bad_request, halted, sampling_error
 from plugins.http.protocol import Prompt, get_bool, read_body
-from plugins.http.sse import EventStream, json_response
+from plugins.http.sse import EventStream
 from plugins.http.state import state_of
 from plugins.http.submission import Submission
+from plugins.jsonio import json_response
 
 
 def _is_ids(value: object) -> bool:
@@ -53,7 +53,7 @@ def parse_params(body: dict[str, Any]) -> SamplingParams:
     try:
         return SamplingParams.from_dict(fields)
     except SamplingParamsError as exc:
-        raise from_value_error(exc, {}) from None
+        raise sampling_error(exc, {}) from None
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -88,7 +88,10 @@ async def _stream(
 
 
 async def health(request: web.Request) -> web.Response:
+    """200 {"status": "ok"}; 503 while starting or draining, and an error once halted."""
     state = state_of(request)
+    if state.engine is not None and state.engine.halt_reason is not None:
+        raise halted(state.engine.halt_reason)  # the reason, for whoever reads the probe
     status = "draining" if state.draining else "starting" if state.engine is None else "ok"
     return json_response({"status": status}, status=200 if status == "ok" else 503)
 
@@ -100,37 +103,40 @@ def _version() -> str:
         return "0.1.0"
 
 
-def pool_usage(engine: AsyncEngine) -> dict[str, int]:
-    """Page accounting an operator (or a test) can watch return to idle."""
-    sched = engine.scheduler
+def pool_summary(stats: dict[str, Any]) -> dict[str, int]:
+    """`/server_info`'s flat pool view of `engine.stats()` (which does the accounting)."""
+    pages, requests = stats["pages"], stats["requests"]
     return {
-        "free_pages": sched.allocator.num_free,
-        "usable_pages": sched.allocator.num_usable,
-        "cached_pages": engine.cache_stats()["cached_pages"],
-        "running": len(sched.running),
-        "waiting": len(sched.waiting),
+        "free_pages": pages["free"],
+        "usable_pages": pages["usable"],
+        "cached_pages": pages["cached"],
+        "running": requests["running"],
+        "waiting": requests["waiting"],
     }
 
 
 async def server_info(request: web.Request) -> web.Response:
-    """Config (without keys), pool usage and counters; answered while draining too."""
+    """Config (without keys), pool usage, counters and health; answered while draining
+    or halted too, since that is when an operator looks."""
     state = state_of(request)
     if state.engine is None:
         raise APIError(503, "the server is starting; the model is still loading", code="starting")
     engine = state.engine
+    stats = engine.stats()
     config = state.config.to_dict()
     for key in ("api_key", "admin_api_key"):  # secrets never leave the process
         config["server"].pop(key, None)
     return json_response({
         "version": _version(),
-        "model": engine.parts.model_name,
-        "context_length": engine.parts.context_length,
-        "num_pages": engine.parts.num_pages,
-        "page_size": state.config.cache.page_size,
+        "model": engine.info.model_name,
+        "context_length": engine.info.context_length,
+        "num_pages": engine.info.num_pages,
+        "page_size": engine.info.page_size,
         "draining": state.draining,
-        "pool": pool_usage(engine),
-        "cache": engine.cache_stats(),
-        "counters": dict(engine.counters),
+        "halt_reason": stats["halt_reason"],
+        "pool": pool_summary(stats),
+        "cache": stats["cache"],
+        "counters": stats["counters"],
         "config": config,
     })
 

@@ -12,16 +12,16 @@ from plugins.http.chat import create_chat_completion, render_prompt
 from plugins.http.completions import create_completion
 from plugins.http.errors import APIError, bad_request
 from plugins.http.protocol import check_model, get_bool, read_body
-from plugins.http.sse import json_response
 from plugins.http.state import state_of
+from plugins.jsonio import json_response
 
 
 def _model_card(request: web.Request) -> dict[str, object]:
     state = state_of(request)
     engine = state.require_engine()
     return {
-        "id": engine.parts.model_name, "object": "model", "created": state.started_at,
-        "owned_by": "tierserve", "max_model_len": engine.parts.context_length,
+        "id": engine.info.model_name, "object": "model", "created": state.started_at,
+        "owned_by": "tierserve", "max_model_len": engine.info.context_length,
     }
 
 
@@ -41,7 +41,7 @@ async def _tokenizer_call(request: web.Request) -> tuple[AsyncEngine, Tokenizer,
     """The engine, its tokenizer and the request body of a (de)tokenize call."""
     engine = state_of(request).require_engine()
     body = await read_body(request)
-    check_model(body, engine.parts.model_name)
+    check_model(body, engine.info.model_name)
     if engine.tokenizer is None:
         raise bad_request("this model has no tokenizer")
     return engine, engine.tokenizer, body
@@ -57,7 +57,7 @@ async def tokenize(request: web.Request) -> web.Response:
         if not isinstance(prompt, str):
             raise bad_request("send prompt (a string) or messages (a list)", param="prompt")
         ids = tokenizer.encode(prompt)
-    return json_response({"tokens": ids, "count": len(ids), "max_model_len": engine.parts.context_length})
+    return json_response({"tokens": ids, "count": len(ids), "max_model_len": engine.info.context_length})
 
 
 async def detokenize(request: web.Request) -> web.Response:

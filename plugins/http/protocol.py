@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-import orjson
 from aiohttp import web
 
 from plugins.http.errors import APIError, bad_request
+from plugins.jsonio import JSONBodyError, decode_object
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 MAX_N = 16
@@ -27,12 +27,9 @@ async def read_body(request: web.Request) -> dict[str, Any]:
     if not raw:
         raise bad_request("request body is empty; send a JSON object")
     try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise bad_request(f"request body must be a JSON object, got {type(body).__name__}")
-    return body
+        return decode_object(raw)
+    except JSONBodyError as exc:
+        raise bad_request(f"request body: {exc}") from None
 
 
 def _is_int(value: object) -> bool:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kernel.sampling_params import MAX_NEW_TOKENS_LIMIT, SamplingParams, SamplingParamsError
-from plugins.http.errors import from_value_error
+from plugins.http.errors import sampling_error
 from plugins.http.protocol import Prompt, get_int
 
 # Fields passed through under the engine's own names; top_k, min_p, repetition_penalty,
@@ -34,7 +34,7 @@ def build_params(
     try:
         return SamplingParams.from_dict(fields)
     except SamplingParamsError as exc:
-        raise from_value_error(exc, names) from None
+        raise sampling_error(exc, names) from None
 
 
 def expand(prompts: Sequence[Prompt], params: SamplingParams, n: int) -> list[tuple[Prompt, SamplingParams]]:

@@ -81,7 +81,7 @@ async def serve(config: Config, grace_s: float = DRAIN_GRACE_S) -> int:
             await state.engine.shutdown()
         return 1
     log.info("server_ready", host=config.server.host, port=config.server.port,
-             model=state.engine.parts.model_name)
+             model=state.engine.info.model_name)
     await stop.wait()
     await drain(state, grace_s)
     await runner.cleanup()

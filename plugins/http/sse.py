@@ -30,6 +30,3 @@ class EventStream:
         await self.response.write_eof()
         return self.response
 
-
-def json_response(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps(obj), content_type="application/json")

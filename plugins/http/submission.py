@@ -4,19 +4,24 @@ Every engine request gets a pump task that drains `engine.stream(rid)` into one 
 The pumps are created before the handler can next be cancelled, so they always start;
 cancelling a started pump closes the engine stream, which aborts the request and frees
 its pages within one step. That is how a client disconnect (aiohttp cancels the
-handler), a drain timeout and a failed batch admission all clean up the same way.
+handler), a drain timeout, a halted engine and a failed batch admission all clean up
+the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 
-from kernel.async_engine import AsyncEngine, OutputChunk
-from kernel.sampling_params import SamplingParams
-from plugins.http.errors import APIError, from_value_error
+from kernel.async_engine import AsyncEngine, EngineInfo, OutputChunk, RequestError
+from kernel.sampling_params import SamplingParams, SamplingParamsError
+from plugins.http.errors import APIError, bad_request, client_words, halted, sampling_error
+from plugins.http.protocol import Prompt
 
 _SHUTDOWN = "shutdown"
+# How often a waiting handler looks at `engine.halt_reason`: a halted step loop may
+# never answer the requests it had, and their clients must not wait forever.
+HALT_POLL_S = 0.25
 
 Event = tuple[int, OutputChunk | BaseException | str]
 
@@ -41,15 +46,29 @@ class Submission:
         """(index, chunk) in arrival order until every request has finished."""
         remaining = len(self.rids)
         while remaining:
-            index, item = await self._events.get()
+            index, item = await self._next()
             if isinstance(item, str):  # _SHUTDOWN
                 raise APIError(503, "the server is shutting down; generation was aborted", code="shutdown")
             if isinstance(item, BaseException):
+                if self.engine.halt_reason is not None:
+                    raise halted(self.engine.halt_reason) from item
                 raise APIError(500, f"generation failed: {item}") from item
-            assert isinstance(item, OutputChunk)
             if item.finished:
                 remaining -= 1
             yield index, item
+
+    async def _next(self) -> Event:
+        """The next event; a 503 as soon as the engine has halted, even mid-generation."""
+        while True:
+            reason = self.engine.halt_reason
+            if reason is not None:
+                raise halted(reason)
+            if not self._events.empty():  # the common case: no timer to arm
+                return self._events.get_nowait()
+            try:
+                return await asyncio.wait_for(self._events.get(), HALT_POLL_S)
+            except TimeoutError:
+                continue
 
     def abort(self) -> None:
         """Stop generating now (drain timeout): the handler's `events()` raises 503."""
@@ -69,23 +88,53 @@ class Submission:
 
 
 async def submit(
-    engine: AsyncEngine, requests: Sequence[tuple[str | list[int], SamplingParams]],
-    names: dict[str, str], max_queued: int,
+    engine: AsyncEngine, requests: Sequence[tuple[Prompt, SamplingParams]],
+    names: Mapping[str, str], max_queued: int,
 ) -> Submission:
     """Queue every request or none: a refused one rolls back those already queued."""
-    queued = len(engine.scheduler.waiting) + len(engine.scheduler.running)
+    if engine.halt_reason is not None:
+        raise halted(engine.halt_reason)
+    queued = engine.num_requests()
     if queued + len(requests) > max_queued:
         raise APIError(
             429, f"the server queue is full ({queued} requests, limit {max_queued}); retry later",
             code="queue_full", headers={"Retry-After": "1"},
         )
     rids: list[str] = []
-    try:
-        for prompt, params in requests:
+    for prompt, params in requests:
+        try:
             rids.append(engine.add_request(prompt, params))
-    except ValueError as exc:
-        for rid in rids:
-            engine.abort(rid)  # synchronous: out of the waiting queue before any step
-        await Submission(engine, rids).close()
-        raise from_value_error(exc, names) from None
+        except (RequestError, SamplingParamsError) as exc:
+            for rid in rids:
+                engine.abort(rid)  # synchronous: out of the waiting queue before any step
+            await Submission(engine, rids).close()
+            raise refusal(engine, exc, prompt, params, names) from None
     return Submission(engine, rids)
+
+
+def refusal(
+    engine: AsyncEngine, exc: RequestError | SamplingParamsError, prompt: Prompt, params: SamplingParams,
+    names: Mapping[str, str],
+) -> APIError:
+    """The HTTP answer to a request `add_request` refused, decided by type, not text."""
+    if engine.halt_reason is not None:  # halted between the check above and now
+        return halted(engine.halt_reason)
+    if isinstance(exc, SamplingParamsError):
+        return sampling_error(exc, names)
+    overflow = prompt_tokens(engine, prompt) + params.max_new_tokens > token_limit(engine.info)
+    return bad_request(
+        client_words(str(exc), names), param="prompt",
+        code="context_length_exceeded" if overflow else None,
+    )
+
+
+def token_limit(info: EngineInfo) -> int:
+    """Prompt + output tokens one request may have: the context, or the KV pool if smaller."""
+    return min(info.context_length, info.pool_tokens)
+
+
+def prompt_tokens(engine: AsyncEngine, prompt: Prompt) -> int:
+    """How many tokens `prompt` is (tokenized again only on this refusal path)."""
+    if isinstance(prompt, list):
+        return len(prompt)
+    return len(engine.tokenizer.encode(prompt)) if engine.tokenizer is not None else 0
