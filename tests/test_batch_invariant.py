@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from gpu.batch_invariant import LINEAR_TILE, linear_tiled
+from gpu.models.llama import LlamaModel
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, LINEAR_TILE, LINEAR_TILE + 1, 300])
@@ -20,10 +23,34 @@ def test_tiled_linear_rows_do_not_depend_on_the_batch(rows: int, offset: int) ->
     assert torch.allclose(alone, torch.nn.functional.linear(x[offset : offset + 1], w, b), atol=1e-5)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """The product's RMSNorm (`LlamaModel._rms_norm`), on a stand-in for the model."""
+    model = SimpleNamespace(arch=SimpleNamespace(rms_norm_eps=eps))
+    return LlamaModel._rms_norm(model, x, weight)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(576,), (9, 64)])  # hidden rows; q/k-norm [T, heads, D]
 @pytest.mark.parametrize("rows", [1, 2, 64, 1000])
-def test_row_reductions_are_batch_invariant(rows: int) -> None:
+@pytest.mark.parametrize("offset", [0, 17])
+def test_llama_rms_norm_rows_do_not_depend_on_the_batch(
+    rows: int, offset: int, shape: tuple[int, ...], dtype: torch.dtype
+) -> None:
     torch.manual_seed(1)
-    x = torch.randn(1000, 576)
-    assert torch.equal(x[:rows].pow(2).mean(-1)[:1], x[:1].pow(2).mean(-1))
+    x = (torch.randn(1100, *shape) * 3).to(dtype)
+    weight = (1 + 0.1 * torch.randn(shape[-1])).to(dtype)
+    alone = rms_norm(x[offset : offset + 1], weight)
+    inside = rms_norm(x[offset : offset + rows], weight)[:1]
+    assert alone.dtype == dtype and torch.equal(alone, inside)
+    # ...and it is an RMSNorm over the last dimension (an invariant but wrong norm fails).
+    xf = x[offset : offset + 1].float()
+    ref = weight.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(alone.float(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 64, 1000])
+def test_log_softmax_is_batch_invariant(rows: int) -> None:
+    torch.manual_seed(1)
     logits = torch.randn(1000, 4096) * 4
     assert torch.equal(torch.log_softmax(logits[:rows], -1)[:1], torch.log_softmax(logits[:1], -1))

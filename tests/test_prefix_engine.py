@@ -25,11 +25,22 @@ def test_warm_prefix_hits_and_matches_cold(tiny_chat_folder: str, tiny_engine: E
         for out, ref in zip(warm, cold[1:]):  # type: ignore[index]
             assert out["meta_info"]["cached_tokens"] > 0
             assert out["output_ids"] == ref["output_ids"]
-        # Second turn reuses tokens the first turn generated (decode hit).
-        turn2 = prompts[0] + first["text"] + " And snow?"
+        # Second turn reuses tokens the first turn generated (decode hit). Built from ids,
+        # not text, so re-tokenizing the boundary cannot change the prefix.
+        prompt0 = engine.tokenizer.encode(prompts[0])
+        turn2 = prompt0 + first["output_ids"] + engine.tokenizer.encode(" And snow?")
         again = engine.generate(turn2, GREEDY)
         assert isinstance(again, dict)
-        assert again["meta_info"]["cached_tokens"] > len(engine.tokenizer.encode(prompts[0])) - 4
+        page = engine.config.cache.page_size
+        aligned_prompt = len(prompt0) // page * page  # all the prompt's own pages can give
+        # KV exists for the prompt and all generated tokens but the last: whole pages of it.
+        computed = (len(prompt0) + GREEDY["max_new_tokens"] - 1) // page * page
+        assert computed >= aligned_prompt + 2 * page  # the lengths make the check meaningful
+        hit = again["meta_info"]["cached_tokens"]
+        assert hit > aligned_prompt, "second turn did not reuse any generated token's KV"
+        assert hit == computed
+        ref2 = tiny_engine.generate(turn2, GREEDY)
+        assert again["output_ids"] == ref2["output_ids"]  # type: ignore[call-overload]
         stats = engine.engine.cache_stats()
         assert 0 < stats["prefix_hit_tokens"] < stats["prefix_query_tokens"]
         assert engine.flush_cache() is True
@@ -44,11 +55,62 @@ def test_small_pool_evicts_and_loses_nothing(tiny_chat_folder: str, tiny_engine:
     engine = make(tiny_chat_folder, **{"cache.num_pages": 40})
     try:
         got = engine.generate(prompts, GREEDY)
+        pages = engine.engine.stats()["pages"]
+        hits_before = engine.engine.cache_stats()["prefix_hit_tokens"]
         got2 = engine.generate(prompts, GREEDY)  # again, with whatever survived eviction
         for r, a, b in zip(ref, got, got2):  # type: ignore[arg-type]
             assert a["output_ids"] == r["output_ids"] == b["output_ids"]
-        pages = engine.engine.stats()["pages"]
-        assert pages["free"] + pages["cached"] == pages["usable"]
+        # Distinct whole pages the first pass computed (shared prefixes counted once): more
+        # than the cache holds afterwards, so some were evicted.
+        page = engine.config.cache.page_size
+        computed: set[tuple[int, ...]] = set()
+        for p, out in zip(prompts, got):  # type: ignore[arg-type]
+            seq = engine.tokenizer.encode(p) + out["output_ids"][:-1]  # the last has no KV
+            computed.update(tuple(seq[: k * page]) for k in range(1, len(seq) // page + 1))
+        assert pages["cached"] < len(computed), "the small pool evicted nothing"
+        # The second pass still hits what survived.
+        assert any(b["meta_info"]["cached_tokens"] > 0 for b in got2)  # type: ignore[index]
+        assert engine.engine.cache_stats()["prefix_hit_tokens"] > hits_before
+        # Idle: every page is free or cached, and no cached page is still locked.
+        stats = engine.engine.stats()["pages"]
+        assert stats["held"] == 0 and stats["free"] + stats["cached"] == stats["usable"]
+        assert stats["evictable"] == stats["cached"]
+    finally:
+        engine.shutdown()
+
+
+def test_lru_eviction_drops_the_oldest_prefix_and_keeps_the_newest(
+    tiny_chat_folder: str, tiny_engine: Engine
+) -> None:
+    # Pages of 4 tokens, 33 usable. Prompts share no first page. A request of 30 prompt
+    # tokens + 12 generated leaves 41 tokens of KV: 10 whole pages cached once it ends.
+    a, b, c = ([1000 * k + j for j in range(30)] for k in (1, 2, 3))
+    d = [4000 + j for j in range(40)]  # needs 13 pages while it runs, caches 12
+    engine = make(tiny_chat_folder, **{"cache.num_pages": 34})
+    try:
+        assert engine.engine.stats()["pages"]["usable"] == 33
+        cold = {}
+        for name, ids in (("a", a), ("b", b), ("c", c)):
+            out = engine.generate(ids, GREEDY)
+            assert out["meta_info"]["cached_tokens"] == 0  # type: ignore[call-overload]
+            cold[name] = out
+        assert engine.engine.cache_stats()["cached_pages"] == 30  # nothing evicted yet
+        # D needs 13 pages, 3 are free: the least recently used prefix (A's) must go.
+        cold["d"] = engine.generate(d, GREEDY)
+        after_d = engine.engine.cache_stats()["cached_pages"]
+        assert 30 + 12 - after_d >= 10, "D's pages were not made by evicting cached ones"
+        # C, used after A, survived: a full hit (every whole page below the last token).
+        c2 = engine.generate(c, GREEDY)
+        assert c2["meta_info"]["cached_tokens"] == 28  # type: ignore[call-overload]
+        # A, the oldest, was evicted: nothing of it is left to hit.
+        a2 = engine.generate(a, GREEDY)
+        assert a2["meta_info"]["cached_tokens"] == 0  # type: ignore[call-overload]
+        stats = engine.engine.cache_stats()
+        assert stats["prefix_hit_tokens"] == 28
+        assert stats["prefix_query_tokens"] == 30 * 3 + 40 + 30 + 30
+        for out, ref in ((c2, cold["c"]), (a2, cold["a"])):
+            assert out["output_ids"] == ref["output_ids"]  # type: ignore[call-overload]
+        assert cold["d"]["output_ids"] == tiny_engine.generate(d, GREEDY)["output_ids"]  # type: ignore[call-overload]
     finally:
         engine.shutdown()
 

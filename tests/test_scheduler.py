@@ -178,9 +178,23 @@ def test_random_workload_keeps_accounting(seed: int, radix: bool) -> None:
             s.abort(rng.choice(s.running))
         run_step(s, token=rng.randint(1, 9))
     assert not s.has_work()
+    assert all(r.finished for r in reqs)
+    for r in reqs:  # tokens never sample EOS: only aborts end a request early
+        assert r.finish_reason == "abort" or len(r.output_ids) == r.params.max_new_tokens
+    assert s.req_table.num_free == s.req_table.num_rows - 1
     assert s.allocator.num_free + s.prefix.cache.total_pages == s.allocator.num_usable
-    if radix:
-        assert s.prefix.hit_tokens > 0 or s.prefix.cache.total_pages > 0
+    prefix, cache = s.prefix, s.prefix.cache
+    if not radix:
+        assert cache.total_pages == 0 and prefix.hit_tokens == 0
+        return
+    # Shared stems: later requests reuse earlier KV, in whole pages, never more than asked.
+    assert 0 < prefix.hit_tokens <= prefix.query_tokens
+    assert prefix.hit_tokens % s.page_size == 0
+    # Idle: no request holds a lock, so every cached page can be evicted, and evicting
+    # them all gives the allocator back every usable page.
+    assert cache.evictable_pages == cache.total_pages > 0
+    cache.evict(cache.total_pages)
+    assert cache.total_pages == 0 and s.allocator.num_free == s.allocator.num_usable
 
 
 def test_radix_hit_skips_cached_pages() -> None:
@@ -205,7 +219,7 @@ def test_planted_double_owned_page_is_caught() -> None:
     a = make_req(9, max_new=4, rid="a")
     s.add(a)
     run_step(s)
-    s.prefix.cache.total_pages  # noqa: B018 - the tree holds a's first two pages now
+    assert s.prefix.cache.total_pages == 2  # the tree holds a's first two pages now (9 tokens computed)
     a.shared_pages = 0  # planted: the request claims pages the tree owns
     with pytest.raises(AssertionError):
         s.check_integrity()

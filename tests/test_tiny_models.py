@@ -1,7 +1,9 @@
-"""Llama, Qwen2 (QKV bias) and Qwen3 (QK-norm) from Hugging Face folders match transformers."""
+"""Llama, Qwen2 (QKV bias) and Qwen3 (QK-norm, head_dim != hidden/heads) from Hugging Face
+folders match transformers."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -29,6 +31,9 @@ def reference_greedy(folder: Path, ids: list[int], n: int) -> tuple[list[int], l
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_tiny_checkpoint_matches_transformers(arch: str, tmp_path: Path) -> None:
     folder = build_tiny(arch, tmp_path / arch)
+    if arch == "qwen3":  # the checkpoint exercises an explicit head_dim
+        config = json.loads((folder / "config.json").read_text())
+        assert config["head_dim"] * config["num_attention_heads"] != config["hidden_size"]
     prompts = [[(i * 37 + j) % VOCAB for j in range(n)] for i, n in enumerate((3, 17, 40))]
     engine = Engine(
         None,

@@ -35,7 +35,8 @@ def build_tiny(arch: str, folder: Path, seed: int = 0) -> Path:
     classes = {
         "llama": (LlamaConfig, LlamaForCausalLM, {}),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
-        "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),
+        # head_dim 32 != hidden/heads (16): q/k/v/o projections are not square per head.
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32}),
     }
     config_cls, model_cls, extra = classes[arch]
     torch.manual_seed(seed)
