@@ -19,7 +19,11 @@ _ALIASES = {"max_tokens": "max_new_tokens"}
 
 
 class SamplingParamsError(ValueError):
-    """A sampling parameter that cannot be used; the message names the parameter."""
+    """A sampling parameter that cannot be used; `param` names it (None: the whole object)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,7 @@ class SamplingParams:
         for key, value in d.items():
             name = _canonical_name(key)
             if name in kwargs:
-                raise SamplingParamsError(f"{key}: given twice (max_tokens is an alias of max_new_tokens)")
+                raise SamplingParamsError(f"{key}: given twice (max_tokens is an alias of max_new_tokens)", str(key))
             if value is not None:
                 kwargs[name] = _coerce(name, value)
         try:
@@ -72,7 +76,7 @@ class SamplingParams:
         except SamplingParamsError as e:
             aliases = [f"{a} is an alias of {n}" for a, n in _ALIASES.items() if a in d]
             if aliases:  # name the key the user actually wrote
-                raise SamplingParamsError(f"{e} ({'; '.join(aliases)})") from None
+                raise SamplingParamsError(f"{e} ({'; '.join(aliases)})", e.param) from None
             raise
 
 
@@ -105,11 +109,13 @@ def _coerce(name: str, value: Any) -> Any:
             return (value,)
         if isinstance(value, list | tuple):
             return tuple(value)
-        raise SamplingParamsError(f"stop must be a string or a list of strings, got {type(value).__name__}")
+        raise SamplingParamsError(f"stop must be a string or a list of strings, got {type(value).__name__}", "stop")
     if name == "stop_token_ids":
         if isinstance(value, list | tuple):
             return tuple(value)
-        raise SamplingParamsError(f"stop_token_ids must be a list of integers, got {type(value).__name__}")
+        raise SamplingParamsError(
+            f"stop_token_ids must be a list of integers, got {type(value).__name__}", "stop_token_ids"
+        )
     return value
 
 
@@ -118,17 +124,19 @@ def _check_types(p: SamplingParams) -> None:
         value = getattr(p, name)
         if name in _FLOAT_FIELDS:
             if not isinstance(value, float) or not math.isfinite(value):
-                raise SamplingParamsError(f"{name} must be a finite number, got {value!r}")
+                raise SamplingParamsError(f"{name} must be a finite number, got {value!r}", name)
         elif name in _INT_FIELDS and not _is_int(value):
-            raise SamplingParamsError(f"{name} must be an integer, got {value!r}")
+            raise SamplingParamsError(f"{name} must be an integer, got {value!r}", name)
         elif name in _BOOL_FIELDS and not isinstance(value, bool):
-            raise SamplingParamsError(f"{name} must be a boolean, got {value!r}")
+            raise SamplingParamsError(f"{name} must be a boolean, got {value!r}", name)
     if p.seed is not None and not _is_int(p.seed):
-        raise SamplingParamsError(f"seed must be an integer, got {p.seed!r}")
+        raise SamplingParamsError(f"seed must be an integer, got {p.seed!r}", "seed")
     if not isinstance(p.stop, tuple) or not all(isinstance(s, str) for s in p.stop):
-        raise SamplingParamsError(f"stop must be a string or a list of strings, got {p.stop!r}")
+        raise SamplingParamsError(f"stop must be a string or a list of strings, got {p.stop!r}", "stop")
     if not isinstance(p.stop_token_ids, tuple) or not all(_is_int(t) for t in p.stop_token_ids):
-        raise SamplingParamsError(f"stop_token_ids must be a list of integers, got {p.stop_token_ids!r}")
+        raise SamplingParamsError(
+            f"stop_token_ids must be a list of integers, got {p.stop_token_ids!r}", "stop_token_ids"
+        )
 
 
 def _check_ranges(p: SamplingParams) -> None:
@@ -149,4 +157,4 @@ def _check_ranges(p: SamplingParams) -> None:
 
 def _require(ok: bool, name: str, rule: str, value: object) -> None:
     if not ok:
-        raise SamplingParamsError(f"{name} must be {rule}, got {value!r}")
+        raise SamplingParamsError(f"{name} must be {rule}, got {value!r}", name)

@@ -72,13 +72,8 @@ def client_words(message: str, names: Mapping[str, str]) -> str:
 
 
 def sampling_error(exc: SamplingParamsError, names: Mapping[str, str]) -> APIError:
-    """A 400 that names the client's parameter.
-
-    SamplingParamsError carries no field attribute; its messages start with the field
-    they are about ("top_p must be ..."), which kernel/sampling_params.py documents.
-    """
-    first = str(exc).split(" ", 1)[0].rstrip(":")
-    param = names.get(first, first if first in _ENGINE_FIELDS else None)
+    """A 400 that names the client's parameter (the engine's `param`, in the client's words)."""
+    param = names.get(exc.param, exc.param) if exc.param is not None else None
     return bad_request(client_words(str(exc), names), param=param)
 
 

@@ -13,15 +13,19 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Mapping, Sequence
 
-from kernel.async_engine import AsyncEngine, EngineInfo, OutputChunk, RequestError
+from kernel.async_engine import (
+    AsyncEngine,
+    ContextOverflow,
+    EngineInfo,
+    EngineUnavailable,
+    OutputChunk,
+    RequestError,
+)
 from kernel.sampling_params import SamplingParams, SamplingParamsError
 from plugins.http.errors import APIError, bad_request, client_words, halted, sampling_error
 from plugins.http.protocol import Prompt
 
 _SHUTDOWN = "shutdown"
-# How often a waiting handler looks at `engine.halt_reason`: a halted step loop may
-# never answer the requests it had, and their clients must not wait forever.
-HALT_POLL_S = 0.25
 
 Event = tuple[int, OutputChunk | BaseException | str]
 
@@ -58,17 +62,12 @@ class Submission:
             yield index, item
 
     async def _next(self) -> Event:
-        """The next event; a 503 as soon as the engine has halted, even mid-generation."""
-        while True:
-            reason = self.engine.halt_reason
-            if reason is not None:
-                raise halted(reason)
-            if not self._events.empty():  # the common case: no timer to arm
-                return self._events.get_nowait()
-            try:
-                return await asyncio.wait_for(self._events.get(), HALT_POLL_S)
-            except TimeoutError:
-                continue
+        """The next event. A halting engine fails every stream it had (so a pump
+        delivers the error); one that had halted before we looked is a 503 at once."""
+        reason = self.engine.halt_reason
+        if reason is not None:
+            raise halted(reason)
+        return await self._events.get()
 
     def abort(self) -> None:
         """Stop generating now (drain timeout): the handler's `events()` raises 503."""
@@ -121,20 +120,13 @@ def refusal(
         return halted(engine.halt_reason)
     if isinstance(exc, SamplingParamsError):
         return sampling_error(exc, names)
-    overflow = prompt_tokens(engine, prompt) + params.max_new_tokens > token_limit(engine.info)
-    return bad_request(
-        client_words(str(exc), names), param="prompt",
-        code="context_length_exceeded" if overflow else None,
-    )
+    if isinstance(exc, EngineUnavailable):
+        return APIError(503, str(exc), code="engine_stopped")
+    code = "context_length_exceeded" if isinstance(exc, ContextOverflow) else None
+    return bad_request(client_words(str(exc), names), param="prompt", code=code)
 
 
 def token_limit(info: EngineInfo) -> int:
     """Prompt + output tokens one request may have: the context, or the KV pool if smaller."""
     return min(info.context_length, info.pool_tokens)
 
-
-def prompt_tokens(engine: AsyncEngine, prompt: Prompt) -> int:
-    """How many tokens `prompt` is (tokenized again only on this refusal path)."""
-    if isinstance(prompt, list):
-        return len(prompt)
-    return len(engine.tokenizer.encode(prompt)) if engine.tokenizer is not None else 0
