@@ -40,7 +40,9 @@ def _reference_recurrence(q, k, v, g, beta, state):  # type: ignore[no-untyped-d
     return out, s
 
 
-@pytest.mark.parametrize(("start", "length"), [(0, 1), (0, 64), (0, 150), (5, 17), (40, 88), (64, 70), (100, 3)])
+@pytest.mark.parametrize(
+    ("start", "length"), [(0, 1), (0, 64), (0, 150), (5, 17), (40, 88), (64, 70), (100, 3)]
+)
 def test_chunked_matches_recurrent(start: int, length: int) -> None:
     q, k, v, g, beta, s0 = _inputs(length, seed=start + length)
     ref_out, ref_state = _reference_recurrence(q, k, v, g, beta, s0)
@@ -75,7 +77,10 @@ def test_recurrent_prefill_equals_decode_steps_bitwise() -> None:
     others = _inputs(n, seed=3)
     s = s0
     for t in range(n):
-        batch = [torch.stack([others[i][t], x[t], others[i][(t + 1) % n]]) for i, x in enumerate((q, k, v, g, beta))]
+        batch = [
+            torch.stack([others[i][t], x[t], others[i][(t + 1) % n]])
+            for i, x in enumerate((q, k, v, g, beta))
+        ]
         states = torch.stack([others[5], s, others[5] * 2])
         out, new = recurrent_step(*batch, states)
         assert torch.equal(out[1], pre_out[t]), t
@@ -187,7 +192,9 @@ def test_hybrid_step_loads_fresh_as_zero_and_checks_slots() -> None:
     loaded = step.load(pool.conv[0])
     assert not loaded[0].any() and bool((loaded[1] == 1).all())  # prefix 0 ignores its src slot
     step.store(pool.conv[0], torch.full_like(loaded, 7.0))
-    assert bool((pool.conv[0][1] == 7).all() and (pool.conv[0][3] == 7).all() and (pool.conv[0][2] == 1).all())
+    assert bool(
+        (pool.conv[0][1] == 7).all() and (pool.conv[0][3] == 7).all() and (pool.conv[0][2] == 1).all()
+    )
     with pytest.raises(ValueError, match="same state slot"):
         HybridStep.build([1, 1], [4, 4], [1, 2], [3, 3], torch.device("cpu"))
     HybridStep.build([1, 1], [4, 4], [1, 2], [0, 0], torch.device("cpu"))  # padding rows share slot 0
