@@ -15,7 +15,10 @@ from gpu.models.hybrid_step import HybridStep
 H, DK, DV = 4, 16, 8
 
 
-def _inputs(length: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _inputs(length: int, seed: int = 0) -> Inputs:
     """Delta-rule inputs as the model makes them: unit keys, scaled queries, g <= 0."""
     gen = torch.Generator().manual_seed(seed)
     q = F.normalize(torch.randn(length, H, DK, generator=gen), dim=-1) * DK**-0.5
@@ -27,7 +30,14 @@ def _inputs(length: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
     return q, k, v, g, beta, state
 
 
-def _reference_recurrence(q, k, v, g, beta, state):  # type: ignore[no-untyped-def]
+def _reference_recurrence(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The delta rule written out in float64, one token and one head at a time."""
     s = state.double().clone()
     out = torch.empty(q.shape[0], H, DV, dtype=torch.float64)
@@ -82,7 +92,7 @@ def test_recurrent_prefill_equals_decode_steps_bitwise() -> None:
             for i, x in enumerate((q, k, v, g, beta))
         ]
         states = torch.stack([others[5], s, others[5] * 2])
-        out, new = recurrent_step(*batch, states)
+        out, new = recurrent_step(batch[0], batch[1], batch[2], batch[3], batch[4], states)
         assert torch.equal(out[1], pre_out[t]), t
         s = new[1]
     assert torch.equal(s, pre_state)
@@ -92,10 +102,10 @@ def test_varlen_step_matches_per_request_kernels() -> None:
     """A mixed step (two prefills, two decodes) == each request alone; recurrent mode bit for bit."""
     lens, prefixes = [30, 1, 70, 1], [0, 9, 50, 128]
     per_req = [_inputs(n, seed=10 + i) for i, n in enumerate(lens)]
-    flat = [torch.cat([r[j] for r in per_req]) for j in range(5)]
+    q, k, v, g, beta = (torch.cat([r[j] for r in per_req]) for j in range(5))
     states = torch.stack([r[5] for r in per_req])
     for recurrent in (True, False):
-        out, new_states = gated_delta_varlen(*flat, states, lens, prefixes, recurrent=recurrent)
+        out, new_states = gated_delta_varlen(q, k, v, g, beta, states, lens, prefixes, recurrent=recurrent)
         start = 0
         for i, (n, p) in enumerate(zip(lens, prefixes)):
             r = per_req[i]

@@ -7,12 +7,13 @@ vocabulary, and are seeded, so tests build them in well under a second.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
 VOCAB = 384
 
-_COMMON = {
+_COMMON: dict[str, Any] = {
     "vocab_size": VOCAB,
     "hidden_size": 64,
     "num_attention_heads": 4,
