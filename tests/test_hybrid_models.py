@@ -6,6 +6,7 @@ mode's prefill == decode bit for bit."""
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 import torch
@@ -158,23 +159,47 @@ def _prefill_then_decode(
     return out
 
 
+def _three_ways(model: HybridModel) -> list[list[torch.Tensor]]:
+    """One prompt reached as one prefill, as a chunked prefill ending in 16 decode-fed
+    tokens, and as two chunks plus 30 decode-fed tokens."""
+    prompt = PROMPTS[0][:100]
+    return [
+        _prefill_then_decode(model, prompt, [100], 0, 6),
+        _prefill_then_decode(model, prompt, [40, 24, 20], 16, 6),
+        _prefill_then_decode(model, prompt, [64, 6], 30, 6),
+    ]
+
+
+def _bitwise_same(runs: list[list[torch.Tensor]]) -> bool:
+    assert all(len(r) == 7 for r in runs)
+    return all(torch.equal(x, y) for other in runs[1:] for x, y in zip(runs[0], other))
+
+
 def test_deterministic_state_is_the_same_from_prefill_or_decode(family: tuple[str, str]) -> None:
     """NOTE: invariant 7. In deterministic mode a position's logprobs are bit-identical
     whether its prefix was one prefill, a chunked prefill, or partly fed as decode steps,
-    in batches of different composition. Shown to fail in the default (chunked) mode."""
-    prompt = PROMPTS[0][:100]
-    runs = {}
-    for deterministic in (True, False):
-        model = load_model(family[1], deterministic=deterministic)
-        runs[deterministic] = [
-            _prefill_then_decode(model, prompt, [100], 0, 6),
-            _prefill_then_decode(model, prompt, [40, 24, 20], 16, 6),
-            _prefill_then_decode(model, prompt, [64, 6], 30, 6),
-        ]
-    base = runs[True][0]
-    for other in runs[True][1:]:
-        assert len(other) == len(base) == 7
-        assert all(torch.equal(x, y) for x, y in zip(base, other))
-    loose = runs[False]
-    assert not all(torch.equal(x, y) for other in loose[1:] for x, y in zip(loose[0], other))
-    assert max(float((x - y).abs().max()) for x, y in zip(base, loose[0])) < 1e-3
+    in batches of different composition. The default mode (chunked delta rule, plain
+    linears) agrees to rounding only: the same comparison fails there."""
+    strict = _three_ways(load_model(family[1], deterministic=True))
+    loose = _three_ways(load_model(family[1], deterministic=False))
+    assert _bitwise_same(strict)
+    assert not _bitwise_same(loose)
+    assert max(float((x - y).abs().max()) for x, y in zip(strict[0], loose[0])) < 1e-3
+
+
+def test_deterministic_guard_catches_chunked_delta_rule(
+    family: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The guard above, shown red with the bug planted: deterministic mode (tiled linears,
+    deterministic attention) but the chunked delta rule in prefill."""
+    if family[0] != "qwen3_5_text":
+        pytest.skip("LFM2 has no delta rule")
+    from gpu.models import qwen3_5
+
+    chunked = qwen3_5.gated_delta_varlen
+
+    def planted(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return chunked(*args, **{**kwargs, "recurrent": False})
+
+    monkeypatch.setattr(qwen3_5, "gated_delta_varlen", planted)
+    assert not _bitwise_same(_three_ways(load_model(family[1], deterministic=True)))
