@@ -8,7 +8,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class ModelArchConfig:
-    architecture: str  # registry name of kind "model": "llama", "qwen2", "qwen3"
+    architecture: str  # registry name of kind "model": "llama", "qwen2", "qwen3", "qwen3_5_text", "lfm2"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -23,3 +23,21 @@ class ModelArchConfig:
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     qk_norm: bool = False  # Qwen3: RMSNorm on per-head q and k
     rope_scaling: dict[str, Any] | None = None
+    # Hybrid models (attention + linear-attention / conv layers). None: every layer is
+    # attention. Otherwise one entry per layer: "full_attention", or the non-attention
+    # kind ("linear_attention" for Qwen3.5's Gated DeltaNet, "conv" for LFM2).
+    layer_types: tuple[str, ...] | None = None
+    partial_rotary_factor: float = 1.0  # fraction of head_dim that RoPE rotates
+    conv_kernel: int = 0  # causal conv width of the linear/conv layers
+    conv_bias: bool = False  # LFM2: bias on the conv and its projections
+    linear_num_key_heads: int = 0  # Gated DeltaNet heads and dims
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers with a KV cache (all of them for a non-hybrid model)."""
+        if self.layer_types is None:
+            return self.num_layers
+        return sum(1 for t in self.layer_types if t == "full_attention")

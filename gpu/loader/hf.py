@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -22,6 +23,8 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3_5ForCausalLM": "qwen3_5_text",
+    "Lfm2ForCausalLM": "lfm2",
 }
 
 
@@ -39,7 +42,7 @@ def build_arch_config(config: dict[str, Any]) -> ModelArchConfig:
     arch = _architecture(config)
     hidden = int(config["hidden_size"])
     heads = int(config["num_attention_heads"])
-    return ModelArchConfig(
+    base = ModelArchConfig(
         architecture=arch,
         vocab_size=int(config["vocab_size"]),
         hidden_size=hidden,
@@ -57,6 +60,66 @@ def build_arch_config(config: dict[str, Any]) -> ModelArchConfig:
         qk_norm=arch == "qwen3",
         rope_scaling=_rope_scaling(config),
     )
+    if arch == "qwen3_5_text":
+        return _qwen3_5_fields(base, config)
+    if arch == "lfm2":
+        return _lfm2_fields(base, config)
+    return base
+
+
+def _qwen3_5_fields(base: ModelArchConfig, config: dict[str, Any]) -> ModelArchConfig:
+    layers = base.num_layers
+    types = config.get("layer_types")
+    if types is None:  # older configs: every `full_attention_interval`-th layer is attention
+        interval = int(config.get("full_attention_interval", 4))
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    params = config.get("rope_parameters") or {}
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))
+    return dataclasses.replace(
+        base,
+        layer_types=tuple(types),
+        partial_rotary_factor=float(partial),
+        conv_kernel=int(config.get("linear_conv_kernel_dim", 4)),
+        linear_num_key_heads=int(config["linear_num_key_heads"]),
+        linear_num_value_heads=int(config["linear_num_value_heads"]),
+        linear_key_head_dim=int(config["linear_key_head_dim"]),
+        linear_value_head_dim=int(config["linear_value_head_dim"]),
+    )
+
+
+def _lfm2_fields(base: ModelArchConfig, config: dict[str, Any]) -> ModelArchConfig:
+    types = config.get("layer_types")
+    if types is None:
+        attn = config.get("full_attn_idxs")
+        attn_set = set(range(base.num_layers)) if attn is None else {int(i) for i in attn}
+        types = ["full_attention" if i in attn_set else "conv" for i in range(base.num_layers)]
+    # Older LFM2 configs spell these block_ff_dim and tie_embedding; those win, as in transformers.
+    tied = bool(config.get("tie_embedding", config.get("tie_word_embeddings", True)))
+    return dataclasses.replace(
+        base,
+        intermediate_size=_lfm2_ff_dim(config),
+        rms_norm_eps=float(config.get("norm_eps", 1e-5)),
+        rope_theta=_rope_theta(config, default=1000000.0),
+        tie_word_embeddings=tied,
+        layer_types=tuple(types),
+        conv_kernel=int(config.get("conv_L_cache", 3)),
+        conv_bias=bool(config.get("conv_bias", False)),
+    )
+
+
+def _lfm2_ff_dim(config: dict[str, Any]) -> int:
+    """LFM2's MLP width: with block_auto_adjust_ff_dim, 2/3 of the configured size, times
+    the multiplier, rounded up to block_multiple_of (Lfm2MLP in transformers)."""
+    size = int(config.get("block_ff_dim", config["intermediate_size"]))
+    if not config.get("block_auto_adjust_ff_dim", True):
+        return size
+    size = int(2 * size / 3)
+    multiplier = config.get("block_ffn_dim_multiplier", 1.0)
+    if multiplier is not None:
+        size = int(float(multiplier) * size)
+        multiple = int(config.get("block_multiple_of", 256))
+        size = multiple * ((size + multiple - 1) // multiple)
+    return size
 
 
 def load_safetensors(path: str, dtype: torch.dtype, tied: bool) -> dict[str, torch.Tensor]:
@@ -110,10 +173,10 @@ def _architecture(config: dict[str, Any]) -> str:
     raise ValueError(f"unsupported architecture {names!r}; supported: {sorted(ARCHITECTURES)}")
 
 
-def _rope_theta(config: dict[str, Any]) -> float:
+def _rope_theta(config: dict[str, Any], default: float = 10000.0) -> float:
     # transformers >= 5 writes rope settings under rope_parameters; older configs at top level.
     params = config.get("rope_parameters") or {}
-    return float(params.get("rope_theta") or config.get("rope_theta") or 10000.0)
+    return float(params.get("rope_theta") or config.get("rope_theta") or default)
 
 
 def _rope_scaling(config: dict[str, Any]) -> dict[str, Any] | None:

@@ -1,0 +1,200 @@
+"""Gated delta rule (Gated DeltaNet, Qwen3.5 / Qwen3-Next linear attention) in plain torch.
+
+Per head, with a state S [k_dim, v_dim], and per token t a log-space decay g_t <= 0, a
+write strength beta_t in (0, 1), a unit-norm key k_t, a scaled query q_t and a value v_t:
+
+    S <- exp(g_t) * S
+    S <- S + k_t (beta_t * (v_t - S^T k_t))^T      (delta rule: write only the error)
+    o_t = S^T q_t
+
+Three forms of the same recurrence:
+- `recurrent_step`: one token for a batch of requests (decode);
+- `recurrent_prefill`: a loop of `recurrent_step` over one request's tokens, bit-identical
+  to running those tokens as decode steps (deterministic mode);
+- `chunk_prefill`: the chunked (WY / UT-transform) form, a few matmuls per chunk of 64
+  tokens; faster for long prompts, equal to the recurrent form up to rounding.
+`gated_delta_varlen` runs a whole step's flattened tokens (several requests, mixed
+prefill and decode) with one of them. All inputs and states are float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+CHUNK_SIZE = 64
+
+
+def _sum_keys(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the k_dim axis of x [..., k_dim, v_dim] in a fixed pairwise order.
+
+    NOTE: invariant 7. `sum(-2)` (or a matmul) may pick its reduction order by the shape
+    of the whole batch; halving with elementwise adds gives every (request, head, column)
+    the same order whatever else is in the batch, so a state reached in prefill equals,
+    bit for bit, one reached by decode steps. Zero padding to a power of two is exact.
+    """
+    n = x.shape[-2]
+    width = 1 << (n - 1).bit_length()
+    if width != n:
+        x = F.pad(x, (0, 0, 0, width - n))
+    while x.shape[-2] > 1:
+        half = x.shape[-2] // 2
+        x = x[..., :half, :] + x[..., half:, :]
+    return x[..., 0, :]
+
+
+def recurrent_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token for B requests: q, k [B, H, dk], v [B, H, dv], g, beta [B, H], state
+    [B, H, dk, dv] -> (output [B, H, dv], new state). The input state is not modified."""
+    s = state * g.exp()[..., None, None]
+    predicted = _sum_keys(s * k[..., :, None])  # S^T k: what the state already recalls for k
+    delta = (v - predicted) * beta[..., None]
+    s = s + k[..., :, None] * delta[..., None, :]
+    return _sum_keys(s * q[..., :, None]), s
+
+
+def recurrent_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's L tokens, one `recurrent_step` each: q, k [L, H, dk], v [L, H, dv],
+    g, beta [L, H], state [H, dk, dv] -> (output [L, H, dv], state after the last token)."""
+    out = torch.empty_like(v)
+    s = state[None]
+    for t in range(q.shape[0]):
+        sl = slice(t, t + 1)
+        o, s = recurrent_step(q[sl], k[sl], v[sl], g[sl], beta[sl], s)
+        out[t] = o[0]
+    return out, s[0]
+
+
+def chunk_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    start_pos: int,
+    chunk_size: int = CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked form of `recurrent_prefill` for tokens at absolute positions start_pos...
+
+    The chunk grid is anchored at absolute position 0: the first chunk ends on the next
+    multiple of `chunk_size`, so a prompt split across steps at any point sees the same
+    chunks after the split as an unsplit run (equal results as far as the grid allows).
+    This is done by padding the front with `start_pos % chunk_size` no-op tokens (k, v,
+    q = 0, beta = 0, g = 0: they leave the state unchanged and nothing attends to them).
+    """
+    length, heads, _ = q.shape
+    lead = start_pos % chunk_size
+    tail = (-(lead + length)) % chunk_size
+
+    def chunked(x: torch.Tensor) -> torch.Tensor:  # [L, H, ...] -> [H, N, C, ...]
+        x = x.movedim(0, 1)
+        pad = [0, 0] * (x.dim() - 2) + [lead, tail]
+        x = F.pad(x, pad)
+        return x.reshape(heads, -1, chunk_size, *x.shape[2:])
+
+    qc, kc, vc, gc, bc = (chunked(x) for x in (q, k, v, g, beta))
+    cum = gc.cumsum(-1)  # [H, N, C]: log decay from the chunk start to each token
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    # decay[i, j] = exp(cum_i - cum_j) for j <= i; masked before exp so it cannot overflow.
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    k_beta = kc * bc[..., None]
+    # UT transform: (I + strictly_lower(diag(beta) K K^T * decay))^-1 applied to the
+    # beta-weighted values and to the decayed keys that read the state at the chunk start.
+    system = (k_beta @ kc.transpose(-1, -2)) * decay
+    u = torch.linalg.solve_triangular(system, vc * bc[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+    intra = (qc @ kc.transpose(-1, -2)) * decay
+    q_read = qc * cum.exp()[..., None]  # queries read the start state decayed to their position
+    k_write = kc * (cum[..., -1:] - cum).exp()[..., None]  # keys decayed to the chunk end
+    chunk_decay = cum[..., -1].exp()[..., None, None]  # [H, N, 1, 1]
+    out = torch.empty_like(u)
+    s = state
+    for n in range(qc.shape[1]):
+        v_new = u[:, n] - w[:, n] @ s
+        out[:, n] = q_read[:, n] @ s + intra[:, n] @ v_new
+        s = s * chunk_decay[:, n] + k_write[:, n].transpose(-1, -2) @ v_new
+    out = out.reshape(heads, -1, out.shape[-1])[:, lead : lead + length]
+    return out.movedim(1, 0).contiguous(), s
+
+
+def gated_delta_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    extend_lens: Sequence[int],
+    prefix_lens: Sequence[int],
+    recurrent: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's flattened tokens (requests back to back, `extend_lens` each, starting at
+    `prefix_lens`) from per-request states [R, H, dk, dv] -> (output [T, H, dv], states
+    after each request's last token [R, H, dk, dv]).
+
+    `recurrent`: every token by `recurrent_step` (deterministic mode), all requests
+    advanced together one position at a time. Otherwise one-token requests are batched
+    through `recurrent_step` and longer ones run `chunk_prefill`.
+    """
+    out = torch.empty_like(v)
+    new_states = states.clone()
+    starts = [0]
+    for n in extend_lens:
+        starts.append(starts[-1] + n)
+    if recurrent:
+        _recurrent_varlen(q, k, v, g, beta, new_states, extend_lens, starts, out)
+        return out, new_states
+    decodes = [r for r, n in enumerate(extend_lens) if n == 1]
+    if decodes:
+        tok = torch.tensor([starts[r] for r in decodes], device=q.device)
+        req = torch.tensor(decodes, device=q.device)
+        o, s = recurrent_step(q[tok], k[tok], v[tok], g[tok], beta[tok], states[req])
+        out[tok] = o
+        new_states[req] = s
+    for r, n in enumerate(extend_lens):
+        if n > 1:
+            sl = slice(starts[r], starts[r] + n)
+            out[sl], new_states[r] = chunk_prefill(
+                q[sl], k[sl], v[sl], g[sl], beta[sl], states[r], prefix_lens[r]
+            )
+    return out, new_states
+
+
+def _recurrent_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    extend_lens: Sequence[int],
+    starts: list[int],
+    out: torch.Tensor,
+) -> None:
+    """Position t of every request that has one, as one batched `recurrent_step`; since
+    that step is batch-invariant, each request gets exactly its `recurrent_prefill`."""
+    device = q.device
+    for t in range(max(extend_lens, default=0)):
+        active = [r for r, n in enumerate(extend_lens) if n > t]
+        tok = torch.tensor([starts[r] + t for r in active], device=device)
+        req = torch.tensor(active, device=device)
+        o, s = recurrent_step(q[tok], k[tok], v[tok], g[tok], beta[tok], states[req])
+        out[tok] = o
+        states[req] = s

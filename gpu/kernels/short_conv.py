@@ -1,0 +1,59 @@
+"""Causal depthwise conv1d over a step's flattened tokens, with a carried window per request.
+
+Used by Qwen3.5's Gated DeltaNet (conv over q/k/v, SiLU after) and LFM2's gated short
+conv. Output at position t is sum_j weight[:, j] * x[t - (K-1) + j]: the usual causal
+conv with K-1 zeros before position 0. A request resumes from its *window*, the last K-1
+inputs before its first new token ([channels, K-1], oldest first, zeros before position
+0), and leaves the window after its last token for the next step. Prefill chunks and
+one-token decodes of several requests go through the same code in one call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def short_conv_varlen(
+    x: torch.Tensor,
+    windows: torch.Tensor,
+    extend_lens: Sequence[int],
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, C] (requests back to back, `extend_lens` tokens each), windows [R, C, K-1],
+    weight [C, K], bias [C] -> (y [T, C] in x's dtype, new windows [R, C, K-1]).
+
+    NOTE: invariant 7. Each output is the same K products summed in tap order (an explicit
+    loop of elementwise ops, accumulated in float32), whatever the batch or the chunking:
+    a token's conv output does not depend on whether its window came from a prefill, a
+    decode step or a cache hit.
+    """
+    num_tokens, channels = x.shape
+    reqs, _, width = windows.shape
+    device = x.device
+    lens = torch.tensor(list(extend_lens), dtype=torch.int64, device=device)
+    if lens.numel() != reqs or int(lens.sum()) != num_tokens:
+        raise ValueError(f"extend_lens {list(extend_lens)} do not match {num_tokens} tokens / {reqs} windows")
+    # One extended buffer: per request its window rows, then its new tokens.
+    seg_len = lens + width
+    seg_start = torch.cumsum(seg_len, 0) - seg_len
+    req_of_tok = torch.repeat_interleave(torch.arange(reqs, device=device), lens)
+    tok_start = torch.cumsum(lens, 0) - lens
+    tok_row = (
+        seg_start[req_of_tok] + width + (torch.arange(num_tokens, device=device) - tok_start[req_of_tok])
+    )
+    win_row = (seg_start[:, None] + torch.arange(width, device=device)[None, :]).reshape(-1)
+    ext = x.new_empty((num_tokens + reqs * width, channels))
+    ext[win_row] = windows.transpose(1, 2).reshape(-1, channels).to(x.dtype)
+    ext[tok_row] = x
+    w = weight.float()
+    acc = torch.zeros((num_tokens, channels), dtype=torch.float32, device=device)
+    for j in range(width + 1):
+        acc = acc + ext[tok_row - width + j].float() * w[:, j]
+    if bias is not None:
+        acc = acc + bias.float()
+    last_rows = (seg_start + seg_len - width)[:, None] + torch.arange(width, device=device)[None, :]
+    new_windows = ext[last_rows.reshape(-1)].view(reqs, width, channels).transpose(1, 2)
+    return acc.to(x.dtype), new_windows.to(windows.dtype)
