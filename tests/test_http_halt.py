@@ -109,3 +109,27 @@ async def test_requests_in_flight_end_with_the_reason(tiny_chat_folder: str) -> 
             await asyncio.sleep(0.01)
         pages = engine.stats()["pages"]
         assert engine.is_idle() and pages["free"] == pages["usable"]
+
+
+async def test_a_real_halt_ends_requests_in_flight(tiny_chat_folder: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel halting by itself (a planted planner bug mid-generation): the streamed
+    and the non-streamed request both end promptly with the reason, /health says why."""
+    async with serve_http(tiny_chat_folder) as (engine, http):
+        whole = asyncio.ensure_future(http.post("/v1/completions", json=LONG))
+        stream = await http.post("/v1/completions", json={**LONG, "stream": True})
+        assert (await stream.content.readline()).startswith(b"data: {")
+        while engine.stats()["requests"]["running"] < 2:
+            await asyncio.sleep(0.01)
+
+        def broken_planner() -> Any:
+            raise RuntimeError("planted planner bug")
+
+        monkeypatch.setattr(engine.scheduler, "schedule", broken_planner)
+        resp = await asyncio.wait_for(whole, 5)
+        body = await resp.json()
+        assert resp.status == 503 and "planted planner bug" in body["error"]["message"], body
+        rest = [line async for line in stream.content if line.startswith(b"data: ")]
+        error = orjson.loads(rest[-2][6:])
+        assert "planted planner bug" in error["error"]["message"] and rest[-1] == b"data: [DONE]\n"
+        health = await http.get("/health")
+        assert health.status == 503 and "planted planner bug" in (await health.json())["error"]["message"]
