@@ -50,11 +50,15 @@ class SampledToken(NamedTuple):
 
 class PrefillChunk(NamedTuple):
     """One request's tokens in a step: `token_ids` go at positions prefix_len.. of its
-    request-table row."""
+    request-table row. Hybrid models also read the recurrent state from `state_src`
+    (ignored when prefix_len is 0: a fresh zero state) and write the state after the
+    chunk's last token to `state_dst`; dense models leave both 0."""
 
     token_ids: tuple[int, ...]
     table_row: int
     prefix_len: int
+    state_src: int = 0
+    state_dst: int = 0
 
 
 @dataclass(frozen=True)
@@ -65,9 +69,17 @@ class ForwardBatch:
     extend_lens: tuple[int, ...]  # tokens this step computes per request
     sample_rows: tuple[int, ...]  # indices (into rows) of the requests that sample
     sampling: tuple[SamplingRow, ...]  # one per sampling request, same order
+    state_src: tuple[int, ...] = ()  # hybrid models: per request, see PrefillChunk
+    state_dst: tuple[int, ...] = ()
+    # (src, dst) state-slot copies to make before the forward, in order (a cached state
+    # taken from a live one; the copy runs on the device thread, so ordered with steps).
+    state_copies: tuple[tuple[int, int], ...] = ()
 
     @classmethod
-    def build(cls, chunks: list[PrefillChunk], sampling: list[tuple[int, SamplingRow]]) -> ForwardBatch:
+    def build(
+        cls, chunks: list[PrefillChunk], sampling: list[tuple[int, SamplingRow]],
+        state_copies: tuple[tuple[int, int], ...] = (),
+    ) -> ForwardBatch:
         """chunks in batch order; sampling: (chunk index, how that chunk's request samples)."""
         for chunk in chunks:
             if chunk.table_row <= 0 or not chunk.token_ids or chunk.prefix_len < 0:
@@ -85,4 +97,7 @@ class ForwardBatch:
             extend_lens=tuple(len(c.token_ids) for c in chunks),
             sample_rows=tuple(i for i, _ in sampling),
             sampling=tuple(s for _, s in sampling),
+            state_src=tuple(c.state_src for c in chunks),
+            state_dst=tuple(c.state_dst for c in chunks),
+            state_copies=state_copies,
         )

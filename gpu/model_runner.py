@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from cache.kv_pool import KVPool
+from cache.state_pool import StatePool
 from gpu.attention.base import AttentionBackend
 from gpu.forward_batch import ForwardBatch, SampledToken
-from gpu.models.llama import LlamaModel
+from gpu.models.hybrid_step import HybridStep
 from gpu.sampling import SamplingBatch, sample
 
 
 class ModelRunner:
     """Owned by the device thread: every call here happens on that thread."""
 
-    def __init__(self, model: LlamaModel, pool: KVPool, attention: AttentionBackend) -> None:
+    def __init__(
+        self, model: Any, pool: KVPool, attention: AttentionBackend, states: StatePool | None = None
+    ) -> None:
         self.model = model
         self.pool = pool
         self.attention = attention
+        self.states = states  # hybrid models only
         self.device = model.device
         self.vocab_size = model.arch.vocab_size
 
@@ -25,10 +31,27 @@ class ModelRunner:
     def run(self, batch: ForwardBatch) -> list[SampledToken]:
         input_ids, positions, logits_indices = self.prepare(batch)
         self.attention.prepare(batch.rows, batch.prefix_lens, batch.extend_lens)
-        logits = self.model.forward(input_ids, positions, self.attention, logits_indices)
+        if self.states is None:
+            logits = self.model.forward(input_ids, positions, self.attention, logits_indices)
+        else:
+            logits = self.model.forward(
+                input_ids, positions, self.attention, logits_indices, self.hybrid_step(batch), self.states
+            )
         if not batch.sampling:
             return []
         return self.sample(logits, batch)
+
+    def hybrid_step(self, batch: ForwardBatch) -> HybridStep:
+        """Copy the states the batch asks for, then say where each request reads and writes."""
+        assert self.states is not None
+        if len(batch.state_src) != len(batch.rows) or len(batch.state_dst) != len(batch.rows):
+            # NOTE: invariant 6 - missing metadata is an error, never zero-filled.
+            raise ValueError("a hybrid model's batch lacks state slots for some request")
+        for src, dst in batch.state_copies:
+            self.states.copy(src, dst)
+        return HybridStep.build(
+            batch.extend_lens, batch.prefix_lens, batch.state_src, batch.state_dst, self.device
+        )
 
     def prepare(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         dev = self.device

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import structlog
 import torch
@@ -13,11 +14,13 @@ from cache.kv_pool import KVPool
 from cache.prefix_cache import NoPrefixCache, PrefixCache
 from cache.radix_tree import RadixTree
 from cache.req_table import ReqToTokenTable
+from cache.state_pool import StatePool
 from gpu.loader import load_checkpoint
 from gpu.model_runner import ModelRunner
 from gpu.tokenizer import Tokenizer
 from kernel import registry
 from kernel.config import Config
+from kernel.hybrid_state import HybridState
 from kernel.prefix_reuse import PrefixReuse
 from kernel.scheduler import Scheduler
 
@@ -51,8 +54,9 @@ def build_components(config: Config, device: torch.device) -> Components:
     tokenizer = ckpt.tokenizer
     del ckpt  # the model holds its own (fused) copies; drop the loader's
     page_size = config.cache.page_size
-    num_pages = _size_pool(config, arch.num_layers, arch.num_kv_heads, arch.head_dim, dtype, device)
-    pool = KVPool(arch.num_layers, num_pages, page_size, arch.num_kv_heads, arch.head_dim, dtype, device)
+    kv_layers = getattr(model, "num_kv_layers", arch.num_layers)  # hybrids: attention layers only
+    num_pages = _size_pool(config, kv_layers, arch.num_kv_heads, arch.head_dim, dtype, device)
+    pool = KVPool(kv_layers, num_pages, page_size, arch.num_kv_heads, arch.head_dim, dtype, device)
     max_ctx_padded = pages_for(context, page_size) * page_size
     table = ReqToTokenTable(config.scheduler.max_running_requests + 1, max_ctx_padded, device)
     # Deterministic mode needs batch-invariant attention too, whatever backend is named.
@@ -62,14 +66,25 @@ def build_components(config: Config, device: torch.device) -> Components:
         lpm_fallback_queue=config.scheduler.lpm_fallback_queue
     )
     allocator = PageAllocator(num_pages)
+    states = _state_pool(config, model, dtype, device)
     cache: PrefixCache
     if config.cache.prefix == "radix":
         evict = registry.lookup("evict", config.cache.evict_policy)()
-        cache = RadixTree(page_size, allocator.free, evict, strict_events=config.debug.check_invariants)
+        free_states = _free_slots(states) if states is not None else None
+        cache = RadixTree(
+            page_size, allocator.free, evict, strict_events=config.debug.check_invariants, free_states=free_states
+        )
     else:
         cache = NoPrefixCache(page_size)
+    hybrid = None
+    if states is not None:
+        strategy = registry.lookup("state_strategy", config.cache.state_strategy)()
+        hybrid = HybridState(
+            states, strategy, config.cache.state_track_interval, checkpoints=cache.reuses,
+            evict_states=cache.evict_states,
+        )
     return Components(
-        runner=ModelRunner(model, pool, attention),
+        runner=ModelRunner(model, pool, attention, states),
         scheduler=Scheduler(
             config.scheduler,
             page_size,
@@ -78,13 +93,34 @@ def build_components(config: Config, device: torch.device) -> Components:
             policy,
             eos_ids=tokenizer.eos_token_ids if tokenizer is not None else frozenset(),
             max_context=context,
-            prefix=PrefixReuse(cache, allocator, table),
+            prefix=PrefixReuse(cache, allocator, table, hybrid=states is not None),
+            hybrid=hybrid,
         ),
         tokenizer=tokenizer,
         num_pages=num_pages,
         context_length=context,
         model_name=config.model.served_name or os.path.basename(config.model.path.rstrip("/")),
     )
+
+
+def _state_pool(config: Config, model: Any, dtype: torch.dtype, device: torch.device) -> StatePool | None:
+    """Hybrid models (those with recurrent state layers) get a state pool; dense ones None.
+    Without cache.state_slots: three slots per running request (the live one, a second
+    for the two-slot strategies, room for cached states), plus the reserved slot 0."""
+    if not hasattr(model, "state_shapes"):
+        return None
+    num = config.cache.state_slots or 3 * config.scheduler.max_running_requests + 1
+    pool = StatePool(model.state_shapes(), num, dtype, device)
+    log.info("state_pool_sized", slots=num, bytes_per_slot=pool.bytes_per_slot)
+    return pool
+
+
+def _free_slots(states: StatePool) -> Callable[[list[int]], None]:
+    def free(slots: list[int]) -> None:
+        for slot in slots:
+            states.free(slot)
+
+    return free
 
 
 def _size_pool(

@@ -50,6 +50,13 @@ class CacheConfig:
     max_pages: int = 16384
     prefix: str = "radix"  # reuse is the product; "none" turns it off
     evict_policy: str = "lru"
+    # Hybrid models (recurrent state per request): slots of the state pool (None: three
+    # per running request, enough for every strategy plus cached states), how a cached
+    # state is produced (registry kind `state_strategy`), and the checkpoint grid in
+    # tokens (a multiple of page_size, otherwise independent of it).
+    state_slots: int | None = None
+    state_strategy: str = "extra_buffer"
+    state_track_interval: int = 64
 
     def validate(self) -> None:
         _positive("cache.page_size", self.page_size)
@@ -61,6 +68,14 @@ class CacheConfig:
             raise ConfigError(f"cache.memory_fraction must be in (0, 0.95], got {self.memory_fraction}")
         _positive("cache.max_pages", self.max_pages)
         _choice("cache.prefix", self.prefix, ("none", "radix"))
+        if self.state_slots is not None and self.state_slots < 2:
+            raise ConfigError(f"cache.state_slots must be >= 2 (slot 0 is reserved), got {self.state_slots}")
+        _positive("cache.state_track_interval", self.state_track_interval)
+        if self.state_track_interval % self.page_size:
+            raise ConfigError(
+                f"cache.state_track_interval ({self.state_track_interval}) must be a multiple of "
+                f"cache.page_size ({self.page_size})"
+            )
 
 
 @dataclass(frozen=True)

@@ -19,13 +19,19 @@ class PrefixReuse:
     """Match on admission, cache computed pages after every prefill chunk, release on
     finish/abort/retraction/error. Owns the engine-wide hit counters (in tokens)."""
 
-    def __init__(self, cache: PrefixCache, allocator: PageAllocator, req_table: ReqToTokenTable) -> None:
+    def __init__(
+        self, cache: PrefixCache, allocator: PageAllocator, req_table: ReqToTokenTable, hybrid: bool = False
+    ) -> None:
         self.cache = cache
         self.allocator = allocator
         self.req_table = req_table
         self.page_size = cache.page_size
+        # Hybrid models insert only at checkpoints, with the state slot for exactly that
+        # length (`cache_checkpoint`); dense models insert every computed whole page.
+        self.hybrid = hybrid
         self.query_tokens = 0  # prompt tokens looked up on admission
         self.hit_tokens = 0  # of which served from the cache
+        self.truncated_tokens = 0  # cached KV a hit could not use: no state at its end
 
     @property
     def reuses(self) -> bool:
@@ -49,9 +55,11 @@ class PrefixReuse:
         # Prompt tokens served from the cache (what usage reports; a readmitted request
         # may also resume tokens it generated itself before its retraction).
         req.cached_tokens = min(result.length, len(req.prompt_ids))
+        self.truncated_tokens += result.kv_length - result.length
         if result.length == 0:
             return
         self.cache.lock(result.node)
+        req.resume_slot = result.state_slot  # lent, kept alive by the lock
         req.cache_handle = result.node
         req.pages = list(result.pages)
         req.shared_pages = len(result.pages)
@@ -72,11 +80,22 @@ class PrefixReuse:
         """Offer the request's computed whole pages to the cache; the request then points
         at the cache's copy of any page the cache already had, and frees its own."""
         full = req.kv_len // self.page_size
-        if not self.cache.reuses or full <= req.shared_pages:
+        if not self.cache.reuses or self.hybrid or full <= req.shared_pages:
             return
+        self._insert(req, full, None)
+
+    def cache_checkpoint(self, req: Request, state_slot: int) -> bool:
+        """Hybrid models: cache the request's first kv_len tokens (on the checkpoint grid,
+        so whole pages) with the state slot that covers exactly them. True if the cache
+        took the slot; False if it already had a state there (the slot stays ours)."""
+        assert req.kv_len % self.page_size == 0, "a checkpoint off the page grid"
+        return self._insert(req, req.kv_len // self.page_size, state_slot)
+
+    def _insert(self, req: Request, full: int, state_slot: int | None) -> bool:
         assert req.row is not None
         mine = req.pages[:full]
-        result = self.cache.insert(req.token_slice(0, full * self.page_size), mine, req.namespace, req.priority)
+        tokens = req.token_slice(0, full * self.page_size)
+        result = self.cache.insert(tokens, mine, req.namespace, req.priority, state_slot=state_slot)
         dupes = result.duplicates(mine)
         if dupes:
             # Another request cached the same pages first: point at the cache's copy and
@@ -89,6 +108,7 @@ class PrefixReuse:
             self.cache.unlock(req.cache_handle)
         req.cache_handle = result.node
         req.shared_pages = full
+        return state_slot is not None and result.duplicate_state is None
 
     def release(self, req: Request) -> None:
         """Give back every page the request owns; computed whole pages stay cached

@@ -45,6 +45,15 @@ class Request:
     shared_pages: int = 0  # leading pages owned by the prefix cache (see kernel/prefix_reuse.py)
     cache_handle: TreeNode | None = None  # the cache's (locked) handle covering those pages
     kv_len: int = 0
+    # Hybrid models (kernel/hybrid_state.py): the live state slot this request writes,
+    # a second slot some strategies keep, a cached slot lent for reading the next
+    # chunk's starting state, the last checkpointed length, and the slot the step in
+    # flight writes.
+    state_slot: int | None = None
+    track_slot: int | None = None
+    resume_slot: int | None = None
+    checkpoint_len: int = 0
+    step_dst: int | None = None
     cached_tokens: int = 0
     inflight: bool = False
     finish_reason: str | None = None

@@ -19,6 +19,7 @@ from cache.req_table import ReqToTokenTable
 from gpu.forward_batch import SampledToken
 from kernel.chunk_planner import plan_chunk
 from kernel.config import SchedulerConfig
+from kernel.hybrid_state import HybridState
 from kernel.policy import SchedulePolicy
 from kernel.prefix_reuse import PrefixReuse
 from kernel.request import Request, Status
@@ -28,6 +29,8 @@ class ScheduledChunk(NamedTuple):
     req: Request
     start: int
     length: int
+    state_src: int = 0  # hybrid models: the slots this chunk reads / writes its state
+    state_dst: int = 0
 
     @property
     def samples(self) -> bool:
@@ -63,6 +66,7 @@ class Scheduler:
         eos_ids: frozenset[int],
         max_context: int,
         prefix: PrefixReuse,
+        hybrid: HybridState | None = None,
     ) -> None:
         self.config = config
         self.page_size = page_size
@@ -72,6 +76,10 @@ class Scheduler:
         self.eos_ids = eos_ids
         self.max_context = max_context
         self.prefix = prefix
+        self.hybrid = hybrid
+        # Where non-final prefill chunks may end (invariant 1): pages, and for hybrid
+        # models that checkpoint also the state grid (a multiple of the page size).
+        self.grid = hybrid.interval if hybrid is not None and hybrid.checkpoints else page_size
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # admitted (hold a table row), oldest first
         self.num_retractions = 0
@@ -116,28 +124,36 @@ class Scheduler:
                 continue
             if not self._reserve_decode(req, planned, retracted):
                 continue
-            chunks.append(ScheduledChunk(req, req.kv_len, 1))
+            chunks.append(self._chunk(req, 1))
             planned.add(id(req))
             budget -= 1
         for req in list(self.running):
             if req.status is Status.RUNNING and req.total_len - req.kv_len > 1 and budget > 0:
                 length = self._plan_prefill(req, budget)
                 if length:
-                    chunks.append(ScheduledChunk(req, req.kv_len, length))
+                    chunks.append(self._chunk(req, length))
                     budget -= length
         for req in self.policy.order(self.waiting, self.prefix):
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
             if self.req_table.num_free == 0:
                 break
+            if self.hybrid is not None and not self.hybrid.can_admit():
+                break  # out of state slots: a scheduling event, the request waits
             if self._prefix_in_flight(req):
                 continue  # another request is computing its prefix: reuse it next step
             length = self._plan_prefill(req, budget, admitting=True)
             if not length:
                 break
-            chunks.append(ScheduledChunk(req, req.kv_len, length))
+            chunks.append(self._chunk(req, length))
             budget -= length
         return chunks
+
+    def _chunk(self, req: Request, length: int) -> ScheduledChunk:
+        if self.hybrid is None:
+            return ScheduledChunk(req, req.kv_len, length)
+        src, dst = self.hybrid.plan(req, req.kv_len, length)
+        return ScheduledChunk(req, req.kv_len, length, src, dst)
 
     def _prefix_in_flight(self, req: Request) -> bool:
         """Whether a prefilling request shares a prefix of >= share_prefix_min_tokens
@@ -166,7 +182,9 @@ class Scheduler:
             token_budget=min(budget, self.config.chunked_prefill_size),
             owned_pages=len(req.pages),
             free_pages=self.allocator.num_free + self.prefix.evictable_pages,
+            grid=self.grid,
         )
+        length = self._checkpoint_cut(req, length)
         if length == 0:
             if admitting:
                 self._unadmit(req)
@@ -176,6 +194,14 @@ class Scheduler:
         reserved = self._reserve(req, req.kv_len + length)
         assert reserved, "chunk planner promised pages that are neither free nor evictable"
         return length
+
+    def _checkpoint_cut(self, req: Request, length: int) -> int:
+        """A hybrid prompt's final chunk stops at its last checkpoint first, so the state
+        there is cached too (the short tail runs in the next step)."""
+        if self.grid == self.page_size or req.kv_len + length < req.total_len:
+            return length
+        last = (req.total_len - 1) // self.grid * self.grid
+        return last - req.kv_len if last > req.kv_len else length
 
     def _reserve_decode(self, req: Request, planned: set[int], retracted: list[Request]) -> bool:
         while not self._reserve(req, req.kv_len + 1):
@@ -208,6 +234,9 @@ class Scheduler:
         self.waiting.remove(req)
         self.running.append(req)
         self.running.sort(key=lambda r: r.arrival)
+        if self.hybrid is not None:
+            admitted = self.hybrid.admit(req)
+            assert admitted, "can_admit promised state slots"
         self.prefix.match(req)
 
     def _unadmit(self, req: Request) -> None:
@@ -235,6 +264,8 @@ class Scheduler:
         """Return a request's pages and row (on finish, abort, error or retraction);
         computed whole pages stay in the prefix cache for later requests."""
         self.prefix.release(req)
+        if self.hybrid is not None:
+            self.hybrid.release(req)
         if req.row is not None:
             self.req_table.free(req.row)
             req.row = None
@@ -250,12 +281,11 @@ class Scheduler:
             req = chunk.req
             req.inflight = False
             req.kv_len = chunk.start + chunk.length
-            if chunk.length > 1:
-                self.prefix.cache_computed(req)  # after every prefill chunk
             token = next(tokens) if chunk.samples else None
             if req.finished:  # aborted or stopped by text while this step ran
                 self.release(req)
                 continue
+            self._cache_step(req, chunk)
             if token is None:
                 continue
             self._append(req, token)
@@ -263,6 +293,18 @@ class Scheduler:
             if req.finished:
                 self.release(req)
         return produced
+
+    def _cache_step(self, req: Request, chunk: ScheduledChunk) -> None:
+        """Offer what the step computed to the prefix cache: every prefill chunk's whole
+        pages (dense), or a checkpoint with its state slot (hybrid)."""
+        if self.hybrid is None:
+            if chunk.length > 1:
+                self.prefix.cache_computed(req)
+            return
+        slot = self.hybrid.after_step(req)
+        if slot is not None:
+            donated = self.prefix.cache_checkpoint(req, slot)
+            self.hybrid.after_insert(req, slot, donated)
 
     def _append(self, req: Request, token: SampledToken) -> None:
         req.output_ids.append(token.token_id)
@@ -287,12 +329,34 @@ class Scheduler:
                 f"page leak: free {self.allocator.num_free} + held {len(held)} + cached {cached} "
                 f"!= usable {self.allocator.num_usable}"
             )
-        self.prefix.cache.check_integrity(held)  # also: no page both held and cached
+        own_states = self._check_states()
+        # Also: no page (or state slot) both held by a request and owned by the cache.
+        self.prefix.cache.check_integrity(held, own_states)
         for req in self.running:
             if pages_for(req.kv_len, self.page_size) > len(req.pages):
                 raise IntegrityError(f"request {req.rid} computed past its pages")
-            if req.total_len - req.kv_len > 1 and req.kv_len % self.page_size:
+            if req.total_len - req.kv_len > 1 and req.kv_len % self.grid:
                 raise IntegrityError(f"request {req.rid} was cut at unaligned {req.kv_len}")
         for req in self.waiting:
-            if req.pages or req.row is not None:
-                raise IntegrityError(f"waiting request {req.rid} holds pages or a row")
+            if req.pages or req.row is not None or req.state_slot is not None or req.track_slot is not None:
+                raise IntegrityError(f"waiting request {req.rid} holds pages, a row or a state slot")
+
+    def _check_states(self) -> list[int]:
+        """Invariant 2's accounting side: every state slot has exactly one owner, and
+        every checkpoint length is on the grid. Returns the slots requests own."""
+        if self.hybrid is None:
+            return []
+        pool = self.hybrid.pool
+        own = self.hybrid.own_slots(self.running)
+        if len(own) != len(set(own)):
+            raise IntegrityError(f"a state slot is owned by two requests: {sorted(own)}")
+        cached = self.prefix.cache.total_states
+        if pool.num_free + len(own) + cached != pool.num_usable:
+            raise IntegrityError(
+                f"state slot leak: free {pool.num_free} + held {len(own)} + cached {cached} "
+                f"!= usable {pool.num_usable}"
+            )
+        for req in self.running:
+            if req.checkpoint_len % self.hybrid.interval:
+                raise IntegrityError(f"request {req.rid} checkpointed off the grid at {req.checkpoint_len}")
+        return own

@@ -82,3 +82,27 @@ def _no_leaks_after_test() -> Iterator[None]:
     errors = leaks.failures + leaks.check_live_engines()
     leaks.failures.clear()
     assert not errors, "engine accounting broken after the test:\n" + "\n".join(errors)
+
+
+HYBRID_FAMILIES = ("qwen3_5_text", "lfm2")
+
+
+@pytest.fixture(scope="session")
+def hybrid_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Tiny random Qwen3.5 (Gated DeltaNet) and LFM2 (short conv) Hugging Face folders."""
+    from tests.tiny_hybrid import build_tiny_lfm2, build_tiny_qwen3_5
+
+    return {
+        "qwen3_5_text": str(build_tiny_qwen3_5(tmp_path_factory.mktemp("tiny_qwen3_5"))),
+        "lfm2": str(build_tiny_lfm2(tmp_path_factory.mktemp("tiny_lfm2"))),
+    }
+
+
+# Hybrid engines in tests: pages of 4 tokens, checkpoints every 8, small chunks.
+HYBRID_OVERRIDES = {
+    **TINY_OVERRIDES,
+    "cache.prefix": "radix",
+    "cache.num_pages": 128,
+    "cache.state_track_interval": 8,
+    "cache.state_slots": 64,
+}

@@ -1,0 +1,103 @@
+"""Recurrent state of hybrid models as the scheduler sees it: which state slot each
+request reads and writes per step, when a step is a checkpoint, and the slot
+accounting. Tensors never appear here: copies are queued for the device thread, which
+runs them before the next forward (gpu/forward_batch.py `state_copies`).
+
+NOTE: invariants 1 and 2. With the prefix cache on, checkpoints sit on a grid of
+`cache.state_track_interval` tokens (a multiple of the page size), every non-final
+prefill chunk ends on it (kernel/chunk_planner.py), and a checkpoint slot covers
+exactly the tokens its step ended at; `req.checkpoint_len` is always on the grid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from cache.state_pool import StatePool
+from kernel.request import Request
+from kernel.state_strategy import StateStrategy
+
+EvictStates = Callable[[int], object]
+
+
+class HybridState:
+    def __init__(
+        self, pool: StatePool, strategy: StateStrategy, interval: int, checkpoints: bool,
+        evict_states: EvictStates,
+    ) -> None:
+        self.pool = pool
+        self.strategy = strategy
+        self.interval = interval
+        self.checkpoints = checkpoints  # the prefix cache keeps states (cache.prefix radix)
+        self.evict_states = evict_states
+        self.copies: list[tuple[int, int]] = []  # for the next forward, in order
+
+    # ---- StateSlots, for the strategy ------------------------------------------
+    def allocate(self) -> int | None:
+        slot = self.pool.allocate()
+        if slot is None:
+            self.evict_states(1)  # cached states are only a cache: take one back
+            slot = self.pool.allocate()
+        return slot
+
+    def free(self, slot: int) -> None:
+        # A copy into a slot that is given back must not land after its next owner wrote it.
+        self.copies = [c for c in self.copies if c[1] != slot]
+        self.pool.free(slot)
+
+    def copy_later(self, src: int, dst: int) -> None:
+        self.copies.append((src, dst))
+
+    def take_copies(self) -> tuple[tuple[int, int], ...]:
+        copies, self.copies = tuple(self.copies), []
+        return copies
+
+    # ---- the request's life ------------------------------------------------------
+    def can_admit(self) -> bool:
+        """Enough free (or evictable) slots for one more request's own slots."""
+        need = self.strategy.own_slots - self.pool.num_free
+        if need > 0:
+            self.evict_states(need)
+        return self.pool.num_free >= self.strategy.own_slots
+
+    def admit(self, req: Request) -> bool:
+        req.checkpoint_len = 0
+        return self.strategy.admit(req, self)
+
+    def is_checkpoint(self, req: Request, end: int) -> bool:
+        return self.checkpoints and end % self.interval == 0 and end > req.checkpoint_len
+
+    def plan(self, req: Request, start: int, length: int) -> tuple[int, int]:
+        """(src, dst) slots of the request's chunk [start, start + length)."""
+        assert req.state_slot is not None
+        src = req.resume_slot if req.resume_slot is not None else req.state_slot
+        dst = req.state_slot
+        if self.is_checkpoint(req, start + length):
+            dst = self.strategy.checkpoint_dst(req, self)
+        req.step_dst = dst
+        return src, dst
+
+    def after_step(self, req: Request) -> int | None:
+        """The step landed (req.kv_len is its end): the checkpoint slot to offer the
+        cache, or None. The request's next chunk reads from the right slot either way."""
+        written, req.step_dst = req.step_dst, None
+        assert written is not None
+        if written == req.state_slot:
+            req.resume_slot = None  # our live slot has the newest state
+        if not self.is_checkpoint(req, req.kv_len):
+            return None
+        slot = self.strategy.take_checkpoint(req, written, self)
+        if slot is not None:
+            req.checkpoint_len = req.kv_len
+        return slot
+
+    def after_insert(self, req: Request, slot: int, donated: bool) -> None:
+        self.strategy.after_insert(req, slot, donated, self)
+
+    def release(self, req: Request) -> None:
+        self.strategy.release(req, self)
+        req.checkpoint_len = 0
+        req.step_dst = None
+
+    def own_slots(self, reqs: list[Request]) -> list[int]:
+        return [s for r in reqs for s in (r.state_slot, r.track_slot) if s is not None]

@@ -1,0 +1,257 @@
+"""Hybrid models, deterministic mode: a cache hit resumes from a cached recurrent state and
+gives exactly the tokens and logprobs of a cold run — for every state strategy, both
+families, prefill hits and decode hits, branching conversations, under concurrency, and
+with a pool so short that a continuing chunk must be cut under pressure.
+
+Each strategy has its own guard class (`extra_buffer_lazy` is a different code path,
+not a flag). The revert-then-red tests plant, by monkeypatching from the test, the bugs
+of the field reports: an unaligned continuing cut, a stale track slot, a wrong
+ping-pong slot pick, an off-by-one checkpoint length.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from handlers.state_extra_buffer import ExtraBuffer
+from handlers.state_extra_buffer_lazy import ExtraBufferLazy
+from kernel import Engine
+from kernel.prefix_reuse import PrefixReuse
+from kernel.request import Request
+from tests import leaks
+from tests.conftest import HYBRID_FAMILIES, HYBRID_OVERRIDES
+from tests.tiny_hybrid import VOCAB
+
+INTERVAL = HYBRID_OVERRIDES["cache.state_track_interval"]
+GREEDY = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True, "return_logprob": True}
+SAMPLED = {**GREEDY, "temperature": 0.8, "top_p": 0.95, "seed": 7}
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+def logprobs(out: dict[str, Any]) -> list[float]:
+    return [lp for lp, _ in out["meta_info"]["output_token_logprobs"]]
+
+
+def make(folder: str, strategy: str, **extra: Any) -> Engine:
+    return Engine(None, {**HYBRID_OVERRIDES, "model.path": folder, "deterministic": True,
+                         "cache.state_strategy": strategy, **extra})
+
+
+def cold(engine: Engine, prompt: list[int], params: dict[str, Any] = GREEDY) -> dict[str, Any]:
+    assert engine.flush_cache()
+    out = engine.generate(prompt, params)
+    assert isinstance(out, dict) and out["meta_info"]["cached_tokens"] == 0
+    return out
+
+
+def assert_bit_exact(out: dict[str, Any], ref: dict[str, Any]) -> None:
+    assert out["output_ids"] == ref["output_ids"], "bit-exact guard: tokens differ from the cold run"
+    assert logprobs(out) == logprobs(ref), "bit-exact guard: logprobs differ from the cold run"
+
+
+def assert_same(warm: dict[str, Any], ref: dict[str, Any]) -> None:
+    assert warm["meta_info"]["cached_tokens"] > 0, "the warm run did not hit the cache"
+    assert_bit_exact(warm, ref)
+
+
+# ---- guards ---------------------------------------------------------------------
+def guard_prefill_hit(engine: Engine) -> None:
+    prompt = tokens(1, 5 * INTERVAL + 3)
+    for params in (GREEDY, SAMPLED):
+        ref = cold(engine, prompt, params)
+        engine.generate(prompt[: 3 * INTERVAL + 5], GREEDY)  # warm a prefix ending off the grid
+        assert_same(engine.generate(prompt, params), ref)  # type: ignore[arg-type]
+
+
+def guard_decode_hit(engine: Engine) -> None:
+    """The second turn resumes from a state checkpointed while the first turn decoded."""
+    first = tokens(2, 2 * INTERVAL + 3)
+    engine.flush_cache()
+    turn1 = engine.generate(first, {**GREEDY, "max_new_tokens": 2 * INTERVAL})
+    turn2 = first + turn1["output_ids"] + tokens(3, 5)  # type: ignore[index]
+    warm = engine.generate(turn2, GREEDY)
+    assert isinstance(warm, dict) and warm["meta_info"]["cached_tokens"] > len(first)
+    assert_same(warm, cold(engine, turn2))
+
+
+def guard_branching(engine: Engine, noise: int = 0) -> None:
+    """A conversation tree whose branch points are off the page and checkpoint grids."""
+    root = tokens(4, 2 * INTERVAL + 3)
+    branches = [root + tokens(10 + b, 3 + 5 * b) for b in range(3)]
+    convs = [b + tokens(20 + i, INTERVAL + 1) for i, b in enumerate(branches)] + branches
+    refs = [cold(engine, c) for c in convs]
+    engine.flush_cache()
+    others = [tokens(100 + i, 5 + 3 * i) for i in range(noise)]
+    engine.generate(root, GREEDY)
+    for conv, ref in zip(convs, refs):
+        outs = engine.generate(others + [conv], [GREEDY] * (noise + 1))
+        warm = outs[-1]  # type: ignore[index]
+        assert warm["meta_info"]["cached_tokens"] % INTERVAL == 0
+        assert_same(warm, ref)
+
+
+def guard_small_pool(engine: Engine) -> None:
+    """Pages so short that continuing chunks are cut under pressure, eviction running."""
+    shared = tokens(5, 3 * INTERVAL)
+    prompts = [shared + tokens(30 + i, 9 + 5 * i) for i in range(5)]
+    refs = [cold(engine, p) for p in prompts]
+    engine.flush_cache()
+    outs = engine.generate(prompts, [GREEDY] * len(prompts))  # all at once: cuts and evictions
+    for out, ref in zip(outs, refs):  # type: ignore[arg-type]
+        assert_bit_exact(out, ref)
+    for prompt, ref in zip(prompts, refs):  # one by one: each finds the shared prefix
+        assert_same(engine.generate(prompt, GREEDY), ref)  # type: ignore[arg-type]
+
+
+SMALL_POOL = {"cache.num_pages": 30, "scheduler.chunked_prefill_size": 16,
+              "scheduler.max_num_batched_tokens": 24}
+
+
+class _Guards:
+    strategy = ""
+
+    @pytest.fixture(scope="class", params=HYBRID_FAMILIES)
+    def det(self, request: pytest.FixtureRequest, hybrid_folders: dict[str, str]) -> Iterator[Engine]:
+        engine = make(hybrid_folders[request.param], self.strategy)
+        yield engine
+        engine.shutdown()
+
+    def test_a_prefill_hit(self, det: Engine) -> None:
+        guard_prefill_hit(det)
+
+    def test_b_decode_hit(self, det: Engine) -> None:
+        guard_decode_hit(det)
+
+    def test_c_branching(self, det: Engine) -> None:
+        guard_branching(det)
+
+    def test_d_under_16_concurrent_requests(self, det: Engine) -> None:
+        guard_branching(det, noise=15)
+
+    @pytest.mark.parametrize("family", HYBRID_FAMILIES)
+    def test_e_continuing_chunk_cut_under_pressure(self, hybrid_folders: dict[str, str], family: str) -> None:
+        engine = make(hybrid_folders[family], self.strategy, **SMALL_POOL)
+        try:
+            guard_small_pool(engine)
+            assert engine.engine.stats()["num_retractions"] >= 0
+        finally:
+            engine.shutdown()
+
+
+class TestNoBuffer(_Guards):
+    strategy = "no_buffer"
+
+
+class TestExtraBuffer(_Guards):
+    strategy = "extra_buffer"
+
+
+class TestExtraBufferLazy(_Guards):
+    strategy = "extra_buffer_lazy"
+
+
+# ---- revert-then-red ------------------------------------------------------------
+def run_red(folder: str, strategy: str, guard: Any, caught_by: str, **extra: Any) -> None:
+    engine = make(folder, strategy, **extra)
+    try:
+        with pytest.raises(AssertionError, match=caught_by):
+            guard(engine)
+    finally:
+        leaks.excuse(engine.engine)
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("strategy", ["no_buffer", "extra_buffer", "extra_buffer_lazy"])
+def test_red_unaligned_continuing_cut(
+    hybrid_folders: dict[str, str], monkeypatch: pytest.MonkeyPatch, strategy: str
+) -> None:
+    """The field report: a continuing chunk cut wherever the pages end."""
+    import kernel.scheduler as sched_mod
+
+    def unaligned(start: int, total: int, page_size: int, token_budget: int, owned_pages: int,
+                  free_pages: int, grid: int | None = None) -> int:
+        capacity = (owned_pages + free_pages) * page_size - start
+        return max(min(total - start, token_budget, capacity - 1), 0)
+
+    monkeypatch.setattr(sched_mod, "plan_chunk", unaligned)
+    run_red(hybrid_folders["qwen3_5_text"], strategy, guard_small_pool, "unaligned|off the grid|bit-exact",
+            **SMALL_POOL)
+
+
+def plant_stale_track(strategy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The request writes its next checkpoint into a slot the cache already owns."""
+    if strategy == "extra_buffer":
+        real = ExtraBuffer.after_insert
+
+        def keep_donated(self: Any, req: Request, slot: int, donated: bool, slots: Any) -> None:
+            real(self, req, slot, donated, slots)
+            if donated:
+                if req.track_slot is not None:
+                    slots.free(req.track_slot)
+                req.track_slot = slot  # planted: the donated slot stays our track slot
+
+        monkeypatch.setattr(ExtraBuffer, "after_insert", keep_donated)
+    else:
+        def reuse_lent(self: Any, req: Request, slots: Any) -> int:
+            req.track_slot = req.resume_slot  # planted: the lent (cached) slot as the second slot
+            return req.track_slot if req.track_slot is not None else req.state_slot
+
+        monkeypatch.setattr(ExtraBufferLazy, "checkpoint_dst", reuse_lent)
+
+
+@pytest.mark.parametrize("strategy", ["extra_buffer", "extra_buffer_lazy"])
+@pytest.mark.parametrize("checks", [True, False])
+def test_red_stale_track_slot(
+    hybrid_folders: dict[str, str], monkeypatch: pytest.MonkeyPatch, strategy: str, checks: bool
+) -> None:
+    """A checkpoint lands in another position's cached slot. The slot accounting sees a
+    slot with two owners; without the check, the bit-exact compare sees the damage."""
+    plant_stale_track(strategy, monkeypatch)
+    caught_by = "owned|leak|held|bit-exact" if checks else "bit-exact"
+    run_red(hybrid_folders["qwen3_5_text"], strategy, guard_decode_hit, caught_by,
+            **{"debug.check_invariants": checks})
+
+
+@pytest.mark.parametrize("strategy", [ExtraBuffer, ExtraBufferLazy], ids=["extra_buffer", "extra_buffer_lazy"])
+def test_red_wrong_ping_pong_pick(
+    hybrid_folders: dict[str, str], monkeypatch: pytest.MonkeyPatch, strategy: Any
+) -> None:
+    """After a donation the next chunk reads the live slot (an older state) instead of
+    the donated one: only the bit-exact compare can see it."""
+    real = strategy.after_insert
+
+    def wrong_pick(self: Any, req: Request, slot: int, donated: bool, slots: Any) -> None:
+        real(self, req, slot, donated, slots)
+        req.resume_slot = None  # planted: resume from the live slot
+
+    monkeypatch.setattr(strategy, "after_insert", wrong_pick)
+    name = "extra_buffer" if strategy is ExtraBuffer else "extra_buffer_lazy"
+    run_red(hybrid_folders["lfm2"], name, guard_prefill_hit, "bit-exact", **{"debug.check_invariants": False})
+
+
+@pytest.mark.parametrize("strategy", ["no_buffer", "extra_buffer", "extra_buffer_lazy"])
+def test_red_off_by_one_checkpoint_length(
+    hybrid_folders: dict[str, str], monkeypatch: pytest.MonkeyPatch, strategy: str
+) -> None:
+    """A state cached one page short of where it was taken: a later hit resumes from a
+    state ahead of its KV (the field report's 420-vs-384), caught by `==`."""
+    real = PrefixReuse.cache_checkpoint
+
+    def short(self: PrefixReuse, req: Request, state_slot: int) -> bool:
+        req.kv_len -= self.page_size  # planted: insert one page fewer than the state covers
+        try:
+            return real(self, req, state_slot)
+        finally:
+            req.kv_len += self.page_size
+
+    monkeypatch.setattr(PrefixReuse, "cache_checkpoint", short)
+    run_red(hybrid_folders["qwen3_5_text"], strategy, guard_prefill_hit, "bit-exact",
+            **{"debug.check_invariants": False})
