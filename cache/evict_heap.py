@@ -13,6 +13,10 @@ entry heap would be (tens of ms on the event loop).
 NOTE: the tree must `push` a node whenever it becomes an evictable leaf or is touched
 while it is one; a candidate without a current entry would never be evicted. The tree's
 integrity check verifies this with `live_ids`.
+
+`StateEvictHeap` is the same heap over a second version counter and another candidate
+test (an unlocked attached node holding a state slot, leaf or not): hybrid trees evict
+state slots in their own order (cache/radix_states.py).
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ SWEEP_PER_PUSH = 2
 
 
 class EvictHeap:
+    """Candidates are evictable leaves; versions live in `TreeNode.heap_version`."""
+
     def __init__(self, policy: EvictPolicy) -> None:
         self.policy = policy
         self._heap: list[HeapEntry] = []
@@ -40,26 +46,26 @@ class EvictHeap:
 
     def push(self, node: TreeNode) -> None:
         """(Re-)key `node` with the policy; any older entry of it goes stale."""
-        node.heap_version += 1
-        heapq.heappush(self._heap, (self.policy.key(node), node.id, node.heap_version, node))
+        version = self._bump(node)
+        heapq.heappush(self._heap, (self.policy.key(node), node.id, version, node))
         self._sweep(SWEEP_PER_PUSH)
 
     def pop(self) -> TreeNode | None:
         """The evictable leaf with the smallest key, or None when there is none."""
         while self._heap:
             _, _, version, node = heapq.heappop(self._heap)
-            if version == node.heap_version and node.is_evictable_leaf:
+            if version == self._version(node) and self.is_candidate(node):
                 return node  # its other entries, if any, are stale by version
         return None
 
     def rebuild(self, policy: EvictPolicy, nodes: Iterable[TreeNode]) -> None:
-        """Switch policy and re-key every evictable leaf among `nodes`: O(n)."""
+        """Switch policy and re-key every candidate among `nodes`: O(n)."""
         self.policy = policy
         self._heap = []
+        self._cursor = 0
         for node in nodes:
-            if node.is_evictable_leaf:
-                node.heap_version += 1
-                self._heap.append((policy.key(node), node.id, node.heap_version, node))
+            if self.is_candidate(node):
+                self._heap.append((policy.key(node), node.id, self._bump(node), node))
         heapq.heapify(self._heap)
 
     def clear(self) -> None:
@@ -67,7 +73,18 @@ class EvictHeap:
 
     def live_ids(self) -> set[int]:
         """Ids of nodes with a current entry (for the integrity check)."""
-        return {node.id for _, _, version, node in self._heap if version == node.heap_version}
+        return {node.id for _, _, version, node in self._heap if version == self._version(node)}
+
+    def is_candidate(self, node: TreeNode) -> bool:
+        """Whether `node` may be popped now (checked lazily, at pop and sweep time)."""
+        return node.is_evictable_leaf
+
+    def _version(self, node: TreeNode) -> int:
+        return node.heap_version
+
+    def _bump(self, node: TreeNode) -> int:
+        node.heap_version += 1
+        return node.heap_version
 
     def _sweep(self, steps: int) -> None:
         """Inspect `steps` slots from the cursor, removing stale entries.
@@ -81,7 +98,7 @@ class EvictHeap:
                 return
             i = self._cursor % len(heap)
             _, _, version, node = heap[i]
-            if version == node.heap_version and node.is_evictable_leaf:
+            if version == self._version(node) and self.is_candidate(node):
                 self._cursor = i + 1
             else:
                 self._remove_at(i)  # the cursor stays: the entry moved into slot i is next
@@ -103,3 +120,19 @@ class EvictHeap:
             heap[i] = heap[child]
             i = child
         heap[i] = entry
+
+
+class StateEvictHeap(EvictHeap):
+    """Candidates are attached, unlocked nodes holding a state slot (leaves or not);
+    versions live in `TreeNode.state_heap_version`, so the two heaps never stale each
+    other's entries."""
+
+    def is_candidate(self, node: TreeNode) -> bool:
+        return node.parent is not None and node.state_slot is not None and node.lock_ref == 0
+
+    def _version(self, node: TreeNode) -> int:
+        return node.state_heap_version
+
+    def _bump(self, node: TreeNode) -> int:
+        node.state_heap_version += 1
+        return node.state_heap_version

@@ -17,6 +17,16 @@ Hashes are unsigned 64-bit ints. Because each hash folds in its parent, one hash
 whole prefix, which is also why storage tiers use it as a key. Events carry
 `parent_block_hash=None` for a prompt's first page, even inside a namespace: a consumer
 that needs namespaces must know them (there is no field for one in the shared schema).
+
+Hybrid trees (attention + linear-attention/SSM layers) add two events of their own,
+outside the shared schema, because a cached prefix is only resumable where a state slot
+exists: `StateStored(block_hash, num_tokens)` when a node gains a state slot and
+`StateRemoved(block_hash)` when it loses one (`evict_states`, or its leaf is evicted).
+`block_hash` is the chained hash of the node's last page, so it names the exact prefix
+the state covers; `num_tokens` is that prefix's length. In one event batch a
+`StateStored` follows the `BlockStored` of its page and a `StateRemoved` precedes the
+`BlockRemoved` of its page. `AllBlocksCleared` also clears every state. A router for a
+dense model can ignore both; a hash with blocks but no state is a tombstone.
 """
 
 from __future__ import annotations
@@ -56,7 +66,23 @@ class AllBlocksCleared:
     """The cache was emptied (reset)."""
 
 
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+@dataclass(slots=True)
+class StateStored:
+    """Hybrid trees: the prefix named by `block_hash` (`num_tokens` long) became resumable."""
+
+    block_hash: int
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class StateRemoved:
+    """Hybrid trees: the prefix named by `block_hash` is no longer resumable (a tombstone,
+    or gone if a `BlockRemoved` of the same hash follows)."""
+
+    block_hash: int
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared | StateStored | StateRemoved
 
 
 def namespace_seed(namespace: str | None) -> int:

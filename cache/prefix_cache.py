@@ -10,6 +10,14 @@ cache (the page was inserted and not evicted) or the caller that allocated it. `
 lends pages, `insert` takes the caller's pages except the duplicates it reports, and
 only `evict` / `reset` give cached pages back to the allocator.
 
+NOTE: state ownership (hybrid caches, invariant 2). The same rule for state slots (ids
+into the state pool; slot 0 is reserved and never cached): `match` lends
+`result.state_slot`, `insert(..., state_slot=s)` takes `s` unless it reports
+`result.duplicate_state` (still the caller's), and only `evict` (with a leaf),
+`evict_states` and `reset` give cached slots back. A slot covers exactly the prefix
+length it was inserted with. A dense cache (`hybrid` False) holds no slots and rejects
+`state_slot`.
+
 A match result is deliberately a small record (`length`, `node`, `pages`) whose `node`
 is an opaque handle the caller only passes back to `lock` / `unlock`; tiered or
 hybrid caches extend the record (lengths per tier, a resumable state) without the
@@ -35,6 +43,11 @@ class PrefixCache(ABC):
     page_size: int
 
     @property
+    def hybrid(self) -> bool:
+        """Whether entries carry state slots (attention + linear-attention/SSM models)."""
+        return False
+
+    @property
     @abstractmethod
     def total_pages(self) -> int:
         """Pages the cache owns now."""
@@ -43,6 +56,16 @@ class PrefixCache(ABC):
     @abstractmethod
     def evictable_pages(self) -> int:
         """Owned pages in unlocked entries: what repeated `evict` calls could free."""
+
+    @property
+    def total_states(self) -> int:
+        """State slots the cache owns now (0 unless `hybrid`)."""
+        return 0
+
+    @property
+    def evictable_states(self) -> int:
+        """Owned state slots of unlocked entries: what repeated `evict_states` could free."""
+        return 0
 
     @abstractmethod
     def match(
@@ -53,22 +76,35 @@ class PrefixCache(ABC):
         May change: access statistics of the matched entries (only with `touch`), and
         the cache's internal layout (a node may split) — never which tokens are cached.
         The pages are lent: lock the handle before anything can call `evict`.
+
+        Hybrid: the match stops at the deepest cached prefix that has a state slot for
+        exactly its length (`result.state_slot`, lent like the pages and protected by
+        the same lock; None for length 0: start from a fresh state); `result.kv_length`
+        is how far the KV alone matched. Dense: `state_slot` None, `kv_length == length`.
         """
 
     @abstractmethod
     def insert(
-        self, tokens: Sequence[int], pages: Sequence[int], namespace: str | None = None, priority: int = 0
+        self,
+        tokens: Sequence[int],
+        pages: Sequence[int],
+        namespace: str | None = None,
+        priority: int = 0,
+        state_slot: int | None = None,
     ) -> InsertResult:
         """Cache `tokens` (whole pages) backed by `pages`, one page per page of tokens.
 
         May change: which tokens are cached (more), page ownership (the cache takes every
         page of `pages` except `result.duplicates(pages)`, which the caller still owns and
         must free after pointing its table at `result.pages`). The handle is unlocked.
+        Hybrid only: `state_slot` holds the state after exactly `len(tokens)` tokens; the
+        cache takes it unless `result.duplicate_state` returns it (the caller frees it).
+        A dense cache raises ValueError for a `state_slot`.
         """
 
     @abstractmethod
     def lock(self, node: TreeNode) -> None:
-        """Protect the handle's pages (and its whole prefix) from eviction."""
+        """Protect the handle's pages and state slots (and its whole prefix's) from eviction."""
 
     @abstractmethod
     def unlock(self, node: TreeNode) -> None:
@@ -77,16 +113,24 @@ class PrefixCache(ABC):
     @abstractmethod
     def evict(self, num_pages: int) -> list[int]:
         """Free at least `num_pages` unlocked pages if possible (through the allocator's
-        free callback); returns the freed ids. Locked entries are never touched."""
+        free callback); returns the freed ids. Locked entries are never touched. An
+        evicted entry's state slot (hybrid) is freed with it."""
+
+    def evict_states(self, num_slots: int) -> list[int]:
+        """Hybrid: free up to `num_slots` state slots of unlocked entries (through the
+        state pool's free callback), keeping their pages cached; returns the freed slots.
+        Locked entries are never touched. Caches without states return []."""
+        return []
 
     @abstractmethod
     def reset(self) -> None:
-        """Drop everything cached; raises while anything is locked."""
+        """Drop everything cached (pages and state slots); raises while anything is locked."""
 
     @abstractmethod
-    def check_integrity(self, held_pages: Iterable[int] = ()) -> None:
+    def check_integrity(self, held_pages: Iterable[int] = (), held_states: Iterable[int] = ()) -> None:
         """Raise AssertionError if the cache's bookkeeping is broken, or if one of
-        `held_pages` (pages callers own) is also owned by the cache."""
+        `held_pages` / `held_states` (pages and state slots callers own) is also owned
+        by the cache."""
 
     def set_policy(self, policy: Any) -> None:
         """Switch the eviction policy (caches without eviction ignore it)."""
@@ -123,7 +167,12 @@ class NoPrefixCache(PrefixCache):
         return MatchResult(0, self._root, [])
 
     def insert(
-        self, tokens: Sequence[int], pages: Sequence[int], namespace: str | None = None, priority: int = 0
+        self,
+        tokens: Sequence[int],
+        pages: Sequence[int],
+        namespace: str | None = None,
+        priority: int = 0,
+        state_slot: int | None = None,
     ) -> InsertResult:
         raise NotImplementedError("cache.prefix is none: nothing may be inserted")
 
@@ -139,5 +188,5 @@ class NoPrefixCache(PrefixCache):
     def reset(self) -> None:
         pass
 
-    def check_integrity(self, held_pages: Iterable[int] = ()) -> None:
+    def check_integrity(self, held_pages: Iterable[int] = (), held_states: Iterable[int] = ()) -> None:
         pass

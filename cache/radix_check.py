@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from cache.kv_events import chain_hashes, namespace_seed
 from cache.radix_node import TreeNode
@@ -10,6 +11,14 @@ from cache.radix_node import TreeNode
 
 class TreeIntegrityError(AssertionError):
     """The tree broke one of its invariants; the message names the node and the rule."""
+
+
+class StateBook(NamedTuple):
+    """A hybrid tree's state bookkeeping, as the tree maintains it."""
+
+    total: int  # slots the tree owns
+    evictable: int  # of which on unlocked nodes
+    heap_live: set[int]  # ids of nodes with a current state-heap entry
 
 
 def _require(ok: bool, message: str) -> None:
@@ -23,23 +32,30 @@ def check_tree(
     counters: tuple[int, int, int, int],
     heap_live: set[int],
     held_pages: Iterable[int] = (),
+    states: StateBook | None = None,
+    held_states: Iterable[int] = (),
 ) -> None:
-    """Check structure, page ownership, locks, hashes, counters and the eviction heap.
+    """Check structure, page ownership, locks, hashes, counters and the eviction heap,
+    and for a hybrid tree (`states` given) the state slots.
 
     counters: (total, evictable, protected, num_nodes) as the tree maintains them.
     heap_live: ids of nodes with a current (non-stale) heap entry.
     held_pages: pages owned by live requests; none may also be owned by the tree.
+    held_states: state slots owned by live requests; none may also be owned by the tree.
     """
     _require(root.parent is None and not root.key and not root.pages, "root must be empty and parentless")
     _require(root.lock_ref == 0, f"root lock_ref is {root.lock_ref}, roots are never counted")
+    _require(root.state_slot is None, "the root holds a state slot: it is always a fresh state")
     seen_pages: set[int] = set()
+    slots: dict[int, TreeNode] = {}
     total = evictable = protected = num_nodes = 0
-    stack = [root]
+    stack = [(root, 0)]
     while stack:
-        parent = stack.pop()
+        parent, depth = stack.pop()
         for child_key, node in parent.children.items():
             _check_node(node, parent, root, child_key, page_size)
             _check_pages(node, seen_pages)
+            _check_state(node, depth + len(node.key), slots, states)
             num_nodes += 1
             total += len(node.pages)
             if node.lock_ref:
@@ -48,8 +64,11 @@ def check_tree(
                 evictable += len(node.pages)
             if not node.children and not node.lock_ref:
                 _require(node.id in heap_live, f"{node!r} is an unlocked leaf missing from the eviction heap")
-            stack.append(node)
+            stack.append((node, depth + len(node.key)))
     _check_held(held_pages, seen_pages)
+    _check_held_states(held_states, set(slots))
+    if states is not None:
+        _check_state_book(slots, states)
     recount = (total, evictable, protected, num_nodes)
     _require(
         recount == counters, f"counters (total, evictable, protected, nodes) {counters} != recount {recount}"
@@ -89,3 +108,41 @@ def _check_held(held_pages: Iterable[int], tree_pages: set[int]) -> None:
         _require(page not in tree_pages, f"page {page} is owned by both the tree and a request")
         _require(page not in held, f"page {page} is held twice by requests")
         held.add(page)
+
+
+def _check_state(node: TreeNode, end: int, slots: dict[int, TreeNode], states: StateBook | None) -> None:
+    """NOTE: invariant 2: a slot covers exactly its node's key length from the root."""
+    slot = node.state_slot
+    if slot is None:
+        _require(node.state_len is None, f"{node!r} records a state length without a state slot")
+        return
+    _require(states is not None, f"{node!r} holds state slot {slot} in a dense tree")
+    _require(slot != 0, f"{node!r} holds the reserved state slot 0")
+    _require(slot not in slots, f"state slot {slot} appears twice in the tree (in {node!r})")
+    _require(
+        node.state_len == end,
+        f"{node!r}: state slot {slot} covers {node.state_len} tokens, the node ends at {end}",
+    )
+    slots[slot] = node
+
+
+def _check_state_book(slots: dict[int, TreeNode], states: StateBook) -> None:
+    evictable = 0
+    for node in slots.values():
+        if node.lock_ref == 0:
+            evictable += 1
+            _require(node.id in states.heap_live, f"{node!r}: an unlocked state slot missing from the state heap")
+    recount = (len(slots), evictable)
+    _require(
+        recount == (states.total, states.evictable),
+        f"state counters (total, evictable) {(states.total, states.evictable)} != recount {recount}",
+    )
+
+
+def _check_held_states(held_states: Iterable[int], tree_slots: set[int]) -> None:
+    held: set[int] = set()
+    for slot in held_states:
+        _require(slot != 0, "a request holds the reserved state slot 0")
+        _require(slot not in tree_slots, f"state slot {slot} is owned by both the tree and a request")
+        _require(slot not in held, f"state slot {slot} is held twice by requests")
+        held.add(slot)

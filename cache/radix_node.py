@@ -19,7 +19,13 @@ class TreeNode:
     """One edge of the radix tree: a run of whole pages and their stats.
 
     `last_access` is the tree's logical clock (deterministic); `last_access_wall` is
-    time.monotonic() for people. `heap_version` belongs to the tree's eviction heap.
+    time.monotonic() for people. `heap_version` belongs to the tree's eviction heap,
+    `state_heap_version` to its state eviction heap (cache/radix_states.py).
+
+    NOTE: invariant 2. `state_slot` (hybrid trees only) holds the recurrent state after
+    exactly `state_len` tokens, and `state_len` must equal the node's key length from
+    the root: the slot belongs to the node's end position. A node without a slot is a
+    tombstone: its KV is cached but a request cannot resume there.
     """
 
     __slots__ = (
@@ -37,6 +43,8 @@ class TreeNode:
         "pages",
         "parent",
         "priority",
+        "state_heap_version",
+        "state_len",
         "state_slot",
         "tier",
     )
@@ -65,7 +73,9 @@ class TreeNode:
         self.priority = 0  # max priority of the requests that inserted or used it
         self.tier = "device"
         self.state_slot: int | None = None  # hybrid models: state for exactly this end position
+        self.state_len: int | None = None  # tokens the state covers: the key length from the root
         self.heap_version = 0
+        self.state_heap_version = 0
 
     @property
     def hash(self) -> int | None:
@@ -95,6 +105,7 @@ class TreeNode:
             "tier": self.tier,
             "namespace": self.namespace,
             "state_slot": self.state_slot,
+            "state_len": self.state_len,
         }
 
     def __repr__(self) -> str:
@@ -106,15 +117,29 @@ class TreeNode:
 
 
 class MatchResult(NamedTuple):
+    """What a match lends. On a hybrid tree `length`/`node`/`pages` stop at the deepest
+    matched node that holds a state slot (the root if none does): where a request can
+    resume. `lost_tokens` are the matched KV tokens past it (tombstones)."""
+
     length: int  # cached tokens, a multiple of page_size
-    node: TreeNode  # deepest matched node; the root if nothing matched
+    node: TreeNode  # deepest matched (hybrid: resumable) node; the root if nothing matched
     pages: list[int]  # the tree's page ids covering `length` (lent, not owned)
+    state_slot: int | None = None  # hybrid: the state after exactly `length` tokens (lent); None at the root
+    lost_tokens: int = 0  # KV-matched tokens past `length` that no state slot covers
+
+    @property
+    def kv_length(self) -> int:
+        """How far the KV alone matched (== `length` on a dense tree)."""
+        return self.length + self.lost_tokens
 
 
 class InsertResult(NamedTuple):
     prefix_len: int  # leading tokens the tree already had
     node: TreeNode  # node ending exactly at the inserted key: lock it while still in use
     pages: list[int]  # the tree's page ids for the whole key (point the request table here)
+    # The caller's state slot the tree did not take (the node already had one): the
+    # caller still owns and must free it. None when the tree took it or none was given.
+    duplicate_state: int | None = None
 
     def duplicates(self, caller_pages: Sequence[int]) -> list[int]:
         """The caller's pages the tree did not take: the caller still owns and must free them."""

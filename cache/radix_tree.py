@@ -18,6 +18,10 @@ are evicted, and `reset` refuses while anything is locked.
 
 Eviction pops unlocked leaves from a lazily invalidated heap keyed by the policy
 (cache/evict_heap.py): O(k log n) for k evicted nodes, never a tree scan.
+
+Hybrid trees (`free_states` given) also own state slots, at most one per node for its
+exact end position; a match resumes only at a node holding one. Ownership, locks and
+the second eviction order of slots: cache/radix_states.py.
 """
 
 from __future__ import annotations
@@ -41,12 +45,14 @@ from cache.kv_events import (
 from cache.prefix_cache import PrefixCache
 from cache.radix_check import TreeIntegrityError, check_tree
 from cache.radix_node import ChildKey, InsertResult, MatchResult, PageKey, TreeNode
+from cache.radix_states import FreeStates, TreeStates
 
 __all__ = ["InsertResult", "MatchResult", "RadixTree", "TreeIntegrityError", "TreeLockedError", "TreeNode"]
 
 FreePages = Callable[[list[int]], None]
 
-# What the upper half of a split inherits; state_slot stays below (it covers the end).
+# What the upper half of a split inherits. NOTE: invariant 2: state_slot / state_len stay
+# with the lower half, which keeps the end position they cover; the upper is a tombstone.
 _SPLIT_COPIES = ("lock_ref", "last_access", "last_access_wall", "hit_count", "created", "priority", "tier")
 
 
@@ -58,8 +64,15 @@ class RadixTree(PrefixCache):
     """`cache.prefix: radix`; the PrefixCache contract, with the rules in the docstring above."""
 
     def __init__(
-        self, page_size: int, free_pages: FreePages, policy: EvictPolicy, strict_events: bool = False
+        self,
+        page_size: int,
+        free_pages: FreePages,
+        policy: EvictPolicy,
+        strict_events: bool = False,
+        free_states: FreeStates | None = None,
     ) -> None:
+        """`free_states` makes a hybrid tree: it receives the state slots the tree gives
+        back (evict, evict_states, reset), as `free_pages` receives pages."""
         if page_size < 1:
             raise ValueError("page_size must be >= 1")
         self.page_size = page_size
@@ -74,6 +87,7 @@ class RadixTree(PrefixCache):
         self._evictable = 0
         self._protected = 0
         self._num_nodes = 0
+        self._states = TreeStates(free_states, policy, self._events) if free_states is not None else None
 
     # -- counters ------------------------------------------------------------------
     @property
@@ -95,6 +109,21 @@ class RadixTree(PrefixCache):
         return self._protected
 
     @property
+    def hybrid(self) -> bool:
+        """Whether the tree holds state slots (a hybrid model's cache)."""
+        return self._states is not None
+
+    @property
+    def total_states(self) -> int:
+        """State slots the tree owns (0 on a dense tree)."""
+        return self._states.total if self._states is not None else 0
+
+    @property
+    def evictable_states(self) -> int:
+        """Owned state slots on unlocked nodes: what repeated `evict_states` could free."""
+        return self._states.evictable if self._states is not None else 0
+
+    @property
     def num_nodes(self) -> int:
         """Nodes other than the root."""
         return self._num_nodes
@@ -103,39 +132,67 @@ class RadixTree(PrefixCache):
     def match(
         self, tokens: Sequence[int], namespace: str | None = None, *, priority: int = 0, touch: bool = True
     ) -> MatchResult:
-        """Longest cached prefix of `tokens` in whole pages.
+        """Longest cached prefix of `tokens` in whole pages (hybrid: that is resumable).
 
         The caller keeps at least one token uncached if it needs logits (pass tokens[:-1]).
         `touch=False` probes without counting a hit (e.g. for scheduling order); a match
-        that ends inside a node splits it either way, so `node` ends exactly at `length`.
+        that ends inside a node splits it either way, so `node` ends exactly where the
+        KV match ends. On a hybrid tree the result is trimmed back to the deepest matched
+        node holding a state slot (the root if none: a fresh state), `state_slot` is
+        lent like the pages, and only the nodes up to it are touched.
         """
         toks = self._whole_pages(tokens)
         if touch:
             self._tick()
-        return self._walk(toks, namespace, priority, touch=touch, hit=True)
+        path = self._walk(toks, namespace)
+        kv_length = sum(len(node.key) for node in path)
+        if self._states is not None:
+            while path and path[-1].state_slot is None:
+                path.pop()  # a tombstone: its KV is cached, its state is not
+        if touch:
+            for node in path:
+                self._touch(node, priority, hit=True)
+        pages = [page for node in path for page in node.pages]
+        length = len(pages) * self.page_size
+        end = path[-1] if path else self.root
+        return MatchResult(length, end, pages, end.state_slot, kv_length - length)
 
     def insert(
-        self, tokens: Sequence[int], pages: Sequence[int], namespace: str | None = None, priority: int = 0
+        self,
+        tokens: Sequence[int],
+        pages: Sequence[int],
+        namespace: str | None = None,
+        priority: int = 0,
+        state_slot: int | None = None,
     ) -> InsertResult:
         """Cache `tokens` (whole pages) backed by `pages`; see the ownership rule above.
 
-        The returned node is unlocked: a request still using the pages locks it before
-        anything can call `evict`.
+        `state_slot` (hybrid trees only): a slot holding the state after exactly
+        `len(tokens)` tokens; the tree takes it and attaches it to the returned node
+        unless that node already has one: then `duplicate_state` is the caller's slot,
+        still the caller's to free (None if it is the node's own slot). A slot the tree
+        took must not be written by the caller again.
+
+        The returned node is unlocked: a request still using the pages (or, having
+        given its slot away, resuming from it) locks it before anything can call `evict`.
         """
-        ps = self.page_size
-        if len(tokens) % ps or len(pages) != len(tokens) // ps:
-            raise ValueError(f"{len(tokens)} tokens and {len(pages)} pages do not make whole pages of {ps}")
-        if 0 in pages:
-            raise ValueError("page 0 is reserved and never cached")
         toks = tuple(tokens)
+        self._check_insert(toks, pages, state_slot)
         self._tick()
-        found = self._walk(toks, namespace, priority, touch=True, hit=False)
-        if found.length == len(toks):
-            return InsertResult(found.length, found.node, found.pages)
-        leaf = self._add_leaf(
-            found.node, toks[found.length :], list(pages[found.length // ps :]), namespace, priority
-        )
-        return InsertResult(found.length, leaf, found.pages + leaf.pages)
+        path = self._walk(toks, namespace)
+        for node in path:
+            self._touch(node, priority, hit=False)
+        found = [page for node in path for page in node.pages]
+        prefix_len = len(found) * self.page_size
+        end = path[-1] if path else self.root
+        if prefix_len < len(toks):
+            rest = list(pages[prefix_len // self.page_size :])
+            end = self._add_leaf(end, toks[prefix_len:], rest, namespace, priority)
+            found += end.pages
+        duplicate = None
+        if self._states is not None and state_slot is not None:
+            duplicate = self._states.take(end, state_slot, len(toks))
+        return InsertResult(prefix_len, end, found, duplicate)
 
     # -- locks ---------------------------------------------------------------------
     def lock(self, node: TreeNode) -> None:
@@ -145,6 +202,8 @@ class RadixTree(PrefixCache):
             if node.lock_ref == 0:
                 self._evictable -= len(node.pages)
                 self._protected += len(node.pages)
+                if self._states is not None:
+                    self._states.on_lock(node)
             node.lock_ref += 1
             node = node.parent
 
@@ -160,36 +219,51 @@ class RadixTree(PrefixCache):
                 self._evictable += len(node.pages)
                 if not node.children:
                     self._heap.push(node)
+                if self._states is not None:
+                    self._states.on_unlock(node)
             node = node.parent
 
     # -- eviction ------------------------------------------------------------------
     def evict(self, num_pages: int) -> list[int]:
         """Free at least `num_pages` pages if unlocked leaves allow; returns the freed ids.
 
-        Whole nodes go, so a call may free more than asked.
+        Whole nodes go, so a call may free more than asked. A hybrid leaf's state slot
+        goes with it (through `free_states`). May change: pages and slots owned.
         """
         freed: list[int] = []
-        removed: list[int] = []
+        gone: list[TreeNode] = []
         while len(freed) < num_pages:
             node = self._heap.pop()
             if node is None:
                 break
             parent = self._detach(node)
             freed.extend(node.pages)
-            removed.extend(node.hashes)
+            gone.append(node)
             if parent.is_evictable_leaf:
                 self._heap.push(parent)
         if freed:
             self._free_pages(freed)
-            self._events.emit(lambda: [BlockRemoved(block_hashes=removed)])
+            events = self._states.release(gone) if self._states is not None else []
+            removed = [h for node in gone for h in node.hashes]
+            self._events.emit(lambda: [*events, BlockRemoved(block_hashes=removed)])
         return freed
 
+    def evict_states(self, num_slots: int) -> list[int]:
+        """Free the state slots of up to `num_slots` unlocked nodes (leaves or internal),
+        smallest policy key first, through `free_states`; returns the freed slots.
+
+        May change: slots owned; the nodes and their KV stay, each now a tombstone (a
+        tombstone leaf is still evicted by `evict` like any leaf). [] on a dense tree.
+        """
+        return self._states.evict(num_slots) if self._states is not None else []
+
     def reset(self) -> None:
-        """Free every page; refuses while any node is locked."""
+        """Free every page and state slot; refuses while any node is locked."""
         if self._protected:
             raise TreeLockedError(f"reset with {self._protected} locked pages")
         nodes = list(self.nodes())
         pages = [page for node in nodes for page in node.pages]
+        slots = self._states.clear(nodes) if self._states is not None else []
         for node in nodes:
             node.parent = None  # detached: a stale reference can no longer be locked
         self.root.children = {}
@@ -197,11 +271,15 @@ class RadixTree(PrefixCache):
         self._total = self._evictable = self._num_nodes = 0
         if pages:
             self._free_pages(pages)
+        if self._states is not None:
+            self._states.free(slots)
         self._events.emit(lambda: [AllBlocksCleared()])
 
     def set_policy(self, policy: EvictPolicy) -> None:
-        """Switch eviction policy; rebuilds the heap in O(nodes) (an admin action)."""
+        """Switch eviction policy; rebuilds the heaps in O(nodes) (an admin action)."""
         self._heap.rebuild(policy, self.nodes())
+        if self._states is not None:
+            self._states.set_policy(policy, self.nodes())
 
     # -- events and inspection -----------------------------------------------------
     def subscribe(self, callback: Subscriber) -> Callable[[], None]:
@@ -224,12 +302,14 @@ class RadixTree(PrefixCache):
         """One dict per node, root first, for the admin inspector."""
         return [node.describe() for node in itertools.chain([self.root], self.nodes())]
 
-    def check_integrity(self, held_pages: Iterable[int] = ()) -> None:
-        """Raise TreeIntegrityError unless the tree is consistent; `held_pages` are the
-        pages live requests own (they must not be in the tree). O(tree): debug only."""
+    def check_integrity(self, held_pages: Iterable[int] = (), held_states: Iterable[int] = ()) -> None:
+        """Raise TreeIntegrityError unless the tree is consistent; `held_pages` and
+        `held_states` are the pages and state slots live requests own (they must not be
+        in the tree). O(tree): debug only."""
         live = self._heap.live_ids()
         counters = (self._total, self._evictable, self._protected, self._num_nodes)
-        check_tree(self.root, self.page_size, counters, live, held_pages)
+        states = self._states.book() if self._states is not None else None
+        check_tree(self.root, self.page_size, counters, live, held_pages, states, held_states)
 
     # -- internals -----------------------------------------------------------------
     def _whole_pages(self, tokens: Sequence[int]) -> PageKey:
@@ -239,21 +319,29 @@ class RadixTree(PrefixCache):
         page = toks[pos : pos + self.page_size]
         return (namespace, page) if parent is self.root else page
 
-    def _walk(
-        self, toks: PageKey, namespace: str | None, priority: int, touch: bool, hit: bool
-    ) -> MatchResult:
-        """Descend along `toks` as far as whole pages match, splitting the last node if needed."""
-        node, pos, pages = self.root, 0, []
+    def _walk(self, toks: PageKey, namespace: str | None) -> list[TreeNode]:
+        """The nodes along `toks` as far as whole pages match, root excluded, splitting
+        the last one if needed so it ends inside `toks`. Changes no stats."""
+        node, pos, path = self.root, 0, []
         while pos < len(toks):
             child = self._matching_child(node, toks, pos, namespace)
             if child is None:
                 break
-            pages.extend(child.pages)
+            path.append(child)
             pos += len(child.key)
             node = child
-            if touch:
-                self._touch(child, priority, hit)
-        return MatchResult(pos, node, pages)
+        return path
+
+    def _check_insert(self, toks: PageKey, pages: Sequence[int], state_slot: int | None) -> None:
+        ps = self.page_size
+        if len(toks) % ps or len(pages) != len(toks) // ps:
+            raise ValueError(f"{len(toks)} tokens and {len(pages)} pages do not make whole pages of {ps}")
+        if 0 in pages:
+            raise ValueError("page 0 is reserved and never cached")
+        if state_slot is not None:
+            if self._states is None:
+                raise ValueError("a dense tree (no free_states) holds no state slots")
+            self._states.check_slot(state_slot, len(toks))
 
     def _matching_child(
         self, node: TreeNode, toks: PageKey, pos: int, namespace: str | None
@@ -331,6 +419,8 @@ class RadixTree(PrefixCache):
         node.priority = max(node.priority, priority)
         if node.is_evictable_leaf:
             self._heap.push(node)  # re-key: the old entry goes stale
+        if self._states is not None:
+            self._states.on_touch(node)
 
     def _require_attached(self, node: TreeNode) -> None:
         if node.parent is None and node is not self.root:
