@@ -81,7 +81,8 @@ class StepLoop:
     def submit(self, plan: StepPlan | None) -> asyncio.Future[Any] | None:
         if plan is None or not plan.chunks:
             return None
-        batch = build_forward_batch(plan)
+        hybrid = self.scheduler.hybrid
+        batch = build_forward_batch(plan, hybrid.take_copies() if hybrid is not None else ())
         return self.device_thread.submit(lambda: self.runner.run(batch))
 
     async def idle(self, plan: StepPlan | None) -> None:
@@ -125,16 +126,18 @@ class StepLoop:
             self.output.fail(req, RuntimeError(f"step failed: {exc}"))
 
 
-def build_forward_batch(plan: StepPlan) -> ForwardBatch:
-    """The device's copy of a plan: token ids and sampling settings as plain values."""
+def build_forward_batch(plan: StepPlan, state_copies: tuple[tuple[int, int], ...] = ()) -> ForwardBatch:
+    """The device's copy of a plan: token ids, state slots and sampling settings as
+    plain values, and the state copies to make before the forward."""
     chunks, sampling = [], []
     for i, ch in enumerate(plan.chunks):
         req = ch.req
         assert req.row is not None
-        chunks.append(PrefillChunk(tuple(req.token_slice(ch.start, ch.start + ch.length)), req.row, ch.start))
+        ids = tuple(req.token_slice(ch.start, ch.start + ch.length))
+        chunks.append(PrefillChunk(ids, req.row, ch.start, ch.state_src, ch.state_dst))
         if ch.samples:
             sampling.append((i, sampling_row(req)))
-    return ForwardBatch.build(chunks, sampling)
+    return ForwardBatch.build(chunks, sampling, state_copies)
 
 
 def sampling_row(req: Request) -> SamplingRow:

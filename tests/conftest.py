@@ -102,7 +102,7 @@ def hybrid_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 HYBRID_OVERRIDES = {
     **TINY_OVERRIDES,
     "cache.prefix": "radix",
-    "cache.num_pages": 128,
+    "cache.num_pages": 256,
     "cache.state_track_interval": 8,
-    "cache.state_slots": 64,
+    "cache.state_slots": 256,
 }

@@ -187,7 +187,7 @@ def test_red_unaligned_cut_under_pool_pressure(tiny_chat_folder: str, monkeypatc
     import kernel.scheduler as sched_mod
 
     def unaligned(start: int, total: int, page_size: int, token_budget: int, owned_pages: int,
-                  free_pages: int) -> int:
+                  free_pages: int, grid: int | None = None) -> int:
         capacity = (owned_pages + free_pages) * page_size - start
         return max(min(total - start, token_budget, capacity - 1), 0)  # cut wherever pages end
 
