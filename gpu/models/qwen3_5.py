@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from cache.state_pool import LayerStateShape, StatePool
 from gpu.attention.base import AttentionBackend
-from gpu.kernels.gated_delta import gated_delta_varlen
+from gpu.kernels.gated_delta import DeltaInputs, gated_delta_varlen
 from gpu.models.hybrid_base import BlockNames, HybridDecoder
 from gpu.models.hybrid_common import Weights, gated_rms_norm, rms_norm_zero_centred, softplus
 from gpu.models.hybrid_step import HybridStep
@@ -141,11 +141,7 @@ class Qwen3_5Model(HybridDecoder[_Attention, _DeltaNet]):
         g = layer.neg_a * softplus(a.float() + layer.dt_bias)
         rec_pool = pool.recurrent_of(state_layer)
         out, states = gated_delta_varlen(
-            q,
-            k,
-            v.reshape(tokens, heads_v, dv).float(),
-            g,
-            beta,
+            DeltaInputs(q, k, v.reshape(tokens, heads_v, dv).float(), g, beta),
             step.load(rec_pool),
             step.extend_lens,
             step.prefix_lens,
