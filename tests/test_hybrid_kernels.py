@@ -8,7 +8,13 @@ import torch
 import torch.nn.functional as F
 
 from cache.state_pool import LayerStateShape, StatePool
-from gpu.kernels.gated_delta import chunk_prefill, gated_delta_varlen, recurrent_prefill, recurrent_step
+from gpu.kernels.gated_delta import (
+    DeltaInputs,
+    chunk_prefill,
+    gated_delta_varlen,
+    recurrent_prefill,
+    recurrent_step,
+)
 from gpu.kernels.short_conv import short_conv_varlen
 from gpu.models.hybrid_step import HybridStep
 
@@ -56,8 +62,8 @@ def _reference_recurrence(
 def test_chunked_matches_recurrent(start: int, length: int) -> None:
     q, k, v, g, beta, s0 = _inputs(length, seed=start + length)
     ref_out, ref_state = _reference_recurrence(q, k, v, g, beta, s0)
-    rec_out, rec_state = recurrent_prefill(q, k, v, g, beta, s0)
-    chk_out, chk_state = chunk_prefill(q, k, v, g, beta, s0, start_pos=start)
+    rec_out, rec_state = recurrent_prefill(DeltaInputs(q, k, v, g, beta), s0)
+    chk_out, chk_state = chunk_prefill(DeltaInputs(q, k, v, g, beta), s0, start_pos=start)
     assert (rec_out.double() - ref_out).abs().max() < 1e-5
     assert (rec_state.double() - ref_state).abs().max() < 1e-5
     assert (chk_out - rec_out).abs().max() < 1e-4
@@ -68,10 +74,12 @@ def test_chunk_grid_is_anchored_at_position_zero() -> None:
     """A prompt split on a multiple of 64 runs the very same chunks as an unsplit one (bit
     for bit); any other split agrees to rounding."""
     q, k, v, g, beta, s0 = _inputs(200, seed=1)
-    whole_out, whole_state = chunk_prefill(q, k, v, g, beta, s0, 0)
+    whole_out, whole_state = chunk_prefill(DeltaInputs(q, k, v, g, beta), s0, 0)
     for split in (64, 128, 1, 40, 100, 199):
-        out1, s1 = chunk_prefill(q[:split], k[:split], v[:split], g[:split], beta[:split], s0, 0)
-        out2, s2 = chunk_prefill(q[split:], k[split:], v[split:], g[split:], beta[split:], s1, split)
+        out1, s1 = chunk_prefill(DeltaInputs(q[:split], k[:split], v[:split], g[:split], beta[:split]), s0, 0)
+        out2, s2 = chunk_prefill(
+            DeltaInputs(q[split:], k[split:], v[split:], g[split:], beta[split:]), s1, split
+        )
         out = torch.cat([out1, out2])
         if split % 64 == 0:
             assert torch.equal(out, whole_out) and torch.equal(s2, whole_state), split
@@ -83,7 +91,7 @@ def test_recurrent_prefill_equals_decode_steps_bitwise() -> None:
     requests (decode), bit for bit: the state does not depend on how it was reached."""
     n = 40
     q, k, v, g, beta, s0 = _inputs(n, seed=2)
-    pre_out, pre_state = recurrent_prefill(q, k, v, g, beta, s0)
+    pre_out, pre_state = recurrent_prefill(DeltaInputs(q, k, v, g, beta), s0)
     others = _inputs(n, seed=3)
     s = s0
     for t in range(n):
@@ -92,7 +100,7 @@ def test_recurrent_prefill_equals_decode_steps_bitwise() -> None:
             for i, x in enumerate((q, k, v, g, beta))
         ]
         states = torch.stack([others[5], s, others[5] * 2])
-        out, new = recurrent_step(batch[0], batch[1], batch[2], batch[3], batch[4], states)
+        out, new = recurrent_step(DeltaInputs(batch[0], batch[1], batch[2], batch[3], batch[4]), states)
         assert torch.equal(out[1], pre_out[t]), t
         s = new[1]
     assert torch.equal(s, pre_state)
@@ -105,15 +113,18 @@ def test_varlen_step_matches_per_request_kernels() -> None:
     q, k, v, g, beta = (torch.cat([r[j] for r in per_req]) for j in range(5))
     states = torch.stack([r[5] for r in per_req])
     for recurrent in (True, False):
-        out, new_states = gated_delta_varlen(q, k, v, g, beta, states, lens, prefixes, recurrent=recurrent)
+        out, new_states = gated_delta_varlen(
+            DeltaInputs(q, k, v, g, beta), states, lens, prefixes, recurrent=recurrent
+        )
         start = 0
         for i, (n, p) in enumerate(zip(lens, prefixes)):
             r = per_req[i]
             if recurrent:
-                ref_out, ref_state = recurrent_prefill(*r)
+                ref_out, ref_state = recurrent_prefill(DeltaInputs(*r[:5]), r[5])
                 assert torch.equal(out[start : start + n], ref_out) and torch.equal(new_states[i], ref_state)
             else:
-                ref_out, ref_state = chunk_prefill(*r, start_pos=p) if n > 1 else recurrent_prefill(*r)
+                x, s0 = DeltaInputs(*r[:5]), r[5]
+                ref_out, ref_state = chunk_prefill(x, s0, start_pos=p) if n > 1 else recurrent_prefill(x, s0)
                 assert (out[start : start + n] - ref_out).abs().max() < 1e-6
                 assert (new_states[i] - ref_state).abs().max() < 1e-6
             start += n

@@ -14,17 +14,34 @@ Three forms of the same recurrence:
 - `chunk_prefill`: the chunked (WY / UT-transform) form, a few matmuls per chunk of 64
   tokens; faster for long prompts, equal to the recurrent form up to rounding.
 `gated_delta_varlen` runs a whole step's flattened tokens (several requests, mixed
-prefill and decode) with one of them. All inputs and states are float32.
+prefill and decode) with one of them. Each takes the per-token inputs as one `DeltaInputs`;
+all inputs and states are float32.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 CHUNK_SIZE = 64
+
+
+class DeltaInputs(NamedTuple):
+    """The per-token inputs: q, k [T, H, dk], v [T, H, dv], g, beta [T, H], with T the
+    tokens (in `recurrent_step`, one token each of B requests)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+
+    def rows(self, index: slice | torch.Tensor) -> DeltaInputs:
+        """The same tokens of every input."""
+        return DeltaInputs(*(x[index] for x in self))
 
 
 def _sum_keys(x: torch.Tensor) -> torch.Tensor:
@@ -45,16 +62,10 @@ def _sum_keys(x: torch.Tensor) -> torch.Tensor:
     return x[..., 0, :]
 
 
-def recurrent_step(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token for B requests: q, k [B, H, dk], v [B, H, dv], g, beta [B, H], state
-    [B, H, dk, dv] -> (output [B, H, dv], new state). The input state is not modified."""
+def recurrent_step(x: DeltaInputs, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token for B requests: x [B, ...], state [B, H, dk, dv] -> (output [B, H, dv],
+    new state). The input state is not modified."""
+    q, k, v, g, beta = x
     s = state * g.exp()[..., None, None]
     predicted = _sum_keys(s * k[..., :, None])  # S^T k: what the state already recalls for k
     delta = (v - predicted) * beta[..., None]
@@ -62,31 +73,19 @@ def recurrent_step(
     return _sum_keys(s * q[..., :, None]), s
 
 
-def recurrent_prefill(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One request's L tokens, one `recurrent_step` each: q, k [L, H, dk], v [L, H, dv],
-    g, beta [L, H], state [H, dk, dv] -> (output [L, H, dv], state after the last token)."""
-    out = torch.empty_like(v)
+def recurrent_prefill(x: DeltaInputs, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's L tokens, one `recurrent_step` each: x [L, ...], state [H, dk, dv]
+    -> (output [L, H, dv], state after the last token)."""
+    out = torch.empty_like(x.v)
     s = state[None]
-    for t in range(q.shape[0]):
-        sl = slice(t, t + 1)
-        o, s = recurrent_step(q[sl], k[sl], v[sl], g[sl], beta[sl], s)
+    for t in range(x.q.shape[0]):
+        o, s = recurrent_step(x.rows(slice(t, t + 1)), s)
         out[t] = o[0]
     return out, s[0]
 
 
 def chunk_prefill(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
+    x: DeltaInputs,
     state: torch.Tensor,
     start_pos: int,
     chunk_size: int = CHUNK_SIZE,
@@ -99,19 +98,19 @@ def chunk_prefill(
     This is done by padding the front with `start_pos % chunk_size` no-op tokens (k, v,
     q = 0, beta = 0, g = 0: they leave the state unchanged and nothing attends to them).
     """
-    length, heads, _ = q.shape
+    length, heads, _ = x.q.shape
     lead = start_pos % chunk_size
     tail = (-(lead + length)) % chunk_size
 
-    def chunked(x: torch.Tensor) -> torch.Tensor:  # [L, H, ...] -> [H, N, C, ...]
-        x = x.movedim(0, 1)
-        pad = [0, 0] * (x.dim() - 2) + [lead, tail]
-        x = F.pad(x, pad)
-        return x.reshape(heads, -1, chunk_size, *x.shape[2:])
+    def chunked(t: torch.Tensor) -> torch.Tensor:  # [L, H, ...] -> [H, N, C, ...]
+        t = t.movedim(0, 1)
+        pad = [0, 0] * (t.dim() - 2) + [lead, tail]
+        t = F.pad(t, pad)
+        return t.reshape(heads, -1, chunk_size, *t.shape[2:])
 
-    qc, kc, vc, gc, bc = (chunked(x) for x in (q, k, v, g, beta))
+    qc, kc, vc, gc, bc = (chunked(t) for t in x)
     cum = gc.cumsum(-1)  # [H, N, C]: log decay from the chunk start to each token
-    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=x.q.device).tril()
     # decay[i, j] = exp(cum_i - cum_j) for j <= i; masked before exp so it cannot overflow.
     decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
     k_beta = kc * bc[..., None]
@@ -135,11 +134,7 @@ def chunk_prefill(
 
 
 def gated_delta_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
+    x: DeltaInputs,
     states: torch.Tensor,
     extend_lens: Sequence[int],
     prefix_lens: Sequence[int],
@@ -153,36 +148,30 @@ def gated_delta_varlen(
     advanced together one position at a time. Otherwise one-token requests are batched
     through `recurrent_step` and longer ones run `chunk_prefill`.
     """
-    out = torch.empty_like(v)
+    out = torch.empty_like(x.v)
     new_states = states.clone()
     starts = [0]
     for n in extend_lens:
         starts.append(starts[-1] + n)
     if recurrent:
-        _recurrent_varlen(q, k, v, g, beta, new_states, extend_lens, starts, out)
+        _recurrent_varlen(x, new_states, extend_lens, starts, out)
         return out, new_states
     decodes = [r for r, n in enumerate(extend_lens) if n == 1]
     if decodes:
-        tok = torch.tensor([starts[r] for r in decodes], device=q.device)
-        req = torch.tensor(decodes, device=q.device)
-        o, s = recurrent_step(q[tok], k[tok], v[tok], g[tok], beta[tok], states[req])
+        tok = torch.tensor([starts[r] for r in decodes], device=x.q.device)
+        req = torch.tensor(decodes, device=x.q.device)
+        o, s = recurrent_step(x.rows(tok), states[req])
         out[tok] = o
         new_states[req] = s
     for r, n in enumerate(extend_lens):
         if n > 1:
             sl = slice(starts[r], starts[r] + n)
-            out[sl], new_states[r] = chunk_prefill(
-                q[sl], k[sl], v[sl], g[sl], beta[sl], states[r], prefix_lens[r]
-            )
+            out[sl], new_states[r] = chunk_prefill(x.rows(sl), states[r], prefix_lens[r])
     return out, new_states
 
 
 def _recurrent_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
+    x: DeltaInputs,
     states: torch.Tensor,
     extend_lens: Sequence[int],
     starts: list[int],
@@ -190,11 +179,11 @@ def _recurrent_varlen(
 ) -> None:
     """Position t of every request that has one, as one batched `recurrent_step`; since
     that step is batch-invariant, each request gets exactly its `recurrent_prefill`."""
-    device = q.device
+    device = x.q.device
     for t in range(max(extend_lens, default=0)):
         active = [r for r, n in enumerate(extend_lens) if n > t]
         tok = torch.tensor([starts[r] + t for r in active], device=device)
         req = torch.tensor(active, device=device)
-        o, s = recurrent_step(q[tok], k[tok], v[tok], g[tok], beta[tok], states[req])
+        o, s = recurrent_step(x.rows(tok), states[req])
         out[tok] = o
         states[req] = s

@@ -1,4 +1,5 @@
-"""Pieces shared by the hybrid models (Qwen3.5, LFM2): norms, partial RoPE, SwiGLU, weights.
+"""Pieces shared by the hybrid models (Qwen3.5, LFM2): norms, partial RoPE, SwiGLU, weights
+(the Llama family uses the last two as well).
 
 Each follows its Hugging Face reference op for op (where the cast to the model dtype
 happens matters in bf16). Norms use `x * (1 / sqrt(.))` rather than `rsqrt`: on CPU the

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from gpu.attention.base import AttentionBackend
 from gpu.batch_invariant import linear_tiled
 from gpu.model_config import ModelArchConfig
+from gpu.models.hybrid_common import Weights, swiglu
 from kernel.registry import register
 
 
@@ -44,37 +45,28 @@ class LlamaModel:
         self.linear = linear_tiled if deterministic else F.linear
         self.dtype = dtype
         self.device = device
-
-        def w(name: str) -> torch.Tensor:
-            if name not in weights:
-                raise KeyError(f"checkpoint lacks tensor {name}")
-            return weights[name].to(device=device, dtype=dtype).contiguous()
-
-        def maybe(name: str) -> torch.Tensor | None:
-            return w(name) if name in weights else None
-
-        self.embed = w("model.embed_tokens.weight")
-        self.norm = w("model.norm.weight")
-        self.lm_head = self.embed if arch.tie_word_embeddings or "lm_head.weight" not in weights else w(
-            "lm_head.weight"
-        )
+        w = Weights(weights, dtype, device)
+        self.embed = w.get("model.embed_tokens.weight")
+        self.norm = w.get("model.norm.weight")
+        tied = arch.tie_word_embeddings or "lm_head.weight" not in w
+        self.lm_head = self.embed if tied else w.get("lm_head.weight")
         self.layers: list[_Layer] = []
         for i in range(arch.num_layers):
             p = f"model.layers.{i}."
             bias = None
             if arch.attention_bias:
-                bias = torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+                bias = w.cat([p + f"self_attn.{n}_proj.bias" for n in "qkv"])
             self.layers.append(
                 _Layer(
-                    input_norm=w(p + "input_layernorm.weight"),
-                    qkv=torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                    input_norm=w.get(p + "input_layernorm.weight"),
+                    qkv=w.cat([p + f"self_attn.{n}_proj.weight" for n in "qkv"]),
                     qkv_bias=bias,
-                    q_norm=maybe(p + "self_attn.q_norm.weight") if arch.qk_norm else None,
-                    k_norm=maybe(p + "self_attn.k_norm.weight") if arch.qk_norm else None,
-                    o=w(p + "self_attn.o_proj.weight"),
-                    post_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-                    down=w(p + "mlp.down_proj.weight"),
+                    q_norm=w.maybe(p + "self_attn.q_norm.weight") if arch.qk_norm else None,
+                    k_norm=w.maybe(p + "self_attn.k_norm.weight") if arch.qk_norm else None,
+                    o=w.get(p + "self_attn.o_proj.weight"),
+                    post_norm=w.get(p + "post_attention_layernorm.weight"),
+                    gate_up=w.cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                    down=w.get(p + "mlp.down_proj.weight"),
                 )
             )
         self.cos, self.sin = _rope_table(arch, device)
@@ -105,8 +97,7 @@ class LlamaModel:
             o = attn.forward(i, q, k, v.contiguous())
             h = h + self.linear(o.reshape(-1, n_q), layer.o)
             x = self._rms_norm(h, layer.post_norm)
-            gate, up = self.linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + self.linear(F.silu(gate) * up, layer.down)
+            h = h + swiglu(self.linear, x, layer.gate_up, layer.down)
         last = self._rms_norm(h.index_select(0, logits_indices), self.norm)
         return self.linear(last, self.lm_head).float()
 
