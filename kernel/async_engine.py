@@ -180,8 +180,11 @@ class AsyncEngine:
         return {
             "prefix_query_tokens": reuse.query_tokens,
             "prefix_hit_tokens": reuse.hit_tokens,
+            # Hybrid models: cached KV a hit could not use for want of a state at its end.
+            "prefix_truncated_tokens": reuse.truncated_tokens,
             "cached_pages": reuse.cache.total_pages,
             "evictable_pages": reuse.cache.evictable_pages,
+            "cached_states": reuse.cache.total_states,
         }
 
     def stats(self) -> dict[str, Any]:
@@ -199,6 +202,7 @@ class AsyncEngine:
                 "held": alloc.num_usable - alloc.num_free - cache["cached_pages"],
             },
             "rows": {"usable": sched.req_table.num_rows - 1, "free": sched.req_table.num_free},
+            "states": self._state_stats(),
             "requests": {"waiting": len(sched.waiting), "running": len(sched.running)},
             "idle": self.is_idle(),
             "counters": {
@@ -211,6 +215,15 @@ class AsyncEngine:
             "policies": self.policies(),
             "halt_reason": self.halt_reason,
         }
+
+    def _state_stats(self) -> dict[str, int] | None:
+        """State slots of a hybrid model (None for dense models)."""
+        hybrid = self.scheduler.hybrid
+        if hybrid is None:
+            return None
+        cached = self.scheduler.prefix.cache.total_states
+        return {"usable": hybrid.pool.num_usable, "free": hybrid.pool.num_free, "cached": cached,
+                "held": hybrid.pool.num_usable - hybrid.pool.num_free - cached}
 
     def snapshot(self) -> list[dict[str, Any]]:
         """Every node of the prefix tree, root first (empty without a radix cache)."""

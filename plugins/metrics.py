@@ -76,6 +76,11 @@ def counters(stats: dict[str, Any]) -> Iterable[Metric]:
         cache["prefix_hit_tokens"],
     )
     yield CounterMetricFamily(
+        "tierserve_prefix_cache_truncated_tokens",
+        "Cached prompt tokens a hit could not use: no recurrent state at their end (hybrid models).",
+        cache["prefix_truncated_tokens"],
+    )
+    yield CounterMetricFamily(
         "tierserve_retractions", "Running requests sent back to the queue for lack of pages.",
         stats["num_retractions"],
     )
@@ -88,6 +93,11 @@ def gauges(stats: dict[str, Any]) -> Iterable[Metric]:
         0 if stats["halt_reason"] is not None else 1,
     )
     yield GaugeMetricFamily("tierserve_running_requests", "Admitted requests.", requests["running"])
+    states = stats["states"]
+    if states is not None:
+        yield GaugeMetricFamily("tierserve_state_slots_total", "Usable recurrent-state slots.", states["usable"])
+        yield GaugeMetricFamily("tierserve_state_slots_cached", "State slots owned by the prefix cache.",
+                                states["cached"])
     yield GaugeMetricFamily("tierserve_queued_requests", "Requests waiting for admission.", requests["waiting"])
     yield GaugeMetricFamily(
         "tierserve_kv_pages_used", "KV pages in use (by requests or the prefix cache).",

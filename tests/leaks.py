@@ -7,7 +7,8 @@ adds up pages held by live requests too). conftest's autouse fixture also checks
 still alive after each test, and fails the test that left a leak behind.
 
 The check: the engine is idle; no page is held outside the prefix cache; free + cached
-== usable; every request-table row is free; and the engine's own integrity check
+== usable; every request-table row is free; for hybrid models no state slot is held
+and free + cached == usable; and the engine's own integrity check
 passes (the tree is consistent and no page is both held and cached). Engines halted by
 a planted bug, or excused by a planted-bug test (`excuse`), are skipped: their state is
 the evidence the test asserted on.
@@ -51,6 +52,9 @@ def accounting_errors(engine: AsyncEngine) -> list[str]:
         errors.append(f"free + cached != usable: {pages}")
     if rows["free"] != rows["usable"]:
         errors.append(f"request rows leaked: {rows}")
+    states = stats["states"]
+    if states is not None and (states["held"] != 0 or states["free"] + states["cached"] != states["usable"]):
+        errors.append(f"state slots leaked: {states}")
     problem = engine.check()
     if problem is not None:
         errors.append(f"integrity check: {problem}")

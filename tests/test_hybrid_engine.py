@@ -61,3 +61,24 @@ def test_out_of_state_slots_is_a_wait(hybrid_folders: dict[str, str], strategy: 
     finally:
         small.shutdown()
         roomy.shutdown()
+
+
+def test_truncated_hits_are_counted(hybrid_folders: dict[str, str]) -> None:
+    """A prompt whose cached KV runs past its last cached state: the hit resumes at the
+    state, and the engine counts the tokens it could not use."""
+    interval = HYBRID_OVERRIDES["cache.state_track_interval"]
+    engine = Engine(None, {**HYBRID_OVERRIDES, "model.path": hybrid_folders["lfm2"],
+                           "scheduler.chunked_prefill_size": interval})  # a checkpoint per chunk
+    try:
+        prompt = PROMPTS[2][: 3 * interval + 2]
+        engine.generate(prompt, {**GREEDY, "max_new_tokens": 1})  # states at 8, 16, 24
+        stats = engine.engine.stats()
+        assert stats["cache"]["cached_states"] == 3 and stats["states"]["held"] == 0
+        # A prompt sharing 2.5 checkpoint intervals: its KV matches 20 tokens, the
+        # deepest state is at 16.
+        branch = prompt[: 2 * interval + 4] + [7, 8, 9, 10, 11, 12]
+        out = engine.generate(branch, {**GREEDY, "max_new_tokens": 1})
+        assert out["meta_info"]["cached_tokens"] == 2 * interval  # type: ignore[call-overload]
+        assert engine.engine.cache_stats()["prefix_truncated_tokens"] == 4
+    finally:
+        engine.shutdown()
