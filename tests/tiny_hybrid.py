@@ -26,12 +26,12 @@ _COMMON: dict[str, Any] = {
 }
 
 
-def build_tiny_qwen3_5(folder: Path, seed: int = 0) -> Path:
+def build_tiny_qwen3_5(folder: Path, seed: int = 0, max_positions: int = 1024) -> Path:
     """4 layers: linear, full, linear, linear; 2 key heads serve 4 value heads; dk != dv."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     config = Qwen3_5TextConfig(
-        **_COMMON,
+        **{**_COMMON, "max_position_embeddings": max_positions},
         intermediate_size=96,
         num_hidden_layers=4,
         head_dim=16,
@@ -51,12 +51,12 @@ def build_tiny_qwen3_5(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
-def build_tiny_lfm2(folder: Path, seed: int = 0) -> Path:
+def build_tiny_lfm2(folder: Path, seed: int = 0, max_positions: int = 1024) -> Path:
     """4 layers: conv, conv, attention, conv; the ff dim goes through LFM2's auto-adjust."""
     from transformers import Lfm2Config, Lfm2ForCausalLM
 
     config = Lfm2Config(
-        **_COMMON,
+        **{**_COMMON, "max_position_embeddings": max_positions},
         intermediate_size=160,  # auto-adjusted: int(2 * 160 / 3) = 106 -> rounded up to 128
         block_multiple_of=32,
         block_ffn_dim_multiplier=1.0,
