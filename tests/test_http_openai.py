@@ -172,3 +172,21 @@ def test_tokenize_detokenize_round_trip(server: ServerProcess) -> None:
     ids = post(server, "/v1/tokenize", {"prompt": "Hello world"}).json()
     assert ids["count"] == len(ids["tokens"]) > 0
     assert post(server, "/v1/detokenize", {"tokens": ids["tokens"]}).json() == {"prompt": "Hello world"}
+
+
+def test_repeated_prompt_hits_the_default_radix_cache(server: ServerProcess) -> None:
+    """The server runs the default config (no cache.prefix override): reuse is on, and
+    the official client sees it in usage.prompt_tokens_details.cached_tokens."""
+    assert server.info()["config"]["cache"]["prefix"] == "radix"
+    prompt = "A long shared system prompt, repeated word for word by every request of a chat app. " * 2
+    first = complete(server, prompt, extra_body={"ignore_eos": True})
+    again = complete(server, prompt, extra_body={"ignore_eos": True})
+    assert again.choices[0].text == first.choices[0].text
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    messages: list[ChatCompletionMessageParam] = [{"role": "system", "content": prompt},
+                                                  {"role": "user", "content": "Say hi"}]
+    chat(server, messages=messages)
+    warm = chat(server, messages=messages)
+    assert warm.usage is not None and warm.usage.prompt_tokens_details is not None
+    assert warm.usage.prompt_tokens_details.cached_tokens > 0
