@@ -131,7 +131,9 @@ def _check_state_book(slots: dict[int, TreeNode], states: StateBook) -> None:
     for node in slots.values():
         if node.lock_ref == 0:
             evictable += 1
-            _require(node.id in states.heap_live, f"{node!r}: an unlocked state slot missing from the state heap")
+            _require(
+                node.id in states.heap_live, f"{node!r}: an unlocked state slot missing from the state heap"
+            )
     recount = (len(slots), evictable)
     _require(
         recount == (states.total, states.evictable),

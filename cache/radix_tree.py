@@ -196,7 +196,8 @@ class RadixTree(PrefixCache):
 
     # -- locks ---------------------------------------------------------------------
     def lock(self, node: TreeNode) -> None:
-        """Protect `node` and its ancestors from eviction. Locking the root is a no-op."""
+        """Protect `node` and its ancestors from eviction, their pages and (hybrid) their
+        state slots alike: one lock count serves both. Locking the root is a no-op."""
         self._require_attached(node)
         while node.parent is not None:
             if node.lock_ref == 0:

@@ -5,6 +5,12 @@ allocate pages for the rest, insert after chunks (moving the lock to the new nod
 freeing the duplicates they own), then finish or abort. After every step the tree must
 pass its integrity check, every page must have exactly one owner (invariant 3), locked
 prefixes must still be cached (invariant 4), and the KV events must describe the tree.
+
+`HybridRadixMachine` runs the same life cycle on a hybrid tree with a real state-slot
+free list: each request holds a working slot, offers a checkpoint slot (or, on finish,
+its working slot) with some inserts, and slots are evicted on their own. After every
+step every slot has exactly one owner (free list, tree or a request), every cached slot
+covers exactly its node's key length (invariant 2), and locked slots are still cached.
 """
 
 from __future__ import annotations
@@ -17,14 +23,16 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from cache.allocator import PageAllocator
 from cache.evict_policy import EvictPolicy
-from cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, StateRemoved, StateStored
 from cache.radix_tree import RadixTree, TreeNode
 from handlers.evict_fifo import FIFO
 from handlers.evict_lfu import LFU
 from handlers.evict_lru import LRU
 from handlers.evict_priority import PriorityLRU
+from tests.test_radix_states import SlotPool
 
 NUM_PAGES = 32  # small, so eviction and refusals happen often
+NUM_SLOTS = 8  # hybrid: 7 usable state slots, so state eviction and refusals happen too
 MAX_REQUESTS = 6
 POLICIES: dict[str, type[EvictPolicy]] = {"lru": LRU, "lfu": LFU, "fifo": FIFO, "priority": PriorityLRU}
 
@@ -44,6 +52,8 @@ class Req:
     node: TreeNode  # locked while the request lives
     table: list[int]  # one page per page of tokens: tree pages, then the request's own
     cached_pages: int  # leading pages of `table` the tree owns
+    slot: int | None = None  # hybrid: the request's working state slot (its own)
+    kept: dict[int, tuple[TreeNode, int]] | None = None  # slots on the locked path at lock time
 
     @property
     def owned(self) -> list[int]:
@@ -51,13 +61,17 @@ class Req:
 
 
 class RadixMachine(RuleBasedStateMachine):
+    HYBRID = False
+
     def __init__(self) -> None:
         super().__init__()
         self.alloc = PageAllocator(NUM_PAGES)
+        self.slots = SlotPool(NUM_SLOTS)
         self.ps = 1
         self._tree: RadixTree | None = None
         self.requests: list[Req] = []
         self.cached_hashes: set[int] = set()  # what the events say is in the tree
+        self.state_hashes: set[int] = set()  # what the events say is resumable
         self.unchecked: list[KVEvent] = []  # delivered but not yet checked
 
     @property
@@ -68,7 +82,8 @@ class RadixMachine(RuleBasedStateMachine):
     @initialize(ps=st.sampled_from([1, 2, 4]), policy=st.sampled_from(sorted(POLICIES)))
     def setup(self, ps: int, policy: str) -> None:
         self.ps = ps
-        self._tree = RadixTree(ps, self.alloc.free, POLICIES[policy]())
+        free_states = self.slots.free if self.HYBRID else None
+        self._tree = RadixTree(ps, self.alloc.free, POLICIES[policy](), free_states=free_states)
         self._tree.subscribe(self.unchecked.extend)
 
     def follow_events(self) -> None:
@@ -84,9 +99,18 @@ class RadixMachine(RuleBasedStateMachine):
                 self.cached_hashes.update(event.block_hashes)
             elif isinstance(event, BlockRemoved):
                 assert self.cached_hashes.issuperset(event.block_hashes)
+                assert self.state_hashes.isdisjoint(event.block_hashes), "a state outlived its page"
                 self.cached_hashes.difference_update(event.block_hashes)
+            elif isinstance(event, StateStored):
+                assert self.HYBRID and event.block_hash in self.cached_hashes
+                assert event.block_hash not in self.state_hashes and event.num_tokens % self.ps == 0
+                self.state_hashes.add(event.block_hash)
+            elif isinstance(event, StateRemoved):
+                assert event.block_hash in self.state_hashes
+                self.state_hashes.discard(event.block_hash)
             elif isinstance(event, AllBlocksCleared):
                 self.cached_hashes.clear()
+                self.state_hashes.clear()
 
     def tokens(self, num_pages: int, pool: list[int]) -> list[int]:
         return (pool * 4)[: num_pages * self.ps]
@@ -97,48 +121,112 @@ class RadixMachine(RuleBasedStateMachine):
             self.tree.evict(need - self.alloc.num_free)
         return self.alloc.num_free >= need
 
+    def take_slot(self) -> int | None:
+        """A free state slot, evicting a cached one if none is free; None if locks prevent it."""
+        if not self.slots.num_free:
+            self.checked_evict_states(1)
+        return self.slots.allocate()
+
+    def checked_evict_states(self, num_slots: int) -> list[int]:
+        """`evict_states`, checked against a full scan: the policy's first candidate goes
+        first, nothing locked goes, KV stays, the counters move by what was freed."""
+        could = self.tree.evictable_states
+        candidates = [n for n in self.tree.nodes() if n.state_slot is not None and n.lock_ref == 0]
+        assert len(candidates) == could
+        first = min(candidates, key=lambda n: (self.tree.policy.key(n), n.id), default=None)
+        first_slot = first.state_slot if first is not None else None
+        pages = self.tree.total_pages
+        freed = self.tree.evict_states(num_slots)
+        assert len(freed) == min(num_slots, could) and self.tree.total_pages == pages
+        assert self.tree.evictable_states == could - len(freed)
+        if first_slot is not None and num_slots > 0:  # the state heap agrees with a full scan
+            assert freed[0] == first_slot
+        kept = {slot for r in self.requests for _, slot in (r.kept or {}).values()}
+        assert kept.isdisjoint(freed), "evicted a locked state"
+        return freed
+
+    def lock(self, req: Req, node: TreeNode) -> None:
+        """Lock `node` for `req` and remember the slots its path holds (they must stay)."""
+        self.tree.lock(node)
+        req.node, req.kept = node, {}
+        while node.parent is not None:
+            if node.state_slot is not None:
+                req.kept[node.id] = (node, node.state_slot)
+            node = node.parent
+
+    def check_match(self, hit_length: int, kv_length: int, node: TreeNode, slot: int | None) -> None:
+        assert hit_length % self.ps == 0 and kv_length >= hit_length
+        if not self.HYBRID:
+            assert slot is None and kv_length == hit_length
+        elif hit_length == 0:
+            assert slot is None and node is self.tree.root
+        else:
+            assert slot is not None and node.state_slot == slot and node.state_len == hit_length
+
     # -- requests ------------------------------------------------------------------
     @precondition(lambda self: len(self.requests) < MAX_REQUESTS)
     @rule(num_pages=page_counts, pool=token_pools, namespace=namespaces, priority=priorities)
     def start(self, num_pages: int, pool: list[int], namespace: str | None, priority: int) -> None:
         tokens = self.tokens(num_pages, pool)
         hit = self.tree.match(tokens, namespace, priority=priority)
+        self.check_match(hit.length, hit.kv_length, hit.node, hit.state_slot)
         self.tree.lock(hit.node)  # before make_room: evict must not take the hit
         cached = hit.length // self.ps
-        if not self.make_room(num_pages - cached):
+        slot = self.take_slot() if self.HYBRID else None  # its working state (copied from the hit)
+        if not self.make_room(num_pages - cached) or (self.HYBRID and slot is None):
             self.tree.unlock(hit.node)  # refused: waits in the queue, holds nothing
+            if slot is not None:
+                self.slots.free([slot])
             return
         table = hit.pages + self.alloc.allocate(num_pages - cached)
-        self.requests.append(Req(tokens, namespace, priority, hit.node, table, cached))
+        req = Req(tokens, namespace, priority, hit.node, table, cached, slot)
+        self.tree.unlock(hit.node)
+        self.lock(req, hit.node)  # the same lock, now with the path's slots recorded
+        self.requests.append(req)
 
-    def insert_prefix(self, req: Req, num_pages: int) -> TreeNode:
-        """Cache the request's first `num_pages` pages; the tree now owns them."""
+    def insert_prefix(self, req: Req, num_pages: int, state: int | None = None) -> TreeNode:
+        """Cache the request's first `num_pages` pages (and `state`, a slot the request
+        owns holding the state after them); the tree now owns them."""
         result = self.tree.insert(
-            req.tokens[: num_pages * self.ps], req.table[:num_pages], req.namespace, req.priority
+            req.tokens[: num_pages * self.ps], req.table[:num_pages], req.namespace, req.priority, state
         )
         duplicates = result.duplicates(req.table[:num_pages])
         assert set(duplicates) <= set(req.owned), "the tree returned pages the request does not own"
         req.table[:num_pages] = result.pages  # repoint before freeing the duplicates
         self.alloc.free(duplicates)
         req.cached_pages = num_pages
+        if state is not None:
+            assert result.node.state_slot is not None and result.node.state_len == num_pages * self.ps
+            assert result.duplicate_state in (None, state)
+            assert (result.duplicate_state is None) == (result.node.state_slot == state)
+            if result.duplicate_state is not None:
+                self.slots.free([result.duplicate_state])  # still ours: the node had a state
         return result.node
 
+    def checkpoint(self, with_state: bool) -> int | None:
+        """A fresh slot for a copy of the working state, if wanted and one can be had."""
+        return self.take_slot() if self.HYBRID and with_state else None
+
     @precondition(lambda self: any(r.owned for r in self.requests))
-    @rule(pick=picks, cut=picks)
-    def insert_chunk(self, pick: int, cut: int) -> None:
+    @rule(pick=picks, cut=picks, with_state=st.booleans())
+    def insert_chunk(self, pick: int, cut: int, with_state: bool) -> None:
         candidates = [r for r in self.requests if r.owned]
         req = candidates[pick % len(candidates)]
         end = req.cached_pages + 1 + cut % len(req.owned)
-        node = self.insert_prefix(req, end)
-        self.tree.lock(node)  # lock the new node before releasing the old one
-        self.tree.unlock(req.node)
-        req.node = node
+        node = self.insert_prefix(req, end, self.checkpoint(with_state))
+        old = req.node
+        self.lock(req, node)  # lock the new node before releasing the old one
+        self.tree.unlock(old)
 
     @precondition(lambda self: self.requests)
-    @rule(pick=picks)
-    def finish(self, pick: int) -> None:
+    @rule(pick=picks, with_state=st.booleans())
+    def finish(self, pick: int, with_state: bool) -> None:
+        """A finished request may hand its working slot itself to the tree."""
         req = self.requests.pop(pick % len(self.requests))
-        self.insert_prefix(req, len(req.table))
+        give = req.slot if with_state else None
+        self.insert_prefix(req, len(req.table), give)
+        if req.slot is not None and give is None:
+            self.slots.free([req.slot])
         self.tree.unlock(req.node)
 
     @precondition(lambda self: self.requests)
@@ -146,6 +234,8 @@ class RadixMachine(RuleBasedStateMachine):
     def abort(self, pick: int) -> None:
         req = self.requests.pop(pick % len(self.requests))
         self.alloc.free(req.owned)
+        if req.slot is not None:
+            self.slots.free([req.slot])
         self.tree.unlock(req.node)
 
     @precondition(lambda self: self.requests)
@@ -154,7 +244,10 @@ class RadixMachine(RuleBasedStateMachine):
         req = self.requests[pick % len(self.requests)]
         cached = req.tokens[: req.cached_pages * self.ps]
         hit = self.tree.match(cached, req.namespace, touch=False)
-        assert hit.length == len(cached) and hit.pages == req.table[: req.cached_pages]
+        assert hit.kv_length == len(cached) and hit.pages == req.table[: hit.length // self.ps]
+        self.check_match(hit.length, hit.kv_length, hit.node, hit.state_slot)
+        if not self.HYBRID:
+            assert hit.length == len(cached)
 
     @precondition(lambda self: any(r.cached_pages > 1 for r in self.requests))
     @rule(pick=picks, cut=picks)
@@ -164,23 +257,37 @@ class RadixMachine(RuleBasedStateMachine):
         req = candidates[pick % len(candidates)]
         pages = 1 + cut % (req.cached_pages - 1)
         hit = self.tree.match(req.tokens[: pages * self.ps], req.namespace)
-        assert hit.pages == req.table[:pages]
+        assert hit.kv_length == pages * self.ps and hit.pages == req.table[: hit.length // self.ps]
 
     # -- cache operations ------------------------------------------------------------
-    @rule(num_pages=page_counts, pool=token_pools, namespace=namespaces, priority=priorities)
-    def insert_fresh(self, num_pages: int, pool: list[int], namespace: str | None, priority: int) -> None:
-        """A caller that computed everything itself: all fresh pages, duplicates freed after."""
+    @rule(
+        num_pages=page_counts,
+        pool=token_pools,
+        namespace=namespaces,
+        priority=priorities,
+        with_state=st.booleans(),
+    )
+    def insert_fresh(
+        self, num_pages: int, pool: list[int], namespace: str | None, priority: int, with_state: bool
+    ) -> None:
+        """A caller that computed everything itself: all fresh pages (and maybe a fresh
+        state slot), duplicates freed after."""
         if not self.make_room(num_pages):
             return
         pages = self.alloc.allocate(num_pages)
-        result = self.tree.insert(self.tokens(num_pages, pool), pages, namespace, priority)
+        slot = self.checkpoint(with_state)
+        result = self.tree.insert(self.tokens(num_pages, pool), pages, namespace, priority, slot)
         assert result.prefix_len % self.ps == 0
         self.alloc.free(result.duplicates(pages))
+        if result.duplicate_state is not None:
+            assert result.duplicate_state == slot
+            self.slots.free([slot])
 
     @rule(num_pages=page_counts, pool=token_pools, namespace=namespaces, touch=st.booleans())
     def probe(self, num_pages: int, pool: list[int], namespace: str | None, touch: bool) -> None:
         hit = self.tree.match(self.tokens(num_pages, pool), namespace, touch=touch)
         assert hit.length % self.ps == 0 and len(hit.pages) == hit.length // self.ps
+        self.check_match(hit.length, hit.kv_length, hit.node, hit.state_slot)
 
     @rule(num_pages=st.integers(0, 12))
     def evict(self, num_pages: int) -> None:
@@ -199,6 +306,7 @@ class RadixMachine(RuleBasedStateMachine):
     def reset(self) -> None:
         self.tree.reset()
         assert self.tree.total_pages == 0 and self.alloc.num_free == self.alloc.num_usable
+        assert self.tree.total_states == 0 and self.slots.num_free == self.slots.num_usable
 
     @rule(policy=st.sampled_from(sorted(POLICIES)))
     def set_policy(self, policy: str) -> None:
@@ -210,10 +318,33 @@ class RadixMachine(RuleBasedStateMachine):
         if self._tree is None:
             return
         held = [p for r in self.requests for p in r.owned]
-        self.tree.check_integrity(held_pages=held)
+        held_states = [r.slot for r in self.requests if r.slot is not None]
+        self.tree.check_integrity(held_pages=held, held_states=held_states)
         assert self.alloc.num_free + self.tree.total_pages + len(held) == self.alloc.num_usable
         for req in self.requests:
             assert req.node is self.tree.root or req.node.lock_ref > 0
+            for node, slot in (req.kept or {}).values():  # invariant 4 for states
+                assert node.parent is not None and node.state_slot == slot, "a locked state was evicted"
+
+    @invariant()
+    def every_state_slot_has_one_owner(self) -> None:
+        """Free list, tree or one request (invariant 3 for states), and a cached slot
+        covers exactly its node's key length from the root (invariant 2)."""
+        if self._tree is None:
+            return
+        in_tree: list[int] = []
+        stack = [(self.tree.root, 0)]
+        while stack:
+            parent, end = stack.pop()
+            for node in parent.children.values():
+                if node.state_slot is not None:
+                    assert node.state_len == end + len(node.key)
+                    in_tree.append(node.state_slot)
+                stack.append((node, end + len(node.key)))
+        held = [r.slot for r in self.requests if r.slot is not None]
+        owners = self.slots.free_list + in_tree + held
+        assert sorted(owners) == list(range(1, NUM_SLOTS)), f"slot owners {sorted(owners)}"
+        assert len(in_tree) == self.tree.total_states
 
     @invariant()
     def events_describe_the_tree(self) -> None:
@@ -221,10 +352,41 @@ class RadixMachine(RuleBasedStateMachine):
             return
         self.follow_events()
         assert self.cached_hashes == {h for node in self.tree.nodes() for h in node.hashes}
+        assert self.state_hashes == {n.hashes[-1] for n in self.tree.nodes() if n.state_slot is not None}
+
+
+class HybridRadixMachine(RadixMachine):
+    """The same requests on a hybrid tree, plus state eviction."""
+
+    HYBRID = True
+
+    @precondition(lambda self: self.tree.evictable_states > 0)
+    @rule(num_slots=st.integers(0, NUM_SLOTS))
+    def evict_states(self, num_slots: int) -> None:
+        self.checked_evict_states(num_slots)
+
+    @precondition(lambda self: self.tree.evictable_states > 1)
+    @rule(pick=picks)
+    def hit_then_evict_a_state(self, pick: int) -> None:
+        """A hit re-keys the slots it resumes through: the next eviction must see it."""
+        stateful = sorted(
+            (n for n in self.tree.nodes() if n.state_slot is not None and n.lock_ref == 0), key=lambda n: n.id
+        )
+        node = stateful[pick % len(stateful)]
+        tokens: list[int] = []
+        end: TreeNode | None = node
+        while end is not None and end.parent is not None:
+            tokens[:0] = end.key
+            end = end.parent
+        hit = self.tree.match(tokens, node.namespace)
+        assert hit.node is node and hit.state_slot == node.state_slot
+        self.checked_evict_states(1)
 
 
 RadixMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 TestRadixTreeStateful = RadixMachine.TestCase
+HybridRadixMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+TestHybridRadixTreeStateful = HybridRadixMachine.TestCase
 
 
 def test_event_checks_fail_on_a_wrong_event() -> None:
@@ -234,8 +396,25 @@ def test_event_checks_fail_on_a_wrong_event() -> None:
 
     machine = RadixMachine()
     machine.setup(ps=1, policy="lru")
-    machine.insert_fresh(num_pages=2, pool=[1] * 24, namespace=None, priority=0)
+    machine.insert_fresh(num_pages=2, pool=[1] * 24, namespace=None, priority=0, with_state=False)
     machine.events_describe_the_tree()  # the real events pass
     machine.unchecked.append(BlockRemoved(block_hashes=[12345]))  # never stored
     with pytest.raises(AssertionError):
         machine.events_describe_the_tree()
+
+
+def test_hybrid_checks_fail_on_a_wrong_state_event_or_a_lost_slot() -> None:
+    import pytest
+
+    machine = HybridRadixMachine()
+    machine.setup(ps=1, policy="lru")
+    machine.insert_fresh(num_pages=2, pool=[1] * 24, namespace=None, priority=0, with_state=True)
+    machine.events_describe_the_tree()
+    machine.every_state_slot_has_one_owner()
+    assert machine.tree.total_states == 1
+    machine.unchecked.append(StateRemoved(12345))  # never stored
+    with pytest.raises(AssertionError):
+        machine.events_describe_the_tree()
+    machine.slots.free_list.pop()  # a slot leaks: nobody owns it
+    with pytest.raises(AssertionError, match="owners"):
+        machine.every_state_slot_has_one_owner()
