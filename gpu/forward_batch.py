@@ -52,13 +52,17 @@ class PrefillChunk(NamedTuple):
     """One request's tokens in a step: `token_ids` go at positions prefix_len.. of its
     request-table row. Hybrid models also read the recurrent state from `state_src`
     (ignored when prefix_len is 0: a fresh zero state) and write the state after the
-    chunk's last token to `state_dst`; dense models leave both 0."""
+    chunk's last token to `state_dst`; dense models leave both 0. `state_track`:
+    (end_len, slot) pairs, end_len an absolute token count strictly inside the chunk
+    (prefix_len < end_len < prefix_len + len(token_ids)), increasing: the state after
+    end_len tokens is written to slot too (checkpoints inside a prefill chunk)."""
 
     token_ids: tuple[int, ...]
     table_row: int
     prefix_len: int
     state_src: int = 0
     state_dst: int = 0
+    state_track: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,7 @@ class ForwardBatch:
     sampling: tuple[SamplingRow, ...]  # one per sampling request, same order
     state_src: tuple[int, ...] = ()  # hybrid models: per request, see PrefillChunk
     state_dst: tuple[int, ...] = ()
+    state_track: tuple[tuple[tuple[int, int], ...], ...] = ()  # per request, see PrefillChunk
     # (src, dst) state-slot copies to make before the forward, in order (a cached state
     # taken from a live one; the copy runs on the device thread, so ordered with steps).
     state_copies: tuple[tuple[int, int], ...] = ()
@@ -99,5 +104,6 @@ class ForwardBatch:
             sampling=tuple(s for _, s in sampling),
             state_src=tuple(c.state_src for c in chunks),
             state_dst=tuple(c.state_dst for c in chunks),
+            state_track=tuple(tuple((int(e), int(s)) for e, s in c.state_track) for c in chunks),
             state_copies=state_copies,
         )

@@ -47,10 +47,17 @@ class ModelRunner:
         if len(batch.state_src) != len(batch.rows) or len(batch.state_dst) != len(batch.rows):
             # NOTE: invariant 6 - missing metadata is an error, never zero-filled.
             raise ValueError("a hybrid model's batch lacks state slots for some request")
+        if batch.state_track and len(batch.state_track) != len(batch.rows):
+            raise ValueError("a hybrid model's batch has tracked states for only some requests")
         for src, dst in batch.state_copies:
             self.states.copy(src, dst)
         return HybridStep.build(
-            batch.extend_lens, batch.prefix_lens, batch.state_src, batch.state_dst, self.device
+            batch.extend_lens,
+            batch.prefix_lens,
+            batch.state_src,
+            batch.state_dst,
+            self.device,
+            track=batch.state_track,
         )
 
     def prepare(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -83,9 +83,27 @@ class Driver:
         self.states.copy(req.slot, other.slot)
         return other
 
-    def step(self, work: list[tuple[Req, list[int]]], dst_slots: list[int] | None = None) -> torch.Tensor:
+    def resume(self, req: Req, length: int, slot: int) -> Req:
+        """A second request holding req's first `length` tokens: its table row points at
+        req's pages for them, its state is read from `slot` (e.g. one tracked at
+        `length`). Use when length is page-aligned: the new request then writes its own
+        pages only."""
+        assert length % self.page_size == 0 and length <= req.length
+        row = self.table.allocate()
+        assert row is not None
+        pages = req.pages[: length // self.page_size]
+        self.table.write_pages(row, 0, pages, self.page_size)
+        return Req(row, slot, length, list(pages))
+
+    def step(
+        self,
+        work: list[tuple[Req, list[int]]],
+        dst_slots: list[int] | None = None,
+        track: list[list[tuple[int, int]]] | None = None,
+    ) -> torch.Tensor:
         """One forward over `work` (request, new tokens) -> logprobs [R, vocab] at each
-        request's last new token. dst_slots: where states go (default: each request's slot)."""
+        request's last new token. dst_slots: where states go (default: each request's slot);
+        track: per request, (end_len, slot) pairs of states inside the chunk to keep."""
         for req, toks in work:
             self._reserve(req, req.length + len(toks))
         prefix = [req.length for req, _ in work]
@@ -96,7 +114,7 @@ class Driver:
         rows = [req.row for req, _ in work]
         self.attn.prepare(rows, prefix, extend)
         src = [req.slot for req, _ in work]
-        state = HybridStep.build(extend, prefix, src, dst_slots or src, self.model.device)
+        state = HybridStep.build(extend, prefix, src, dst_slots or src, self.model.device, track=track)
         with torch.inference_mode():
             logits = self.model.forward(input_ids, positions, self.attn, ends, state, self.states)
         for (req, toks), dst in zip(work, dst_slots or src):

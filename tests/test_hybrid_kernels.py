@@ -11,11 +11,13 @@ from cache.state_pool import LayerStateShape, StatePool
 from gpu.kernels.gated_delta import (
     DeltaInputs,
     chunk_prefill,
+    chunk_prefill_tracked,
     gated_delta_varlen,
     recurrent_prefill,
+    recurrent_prefill_tracked,
     recurrent_step,
 )
-from gpu.kernels.short_conv import short_conv_varlen
+from gpu.kernels.short_conv import short_conv_varlen, short_conv_windows_at
 from gpu.models.hybrid_step import HybridStep
 
 H, DK, DV = 4, 16, 8
@@ -113,7 +115,7 @@ def test_varlen_step_matches_per_request_kernels() -> None:
     q, k, v, g, beta = (torch.cat([r[j] for r in per_req]) for j in range(5))
     states = torch.stack([r[5] for r in per_req])
     for recurrent in (True, False):
-        out, new_states = gated_delta_varlen(
+        out, new_states, _ = gated_delta_varlen(
             DeltaInputs(q, k, v, g, beta), states, lens, prefixes, recurrent=recurrent
         )
         start = 0
@@ -219,3 +221,121 @@ def test_hybrid_step_loads_fresh_as_zero_and_checks_slots() -> None:
     with pytest.raises(ValueError, match="same state slot"):
         HybridStep.build([1, 1], [4, 4], [1, 2], [3, 3], torch.device("cpu"))
     HybridStep.build([1, 1], [4, 4], [1, 2], [0, 0], torch.device("cpu"))  # padding rows share slot 0
+
+
+# States tracked inside a chunk: each equals what a run stopping there leaves.
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_windows_at_interior_points(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(5)
+    channels, kernel, lens = 6, 4, [7, 1, 12]
+    x = torch.randn(sum(lens), channels, generator=gen).to(dtype)
+    windows = torch.randn(len(lens), channels, kernel - 1, generator=gen).to(dtype)
+    weight = torch.randn(channels, kernel, generator=gen)
+    points = [(0, 1), (0, 2), (0, 3), (0, 6), (1, 1), (2, 2), (2, 4), (2, 11), (2, 12)]
+    at = short_conv_windows_at(x, windows, lens, points)
+    assert at.shape == (len(points), channels, kernel - 1) and at.dtype == dtype
+    starts = [0, 7, 8]
+    for m, (r, n) in enumerate(points):  # a run of only the first n tokens
+        _, stopped = short_conv_varlen(x[starts[r] : starts[r] + n], windows[r : r + 1], [n], weight)
+        assert torch.equal(at[m], stopped[0]), (r, n)
+    assert short_conv_windows_at(x, windows, lens, []).shape == (0, channels, kernel - 1)
+    with pytest.raises(ValueError, match="not inside"):
+        short_conv_windows_at(x, windows, lens, [(1, 2)])
+
+
+def _rows(x: DeltaInputs, n: int) -> DeltaInputs:
+    return x.rows(slice(0, n))
+
+
+@pytest.mark.parametrize("start", [0, 40, 64, 100])
+def test_chunked_tracked_states_equal_stopped_runs(start: int) -> None:
+    """On the 64 grid (absolute) the tracked state is the stopped run's bit for bit; off
+    it, the stopped run's last partial chunk is rerun: equal to rounding at least."""
+    length = 190
+    q, k, v, g, beta, s0 = _inputs(length, seed=start)
+    x = DeltaInputs(q, k, v, g, beta)
+    ends = sorted({n for n in (1, 24, 28, 60, 64, 88, 100, 128, 156, 189) if 0 < n < length})
+    out, final, tracked = chunk_prefill_tracked(x, s0, start, ends)
+    plain_out, plain_final = chunk_prefill(x, s0, start)
+    assert torch.equal(out, plain_out) and torch.equal(final, plain_final)  # tracking changes nothing
+    for m, n in enumerate(ends):
+        _, stopped = chunk_prefill(_rows(x, n), s0, start)
+        if (start + n) % 64 == 0:
+            assert torch.equal(tracked[m], stopped), n
+        assert (tracked[m] - stopped).abs().max() < 1e-5, n
+    _, rec_final, rec_tracked = recurrent_prefill_tracked(x, s0, ends)
+    assert torch.equal(rec_final, recurrent_prefill(x, s0)[1])
+    for m, n in enumerate(ends):
+        assert torch.equal(rec_tracked[m], recurrent_prefill(_rows(x, n), s0)[1]), n
+    for bad in ([0], [length], [64, 64], [100, 64]):
+        with pytest.raises(ValueError, match="must increase"):
+            chunk_prefill_tracked(x, s0, start, bad)
+
+
+def test_varlen_tracked_states_equal_stopped_steps() -> None:
+    """A mixed step tracking states inside two prefills (on and off the 64 grid, one token
+    in) == a step of that request stopping there; the step's own results are unchanged."""
+    lens, prefixes = [150, 1, 70], [0, 9, 40]
+    per_req = [_inputs(n, seed=20 + i) for i, n in enumerate(lens)]
+    x = DeltaInputs(*(torch.cat([r[j] for r in per_req]) for j in range(5)))
+    states = torch.stack([r[5] for r in per_req])
+    track = [(0, 64), (0, 100), (0, 128), (2, 1), (2, 24), (2, 60)]
+    for recurrent in (True, False):
+        out, new, tracked = gated_delta_varlen(x, states, lens, prefixes, recurrent=recurrent, track=track)
+        plain_out, plain_new, none = gated_delta_varlen(x, states, lens, prefixes, recurrent=recurrent)
+        assert torch.equal(out, plain_out) and torch.equal(new, plain_new) and none.shape[0] == 0
+        for m, (r, n) in enumerate(track):
+            xr = DeltaInputs(*per_req[r][:5])
+            _, stopped, _ = gated_delta_varlen(_rows(xr, n), states[r : r + 1], [n], [prefixes[r]], recurrent)
+            if recurrent or (prefixes[r] + n) % 64 == 0 or n == 1:
+                assert torch.equal(tracked[m], stopped[0]), (recurrent, r, n)
+            assert (tracked[m] - stopped[0]).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="not inside"):
+        gated_delta_varlen(x, states, lens, prefixes, recurrent=False, track=[(1, 1)])
+
+
+def test_hybrid_step_track_checks_and_stores() -> None:
+    cpu = torch.device("cpu")
+    plain = HybridStep.build([3, 1], [0, 5], [2, 2], [1, 3], cpu)
+    assert plain.track == () and plain.track_points == () and plain.track_slots.numel() == 0
+    step = HybridStep.build([100, 1], [30, 5], [2, 2], [1, 0], cpu, track=[[(64, 4), (100, 5)], []])
+    assert step.track_points == ((0, 34), (0, 70)) and step.track_slots.tolist() == [4, 5]
+    pool = torch.zeros(6, 2)
+    step.store_tracked(pool, torch.tensor([[1.0, 1.0], [2.0, 2.0]]))
+    assert pool[4].tolist() == [1, 1] and pool[5].tolist() == [2, 2] and not pool[:4].any()
+    bad = {
+        "not inside": [[(30, 4)], []],  # end_len == prefix_len
+        "not inside ": [[(130, 4)], []],  # end_len == prefix_len + extend_len
+        "increase": [[(64, 4), (64, 5)], []],
+        "tracked twice": [[(40, 4), (64, 4)], []],
+        "reserved": [[(40, -1)], []],
+        "also dst": [[(40, 1)], []],
+        "entries": [[(40, 4)]],
+    }
+    for match, track in bad.items():
+        with pytest.raises(ValueError, match=match.strip()):
+            HybridStep.build([100, 1], [30, 5], [2, 2], [1, 0], cpu, track=track)
+    with pytest.raises(ValueError, match="also dst"):  # slot 0 is the padding rows' dst
+        HybridStep.build([100, 1], [30, 5], [2, 2], [1, 0], cpu, track=[[(40, 0)], []])
+
+
+def test_forward_batch_carries_state_track() -> None:
+    from gpu.forward_batch import ForwardBatch, PrefillChunk
+
+    chunks = [PrefillChunk(tuple(range(150)), 1, 0, 0, 2, ((64, 3), (128, 4))), PrefillChunk((5,), 2, 9, 5, 5)]
+    batch = ForwardBatch.build(chunks, [])
+    assert batch.state_track == (((64, 3), (128, 4)), ())
+    assert PrefillChunk((1,), 1, 0).state_track == ()
+    # The runner hands it to the model's step.
+    from types import SimpleNamespace
+    from typing import Any
+
+    from gpu.model_runner import ModelRunner
+
+    model: Any = SimpleNamespace(device=torch.device("cpu"), arch=SimpleNamespace(vocab_size=10))
+    runner = ModelRunner(model, None, None, _pool(6))  # type: ignore[arg-type]
+    step = runner.hybrid_step(batch)
+    assert step.track_points == ((0, 64), (0, 128)) and step.track_slots.tolist() == [3, 4]
+    assert runner.hybrid_step(ForwardBatch.build(chunks[1:], [])).track_points == ()

@@ -203,3 +203,73 @@ def test_deterministic_guard_catches_chunked_delta_rule(
 
     monkeypatch.setattr(qwen3_5, "gated_delta_varlen", planted)
     assert not _bitwise_same(_three_ways(load_model(family[1], deterministic=True)))
+
+
+# States tracked inside a prefill chunk (checkpoints): a request resumed from one behaves
+# like one resumed from a run that stopped there.
+TRACK_CASES = {
+    # name: (prefill chunks of a 150-token prompt, tracked lengths inside its last chunk)
+    "grid64": ([150], [64, 128]),
+    "grid50": ([30, 120], [50, 100]),  # off the 64 grid, chunk starting off it too
+}
+
+
+def _resumed(driver: Driver, req: Req, cont: list[int], steps: int) -> list[torch.Tensor]:
+    """logprobs after `cont` (one prefill chunk), then after `steps` greedy decodes."""
+    out = [driver.step([(req, cont)])[0]]
+    for _ in range(steps):
+        out.append(driver.step([(req, [int(torch.argmax(out[-1]))])])[0])
+    return out
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("case", sorted(TRACK_CASES))
+def test_tracked_state_resumes_like_a_stopped_run(
+    family: tuple[str, str], case: str, deterministic: bool
+) -> None:
+    """NOTE: invariant 2. Deterministic mode: the tracked slot holds the stopped run's
+    state bit for bit (every layer) and the resumed logprobs are identical; default mode
+    (chunk lengths change the plain linears' rounding) agrees to rounding."""
+    model = load_model(family[1], deterministic=deterministic)
+    chunks, ends = TRACK_CASES[case]
+    prompt, cont = PROMPTS[0], PROMPTS[1][:20]
+    driver = Driver(model, page_size=2, num_pages=256)
+    req = driver.new_request()
+    slots = [driver.states.allocate() for _ in ends]
+    assert all(s is not None for s in slots)
+    done = 0
+    for i, n in enumerate(chunks):
+        last = i == len(chunks) - 1
+        track = [[(e, s) for e, s in zip(ends, slots) if last]]
+        driver.step([(req, prompt[done : done + n])], track=track)
+        done += n
+    for end, slot in zip(ends, slots):
+        assert slot is not None
+        stopped_driver = Driver(model, page_size=2, num_pages=256)
+        stopped = stopped_driver.new_request()
+        done = 0
+        for n in chunks:  # the same chunks, the one holding `end` cut there
+            n = min(n, end - done)
+            stopped_driver.step([(stopped, prompt[done : done + n])])
+            done += n
+        tracked_state = _all_state(driver.states, slot)
+        stopped_state = _all_state(stopped_driver.states, stopped.slot)
+        ours = _resumed(driver, driver.resume(req, end, slot), cont, 2)
+        theirs = _resumed(stopped_driver, stopped, cont, 2)
+        if deterministic:
+            assert all(torch.equal(x, y) for x, y in zip(tracked_state, stopped_state)), end
+            assert all(torch.equal(x, y) for x, y in zip(ours, theirs)), end
+        else:
+            assert max(float((x - y).abs().max()) for x, y in zip(tracked_state, stopped_state)) < 1e-4
+            assert max(float((x - y).abs().max()) for x, y in zip(ours, theirs)) < 1e-4
+    # The request's own state (dst slot) is the untracked run's.
+    plain = Driver(model, page_size=2, num_pages=256)
+    other = plain.new_request()
+    done = 0
+    for n in chunks:
+        plain.step([(other, prompt[done : done + n])])
+        done += n
+    assert all(
+        torch.equal(x, y)
+        for x, y in zip(_all_state(plain.states, other.slot), _all_state(driver.states, req.slot))
+    )

@@ -76,12 +76,31 @@ def recurrent_step(x: DeltaInputs, state: torch.Tensor) -> tuple[torch.Tensor, t
 def recurrent_prefill(x: DeltaInputs, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One request's L tokens, one `recurrent_step` each: x [L, ...], state [H, dk, dv]
     -> (output [L, H, dv], state after the last token)."""
+    out, s, _ = recurrent_prefill_tracked(x, state, ())
+    return out, s
+
+
+def recurrent_prefill_tracked(
+    x: DeltaInputs, state: torch.Tensor, track: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`recurrent_prefill`, plus the states after each of the first n tokens for n in
+    `track` (0 < n < L) -> [M, H, dk, dv]: the very states a run of n tokens ends with."""
+    _check_track(track, x.q.shape[0])
     out = torch.empty_like(x.v)
+    tracked = state.new_empty((len(track), *state.shape))
+    at = {n: m for m, n in enumerate(track)}
     s = state[None]
     for t in range(x.q.shape[0]):
         o, s = recurrent_step(x.rows(slice(t, t + 1)), s)
         out[t] = o[0]
-    return out, s[0]
+        if t + 1 in at:
+            tracked[at[t + 1]] = s[0]
+    return out, s[0], tracked
+
+
+def _check_track(track: Sequence[int], length: int) -> None:
+    if any(not 0 < n < length for n in track) or list(track) != sorted(set(track)):
+        raise ValueError(f"tracked lengths {list(track)} must increase inside (0, {length})")
 
 
 def chunk_prefill(
@@ -98,6 +117,50 @@ def chunk_prefill(
     This is done by padding the front with `start_pos % chunk_size` no-op tokens (k, v,
     q = 0, beta = 0, g = 0: they leave the state unchanged and nothing attends to them).
     """
+    out, s, _ = _chunk_loop(x, state, start_pos, chunk_size, set())
+    return out, s
+
+
+def chunk_prefill_tracked(
+    x: DeltaInputs,
+    state: torch.Tensor,
+    start_pos: int,
+    track: Sequence[int],
+    chunk_size: int = CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`chunk_prefill`, plus the states after each of the first n tokens for n in `track`
+    (0 < n < L) -> [M, H, dk, dv], each as `chunk_prefill` over only those n tokens would
+    leave it.
+
+    Where start_pos + n is on the chunk grid that state is the one after a chunk of this
+    run. Elsewhere, a run stopping at n ends with a partial chunk from the grid point
+    before it: the same partial chunk is run again from the state there (one chunk of
+    extra work per off-grid point), rather than stepping token by token, so that it is
+    the stopping run's own arithmetic.
+    """
+    length = x.q.shape[0]
+    _check_track(track, length)
+    lead = start_pos % chunk_size
+    # Chunks done before each point: the state there is the loop's after that many chunks.
+    done_rest = [divmod(lead + n, chunk_size) for n in track]
+    out, s, boundaries = _chunk_loop(x, state, start_pos, chunk_size, {d for d, _ in done_rest})
+    tracked = state.new_empty((len(track), *state.shape))
+    for m, (n, (done, rest)) in enumerate(zip(track, done_rest)):
+        if rest == 0:
+            tracked[m] = boundaries[done]
+        else:
+            begin = max(done * chunk_size - lead, 0)
+            part = x.rows(slice(begin, n))
+            _, tracked[m], _ = _chunk_loop(part, boundaries[done], start_pos + begin, chunk_size, set())
+    return out, s, tracked
+
+
+def _chunk_loop(
+    x: DeltaInputs, state: torch.Tensor, start_pos: int, chunk_size: int, keep: set[int]
+) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+    """The chunked form -> (output, final state, {i: state after the first i chunks} for
+    i in `keep`; 0 is the start state). Only those are kept: all of them would be a
+    state per 64 tokens, per layer."""
     length, heads, _ = x.q.shape
     lead = start_pos % chunk_size
     tail = (-(lead + length)) % chunk_size
@@ -125,12 +188,15 @@ def chunk_prefill(
     chunk_decay = cum[..., -1].exp()[..., None, None]  # [H, N, 1, 1]
     out = torch.empty_like(u)
     s = state
+    boundaries = {0: s} if 0 in keep else {}
     for n in range(qc.shape[1]):
         v_new = u[:, n] - w[:, n] @ s
         out[:, n] = q_read[:, n] @ s + intra[:, n] @ v_new
         s = s * chunk_decay[:, n] + k_write[:, n].transpose(-1, -2) @ v_new
+        if n + 1 in keep:
+            boundaries[n + 1] = s
     out = out.reshape(heads, -1, out.shape[-1])[:, lead : lead + length]
-    return out.movedim(1, 0).contiguous(), s
+    return out.movedim(1, 0).contiguous(), s, boundaries
 
 
 def gated_delta_varlen(
@@ -139,23 +205,30 @@ def gated_delta_varlen(
     extend_lens: Sequence[int],
     prefix_lens: Sequence[int],
     recurrent: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    track: Sequence[tuple[int, int]] = (),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A step's flattened tokens (requests back to back, `extend_lens` each, starting at
     `prefix_lens`) from per-request states [R, H, dk, dv] -> (output [T, H, dv], states
-    after each request's last token [R, H, dk, dv]).
+    after each request's last token [R, H, dk, dv], tracked states [M, H, dk, dv]).
+
+    `track`: (request r, n) pairs, 0 < n < extend_lens[r], increasing per request: the
+    state after r's first n tokens, as a step that brought only those n would leave it.
 
     `recurrent`: every token by `recurrent_step` (deterministic mode), all requests
     advanced together one position at a time. Otherwise one-token requests are batched
     through `recurrent_step` and longer ones run `chunk_prefill`.
     """
+    if any(not 0 < n < extend_lens[r] for r, n in track):
+        raise ValueError(f"tracked points {list(track)} are not inside their chunks {list(extend_lens)}")
     out = torch.empty_like(x.v)
     new_states = states.clone()
+    tracked = states.new_empty((len(track), *states.shape[1:]))
     starts = [0]
     for n in extend_lens:
         starts.append(starts[-1] + n)
     if recurrent:
-        _recurrent_varlen(x, new_states, extend_lens, starts, out)
-        return out, new_states
+        _recurrent_varlen(x, new_states, extend_lens, starts, out, track, tracked)
+        return out, new_states, tracked
     decodes = [r for r, n in enumerate(extend_lens) if n == 1]
     if decodes:
         tok = torch.tensor([starts[r] for r in decodes], device=x.q.device)
@@ -166,8 +239,15 @@ def gated_delta_varlen(
     for r, n in enumerate(extend_lens):
         if n > 1:
             sl = slice(starts[r], starts[r] + n)
-            out[sl], new_states[r] = chunk_prefill(x.rows(sl), states[r], prefix_lens[r])
-    return out, new_states
+            ms = [m for m, (tr, _) in enumerate(track) if tr == r]
+            ends = [track[m][1] for m in ms]
+            out[sl], new_states[r], at = chunk_prefill_tracked(x.rows(sl), states[r], prefix_lens[r], ends)
+            for m, end, state in zip(ms, ends, at):
+                if end == 1:
+                    # A step stopping after one token runs it as a decode, not a chunk.
+                    state = recurrent_step(x.rows(slice(starts[r], starts[r] + 1)), states[r : r + 1])[1][0]
+                tracked[m] = state
+    return out, new_states, tracked
 
 
 def _recurrent_varlen(
@@ -176,9 +256,12 @@ def _recurrent_varlen(
     extend_lens: Sequence[int],
     starts: list[int],
     out: torch.Tensor,
+    track: Sequence[tuple[int, int]],
+    tracked: torch.Tensor,
 ) -> None:
     """Position t of every request that has one, as one batched `recurrent_step`; since
-    that step is batch-invariant, each request gets exactly its `recurrent_prefill`."""
+    that step is batch-invariant, each request gets exactly its `recurrent_prefill`
+    (and a tracked state, copied after its n-th token, that of a run stopping there)."""
     device = x.q.device
     for t in range(max(extend_lens, default=0)):
         active = [r for r, n in enumerate(extend_lens) if n > t]
@@ -187,3 +270,6 @@ def _recurrent_varlen(
         o, s = recurrent_step(x.rows(tok), states[req])
         out[tok] = o
         states[req] = s
+        for m, (r, n) in enumerate(track):
+            if n == t + 1:
+                tracked[m] = states[r]

@@ -57,3 +57,42 @@ def short_conv_varlen(
     last_rows = (seg_start + seg_len - width)[:, None] + torch.arange(width, device=device)[None, :]
     new_windows = ext[last_rows.reshape(-1)].view(reqs, width, channels).transpose(1, 2)
     return acc.to(x.dtype), new_windows.to(windows.dtype)
+
+
+def short_conv_windows_at(
+    x: torch.Tensor,
+    windows: torch.Tensor,
+    extend_lens: Sequence[int],
+    points: Sequence[tuple[int, int]],
+) -> torch.Tensor:
+    """The windows a run stopping inside a chunk would leave: for each (request r, n) with
+    0 < n <= extend_lens[r], the last K-1 inputs before r's n-th new token ends, i.e. the
+    window after its first n tokens -> [M, C, K-1] in windows' dtype.
+
+    Same inputs as `short_conv_varlen` (x [T, C], windows [R, C, K-1]). A window is raw
+    inputs, no arithmetic: gathered from r's carried window and new tokens it is the very
+    bits `short_conv_varlen` over only those n tokens leaves.
+    """
+    num_tokens, channels = x.shape
+    reqs, _, width = windows.shape
+    if len(extend_lens) != reqs or sum(extend_lens) != num_tokens:
+        raise ValueError(f"extend_lens {list(extend_lens)} do not match {num_tokens} tokens / {reqs} windows")
+    if any(not 0 < n <= extend_lens[r] for r, n in points):
+        raise ValueError(f"points {list(points)} are not inside their chunks {list(extend_lens)}")
+    if not points:
+        return windows.new_empty((0, channels, width))
+    # Per point, the width rows before its end in "window rows, then new tokens" order:
+    # row j < width of that order is window column j, row width + i is the i-th new token.
+    starts = [0]
+    for n in extend_lens:
+        starts.append(starts[-1] + n)
+    device = x.device
+    req = torch.tensor([r for r, _ in points], dtype=torch.int64, device=device)
+    order = torch.tensor([n for _, n in points], dtype=torch.int64, device=device)[:, None]
+    order = order + torch.arange(width, device=device)[None, :]  # [M, width], in [1, width + n)
+    in_window = order < width
+    tok = torch.tensor([starts[r] for r, _ in points], dtype=torch.int64, device=device)[:, None]
+    from_x = x[(tok + order - width).clamp(min=0)]  # [M, width, C]
+    from_win = windows.transpose(1, 2)[req[:, None], order.clamp(max=width - 1)].to(x.dtype)
+    picked = torch.where(in_window[..., None], from_win, from_x)
+    return picked.transpose(1, 2).to(windows.dtype)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from cache.state_pool import LayerStateShape, StatePool
 from gpu.attention.base import AttentionBackend
 from gpu.batch_invariant import linear_tiled
-from gpu.kernels.short_conv import short_conv_varlen
+from gpu.kernels.short_conv import short_conv_varlen, short_conv_windows_at
 from gpu.model_config import ModelArchConfig
 from gpu.models.hybrid_common import Weights, apply_rope, rope_cos_sin, swiglu
 from gpu.models.hybrid_step import HybridStep
@@ -158,7 +158,8 @@ class HybridDecoder(ABC, Generic[A, S]):
         """Hidden states for all tokens; float32 logits only for `logits_indices` rows.
 
         Reads each request's state from `state.src_slots` and writes the state after its
-        last token of the step to `state.dst_slots`, every state layer.
+        last token of the step to `state.dst_slots`, and the state after each tracked
+        length to its slot (`state.track`), every state layer.
         """
         cos, sin = rope_cos_sin(positions, self.rotary_dim, self.arch.rope_theta, self.dtype)
         h = self.embed[input_ids]
@@ -207,8 +208,12 @@ class HybridDecoder(ABC, Generic[A, S]):
         pool: StatePool,
     ) -> torch.Tensor:
         """The causal depthwise conv over x [T, channels], each request resuming from its
-        window in the pool and leaving the window after its last token there."""
+        window in the pool and leaving the window after its last token there (and the
+        windows at its tracked lengths in their slots)."""
         conv_pool = pool.conv[state_layer]
-        y, windows = short_conv_varlen(x, step.load(conv_pool), step.extend_lens, weight, bias)
+        start = step.load(conv_pool)
+        y, windows = short_conv_varlen(x, start, step.extend_lens, weight, bias)
         step.store(conv_pool, windows)
+        if step.track_points:
+            step.store_tracked(conv_pool, short_conv_windows_at(x, start, step.extend_lens, step.track_points))
         return y

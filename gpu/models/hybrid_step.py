@@ -8,9 +8,12 @@ lists it may still mutate); the model only reads it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+# Per request: (end_len, slot) pairs, end_len an absolute token count inside the chunk.
+Track = tuple[tuple[tuple[int, int], ...], ...]
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,12 @@ class HybridStep:
     slot the state after the request's last token of this step is written to (may equal
     src; distinct requests need distinct dst slots, except the reserved slot 0 that
     padding rows write to).
+
+    track: per request, (end_len, slot) pairs: the state after exactly end_len tokens
+    (prefix_len < end_len < prefix_len + extend_len, increasing) is written to slot as
+    well, in the same forward (checkpoints inside a prefill chunk). Empty: no request
+    tracks anything. Tracked slots are distinct from each other, from every dst slot
+    and from the reserved slot 0.
     """
 
     extend_lens: tuple[int, ...]
@@ -30,6 +39,38 @@ class HybridStep:
     src_slots: torch.Tensor  # [R] int64
     dst_slots: torch.Tensor  # [R] int64
     fresh: torch.Tensor  # [R] bool: prefix_lens == 0
+    track: Track = ()
+    # Flattened track, in request order: (request index, tokens into its chunk).
+    track_points: tuple[tuple[int, int], ...] = field(init=False)
+    track_slots: torch.Tensor = field(init=False)  # [M] int64, same order
+
+    def __post_init__(self) -> None:
+        # Lengths and slot reuse are checked here, so a step constructed directly is held
+        # to them too; the clash with dst slots is checked in `build`, which has them as
+        # ints (reading the tensor back here would sync with the device every step).
+        n = len(self.extend_lens)
+        if self.track and len(self.track) != n:
+            raise ValueError(f"track has {len(self.track)} entries for {n} requests")
+        points: list[tuple[int, int]] = []
+        slots: list[int] = []
+        for r, pairs in enumerate(self.track):
+            prefix, extend, last = self.prefix_lens[r], self.extend_lens[r], self.prefix_lens[r]
+            for end, slot in pairs:
+                if not prefix < end < prefix + extend:
+                    raise ValueError(
+                        f"request {r}: tracked length {end} is not inside its chunk "
+                        f"({prefix}, {prefix + extend})"
+                    )
+                if end <= last:
+                    raise ValueError(f"request {r}: tracked lengths must increase: {list(pairs)}")
+                if slot < 1 or slot in slots:
+                    raise ValueError(f"request {r}: tracked slot {slot} is reserved or tracked twice")
+                last = end
+                points.append((r, end - prefix))
+                slots.append(slot)
+        object.__setattr__(self, "track_points", tuple(points))
+        device = self.dst_slots.device
+        object.__setattr__(self, "track_slots", torch.tensor(slots, dtype=torch.int64, device=device))
 
     @classmethod
     def build(
@@ -39,7 +80,9 @@ class HybridStep:
         src_slots: Sequence[int],
         dst_slots: Sequence[int],
         device: torch.device,
+        track: Sequence[Sequence[tuple[int, int]]] | None = None,
     ) -> HybridStep:
+        """track: None (or empty) for no tracked states, else one sequence per request."""
         n = len(extend_lens)
         if not (len(prefix_lens) == len(src_slots) == len(dst_slots) == n):
             raise ValueError(
@@ -50,12 +93,21 @@ class HybridStep:
         real_dst = [s for s in dst_slots if s != 0]
         if len(set(real_dst)) != len(real_dst):
             raise ValueError(f"two requests of one step write the same state slot: {list(dst_slots)}")
+        plain_track: Track = ()
+        if track:
+            plain_track = tuple(tuple((int(e), int(s)) for e, s in pairs) for pairs in track)
+            # A tracked slot that is also a dst slot would be overwritten by one of the two
+            # writes, which one depending on the layer's code.
+            clash = {s for pairs in plain_track for _, s in pairs} & {int(d) for d in dst_slots}
+            if clash:
+                raise ValueError(f"tracked slots {sorted(clash)} are also dst slots")
         return cls(
             extend_lens=tuple(int(e) for e in extend_lens),
             prefix_lens=tuple(int(p) for p in prefix_lens),
             src_slots=torch.tensor(list(src_slots), dtype=torch.int64, device=device),
             dst_slots=torch.tensor(list(dst_slots), dtype=torch.int64, device=device),
             fresh=torch.tensor([p == 0 for p in prefix_lens], dtype=torch.bool, device=device),
+            track=plain_track,
         )
 
     @property
@@ -70,3 +122,8 @@ class HybridStep:
     def store(self, pool_tensor: torch.Tensor, states: torch.Tensor) -> None:
         """Write each request's final state [R, ...] to its dst slot."""
         pool_tensor.index_copy_(0, self.dst_slots, states.to(pool_tensor.dtype))
+
+    def store_tracked(self, pool_tensor: torch.Tensor, states: torch.Tensor) -> None:
+        """Write the tracked states [M, ...] (in `track_points` order) to their slots."""
+        if self.track_points:
+            pool_tensor.index_copy_(0, self.track_slots, states.to(pool_tensor.dtype))

@@ -140,14 +140,16 @@ class Qwen3_5Model(HybridDecoder[_Attention, _DeltaNet]):
         beta = torch.sigmoid(b).float()
         g = layer.neg_a * softplus(a.float() + layer.dt_bias)
         rec_pool = pool.recurrent_of(state_layer)
-        out, states = gated_delta_varlen(
+        out, states, tracked = gated_delta_varlen(
             DeltaInputs(q, k, v.reshape(tokens, heads_v, dv).float(), g, beta),
             step.load(rec_pool),
             step.extend_lens,
             step.prefix_lens,
             recurrent=self.deterministic,
+            track=step.track_points,
         )
         step.store(rec_pool, states)
+        step.store_tracked(rec_pool, tracked)
         out = gated_rms_norm(out.to(x.dtype), z.reshape(tokens, heads_v, dv), layer.norm, arch.rms_norm_eps)
         return self.linear(out.reshape(tokens, self.value_dim), layer.out)
 
