@@ -66,7 +66,7 @@ def check_tree(
                 _require(node.id in heap_live, f"{node!r} is an unlocked leaf missing from the eviction heap")
             stack.append((node, depth + len(node.key)))
     _check_held(held_pages, seen_pages)
-    _check_held_states(held_states, set(slots))
+    _check_held(held_states, set(slots), "state slot")
     if states is not None:
         _check_state_book(slots, states)
     recount = (total, evictable, protected, num_nodes)
@@ -101,13 +101,15 @@ def _check_pages(node: TreeNode, seen: set[int]) -> None:
         seen.add(page)
 
 
-def _check_held(held_pages: Iterable[int], tree_pages: set[int]) -> None:
+def _check_held(held_ids: Iterable[int], tree_ids: set[int], what: str = "page") -> None:
+    """Ids (pages, or state slots) requests hold: never the reserved 0, never also the
+    tree's, never held twice."""
     held: set[int] = set()
-    for page in held_pages:
-        _require(page != 0, "a request holds the reserved page 0")
-        _require(page not in tree_pages, f"page {page} is owned by both the tree and a request")
-        _require(page not in held, f"page {page} is held twice by requests")
-        held.add(page)
+    for item in held_ids:
+        _require(item != 0, f"a request holds the reserved {what} 0")
+        _require(item not in tree_ids, f"{what} {item} is owned by both the tree and a request")
+        _require(item not in held, f"{what} {item} is held twice by requests")
+        held.add(item)
 
 
 def _check_state(node: TreeNode, end: int, slots: dict[int, TreeNode], states: StateBook | None) -> None:
@@ -141,10 +143,3 @@ def _check_state_book(slots: dict[int, TreeNode], states: StateBook) -> None:
     )
 
 
-def _check_held_states(held_states: Iterable[int], tree_slots: set[int]) -> None:
-    held: set[int] = set()
-    for slot in held_states:
-        _require(slot != 0, "a request holds the reserved state slot 0")
-        _require(slot not in tree_slots, f"state slot {slot} is owned by both the tree and a request")
-        _require(slot not in held, f"state slot {slot} is held twice by requests")
-        held.add(slot)

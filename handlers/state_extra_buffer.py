@@ -12,6 +12,7 @@ from kernel.state_strategy import StateSlots, StateStrategy
 @register("state_strategy", "extra_buffer")
 class ExtraBuffer(StateStrategy):
     own_slots = 2
+    tracks_inside_chunks = True
 
     def admit(self, req: Request, slots: StateSlots) -> bool:
         live = slots.allocate()

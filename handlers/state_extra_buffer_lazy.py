@@ -11,6 +11,7 @@ from kernel.state_strategy import StateSlots, StateStrategy
 
 @register("state_strategy", "extra_buffer_lazy")
 class ExtraBufferLazy(StateStrategy):
+    tracks_inside_chunks = True
     def checkpoint_dst(self, req: Request, slots: StateSlots) -> int:
         assert req.state_slot is not None and req.track_slot is None
         req.track_slot = slots.allocate()

@@ -67,15 +67,43 @@ class HybridState:
     def is_checkpoint(self, req: Request, end: int) -> bool:
         return self.checkpoints and end % self.interval == 0 and end > req.checkpoint_len
 
-    def plan(self, req: Request, start: int, length: int) -> tuple[int, int]:
-        """(src, dst) slots of the request's chunk [start, start + length)."""
+    def plan(self, req: Request, start: int, length: int) -> tuple[int, int, tuple[tuple[int, int], ...]]:
+        """(src, dst, track) of the request's chunk [start, start + length): the slots it
+        reads and writes, and (length, slot) for each checkpoint inside the chunk."""
         assert req.state_slot is not None
         src = req.resume_slot if req.resume_slot is not None else req.state_slot
         dst = req.state_slot
-        if self.is_checkpoint(req, start + length):
+        end = start + length
+        if self.is_checkpoint(req, end):
             dst = self.strategy.checkpoint_dst(req, self)
         req.step_dst = dst
-        return src, dst
+        req.step_track = self._track_inside(req, start, end)
+        return src, dst, tuple(req.step_track)
+
+    def _track_inside(self, req: Request, start: int, end: int) -> list[tuple[int, int]]:
+        """Slots for the grid points strictly inside a prefill chunk, for strategies whose
+        forward writes checkpoints (no copy); as many as there are slots to spare."""
+        if not self.checkpoints or not self.strategy.tracks_inside_chunks:
+            return []
+        first = max(start, req.checkpoint_len) // self.interval * self.interval + self.interval
+        track = []
+        for point in range(first, end, self.interval):
+            slot = self.allocate()
+            if slot is None:
+                break
+            track.append((point, slot))
+        return track
+
+    def tracked(self, req: Request) -> list[tuple[int, int]]:
+        """The step landed: the (length, slot) checkpoints it wrote inside the chunk, in
+        order; the caller offers each to the cache and calls `after_tracked`."""
+        track, req.step_track = req.step_track, []
+        return track
+
+    def after_tracked(self, req: Request, length: int, slot: int, donated: bool) -> None:
+        req.checkpoint_len = length
+        if not donated:  # the cache had it already: this copy is ours to give back
+            self.free(slot)
 
     def after_step(self, req: Request) -> int | None:
         """The step landed (req.kv_len is its end): the checkpoint slot to offer the
@@ -95,9 +123,13 @@ class HybridState:
         self.strategy.after_insert(req, slot, donated, self)
 
     def release(self, req: Request) -> None:
+        for _, slot in req.step_track:  # a step that never landed (error, abort)
+            self.free(slot)
+        req.step_track = []
         self.strategy.release(req, self)
         req.checkpoint_len = 0
         req.step_dst = None
 
     def own_slots(self, reqs: list[Request]) -> list[int]:
-        return [s for r in reqs for s in (r.state_slot, r.track_slot) if s is not None]
+        own = [s for r in reqs for s in (r.state_slot, r.track_slot) if s is not None]
+        return own + [slot for r in reqs for _, slot in r.step_track]

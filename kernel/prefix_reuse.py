@@ -84,12 +84,13 @@ class PrefixReuse:
             return
         self._insert(req, full, None)
 
-    def cache_checkpoint(self, req: Request, state_slot: int) -> bool:
-        """Hybrid models: cache the request's first kv_len tokens (on the checkpoint grid,
-        so whole pages) with the state slot that covers exactly them. True if the cache
-        took the slot; False if it already had a state there (the slot stays ours)."""
-        assert req.kv_len % self.page_size == 0, "a checkpoint off the page grid"
-        return self._insert(req, req.kv_len // self.page_size, state_slot)
+    def cache_checkpoint(self, req: Request, state_slot: int, length: int) -> bool:
+        """Hybrid models: cache the request's first `length` tokens (on the checkpoint
+        grid, so whole pages; at most kv_len) with the state slot that covers exactly
+        them. True if the cache took the slot; False if it already had a state there
+        (the slot stays ours)."""
+        assert length % self.page_size == 0 and length <= req.kv_len, "a checkpoint off the page grid"
+        return self._insert(req, length // self.page_size, state_slot)
 
     def _insert(self, req: Request, full: int, state_slot: int | None) -> bool:
         assert req.row is not None

@@ -47,13 +47,14 @@ class Request:
     kv_len: int = 0
     # Hybrid models (kernel/hybrid_state.py): the live state slot this request writes,
     # a second slot some strategies keep, a cached slot lent for reading the next
-    # chunk's starting state, the last checkpointed length, and the slot the step in
-    # flight writes.
+    # chunk's starting state, the last checkpointed length, and the slots the step in
+    # flight writes (at its end, and at grid points inside a prefill chunk).
     state_slot: int | None = None
     track_slot: int | None = None
     resume_slot: int | None = None
     checkpoint_len: int = 0
     step_dst: int | None = None
+    step_track: list[tuple[int, int]] = field(default_factory=list)  # checkpoints inside the chunk
     cached_tokens: int = 0
     inflight: bool = False
     finish_reason: str | None = None

@@ -29,8 +29,9 @@ class ScheduledChunk(NamedTuple):
     req: Request
     start: int
     length: int
-    state_src: int = 0  # hybrid models: the slots this chunk reads / writes its state
+    state_src: int = 0  # hybrid models: the slots this chunk reads / writes its state,
     state_dst: int = 0
+    state_track: tuple[tuple[int, int], ...] = ()  # and (length, slot) checkpoints inside it
 
     @property
     def samples(self) -> bool:
@@ -152,8 +153,8 @@ class Scheduler:
     def _chunk(self, req: Request, length: int) -> ScheduledChunk:
         if self.hybrid is None:
             return ScheduledChunk(req, req.kv_len, length)
-        src, dst = self.hybrid.plan(req, req.kv_len, length)
-        return ScheduledChunk(req, req.kv_len, length, src, dst)
+        src, dst, track = self.hybrid.plan(req, req.kv_len, length)
+        return ScheduledChunk(req, req.kv_len, length, src, dst, track)
 
     def _prefix_in_flight(self, req: Request) -> bool:
         """Whether a prefilling request shares a prefix of >= share_prefix_min_tokens
@@ -301,9 +302,12 @@ class Scheduler:
             if chunk.length > 1:
                 self.prefix.cache_computed(req)
             return
+        for length, tracked in self.hybrid.tracked(req):
+            donated = self.prefix.cache_checkpoint(req, tracked, length)
+            self.hybrid.after_tracked(req, length, tracked, donated)
         slot = self.hybrid.after_step(req)
         if slot is not None:
-            donated = self.prefix.cache_checkpoint(req, slot)
+            donated = self.prefix.cache_checkpoint(req, slot, req.kv_len)
             self.hybrid.after_insert(req, slot, donated)
 
     def _append(self, req: Request, token: SampledToken) -> None:

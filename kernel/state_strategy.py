@@ -36,6 +36,9 @@ class StateStrategy(ABC):
     A strategy that cannot get a slot skips the checkpoint (None), never fails."""
 
     own_slots = 1  # slots a request holds for its whole life
+    # Whether the forward also writes the checkpoints inside a prefill chunk (each into a
+    # fresh slot, donated with no copy); a copying strategy can only copy the live state.
+    tracks_inside_chunks = False
 
     def admit(self, req: Request, slots: StateSlots) -> bool:
         """Allocate the request's live slot (and whatever else it keeps)."""

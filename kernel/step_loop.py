@@ -134,7 +134,7 @@ def build_forward_batch(plan: StepPlan, state_copies: tuple[tuple[int, int], ...
         req = ch.req
         assert req.row is not None
         ids = tuple(req.token_slice(ch.start, ch.start + ch.length))
-        chunks.append(PrefillChunk(ids, req.row, ch.start, ch.state_src, ch.state_dst))
+        chunks.append(PrefillChunk(ids, req.row, ch.start, ch.state_src, ch.state_dst, ch.state_track))
         if ch.samples:
             sampling.append((i, sampling_row(req)))
     return ForwardBatch.build(chunks, sampling, state_copies)

@@ -285,12 +285,9 @@ def test_red_off_by_one_checkpoint_length(
     state ahead of its KV (the field report's 420-vs-384), caught by `==`."""
     real = PrefixReuse.cache_checkpoint
 
-    def short(self: PrefixReuse, req: Request, state_slot: int) -> bool:
-        req.kv_len -= self.page_size  # planted: insert one page fewer than the state covers
-        try:
-            return real(self, req, state_slot)
-        finally:
-            req.kv_len += self.page_size
+    def short(self: PrefixReuse, req: Request, state_slot: int, length: int) -> bool:
+        # Planted: insert one page fewer than the state covers.
+        return real(self, req, state_slot, length - self.page_size)
 
     monkeypatch.setattr(PrefixReuse, "cache_checkpoint", short)
     run_red(hybrid_folders["qwen3_5_text"], strategy, guard_prefill_hit, "bit-exact",

@@ -82,3 +82,23 @@ def test_truncated_hits_are_counted(hybrid_folders: dict[str, str]) -> None:
         assert engine.engine.cache_stats()["prefix_truncated_tokens"] == 4
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("strategy,states", [("no_buffer", 1), ("extra_buffer", 3), ("extra_buffer_lazy", 3)])
+def test_checkpoints_inside_a_prefill_chunk(hybrid_folders: dict[str, str], strategy: str, states: int) -> None:
+    """One 32-token chunk covers the grid points 8, 16, 24: the buffered strategies have
+    the forward write all three (no copies); no_buffer can only copy the live state at
+    the chunk's end. A prompt that branches off at 20 resumes at 16 where there is one."""
+    interval = HYBRID_OVERRIDES["cache.state_track_interval"]
+    engine = Engine(None, {**HYBRID_OVERRIDES, "model.path": hybrid_folders["qwen3_5_text"],
+                           "cache.state_strategy": strategy, "scheduler.chunked_prefill_size": 32})
+    try:
+        prompt = PROMPTS[2][: 3 * interval + 3]
+        engine.generate(prompt, {**GREEDY, "max_new_tokens": 1})
+        assert engine.engine.cache_stats()["cached_states"] == states
+        branch = prompt[:20] + [9, 9, 9, 9]
+        out = engine.generate(branch, {**GREEDY, "max_new_tokens": 1})
+        assert out["meta_info"]["cached_tokens"] == (16 if states == 3 else 0)  # type: ignore[call-overload]
+        assert engine.engine.stats()["states"]["held"] == 0
+    finally:
+        engine.shutdown()
