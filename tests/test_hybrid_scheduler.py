@@ -83,9 +83,9 @@ def test_random_workloads_keep_state_lengths_and_owners_exact(
     reqs = []
     for i, n in enumerate(lengths):
         max_new = rng.randint(1, 12)
-        if n + max_new > usable:
-            continue
         prompt = (stems[i % 2] + [rng.randint(1, 5) for _ in range(n)])[: n + 5]
+        if len(prompt) + max_new > usable:  # the engine's admission refuses these
+            continue
         req = Request(rid=f"r{i}", prompt_ids=prompt, seed=0,
                       params=SamplingParams(max_new_tokens=max_new, temperature=0.0))
         reqs.append(req)
