@@ -37,7 +37,8 @@ answered with `{"type": "error", "message": "..."}`; the socket stays open.
   "token_ids", "block_size", "lora_id", "medium"}`, `{"type": "kv_event", "event":
   "BlockRemoved", "block_hashes", "medium"}`, `{"type": "kv_event", "event":
   "AllBlocksCleared"}`, and for hybrid models `{"type": "kv_event", "event": "StateStored",
-  "block_hash", "num_tokens"}` / `{"type": "kv_event", "event": "StateRemoved", "block_hash"}` (hashes are unsigned 64-bit integers, see cache/kv_events.py;
+  "block_hash", "num_tokens"}` / `{"type": "kv_event", "event": "StateRemoved", "block_hash"}`
+  (hashes are unsigned 64-bit integers, see cache/kv_events.py;
   JavaScript clients must parse them as BigInt), and `{"type": "request_event", "kind":
   "queued" | "admitted" | "retracted" | "tokens" | "finished", "rid", "time"
   (monotonic seconds), ...}` with `prompt_tokens` (queued), `cached_tokens` (admitted),
