@@ -109,6 +109,7 @@ def _state_pool(config: Config, model: Any, dtype: torch.dtype, device: torch.de
     for the two-slot strategies, room for cached states), plus the reserved slot 0."""
     if not hasattr(model, "state_shapes"):
         return None
+    config.cache.check_state_grid()
     num = config.cache.state_slots or 3 * config.scheduler.max_running_requests + 1
     pool = StatePool(model.state_shapes(), num, dtype, device)
     log.info("state_pool_sized", slots=num, bytes_per_slot=pool.bytes_per_slot)

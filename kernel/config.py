@@ -71,10 +71,14 @@ class CacheConfig:
         if self.state_slots is not None and self.state_slots < 2:
             raise ConfigError(f"cache.state_slots must be >= 2 (slot 0 is reserved), got {self.state_slots}")
         _positive("cache.state_track_interval", self.state_track_interval)
+
+    def check_state_grid(self) -> None:
+        """Hybrid models only (a dense model never reads the state grid): checkpoints
+        must sit on page boundaries."""
         if self.state_track_interval % self.page_size:
             raise ConfigError(
                 f"cache.state_track_interval ({self.state_track_interval}) must be a multiple of "
-                f"cache.page_size ({self.page_size})"
+                f"cache.page_size ({self.page_size}) for a hybrid model"
             )
 
 

@@ -101,3 +101,12 @@ def test_every_packaged_launch_file_loads() -> None:
         cfg = load_config(f)
         assert cfg.model.path
     assert load_config(folder / "shared-prefix.yaml").cache.prefix == "radix"
+
+
+def test_state_grid_must_sit_on_pages_for_hybrid_models_only() -> None:
+    from kernel.config import ConfigError, load_config
+
+    config = load_config(None, {"cache.page_size": 128})  # dense models never read the grid
+    with pytest.raises(ConfigError, match="state_track_interval"):
+        config.cache.check_state_grid()
+    load_config(None, {"cache.page_size": 16, "cache.state_track_interval": 48}).cache.check_state_grid()
