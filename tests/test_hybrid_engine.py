@@ -102,3 +102,24 @@ def test_checkpoints_inside_a_prefill_chunk(hybrid_folders: dict[str, str], stra
         assert engine.engine.stats()["states"]["held"] == 0
     finally:
         engine.shutdown()
+
+
+def test_snapshot_and_kv_events_show_which_nodes_hold_state(hybrid_folders: dict[str, str]) -> None:
+    from cache.kv_events import StateStored, page_hashes
+
+    engine = Engine(None, {**HYBRID_OVERRIDES, "model.path": hybrid_folders["lfm2"]})
+    events: list[object] = []
+    try:
+        unsubscribe = engine.engine.subscribe_kv_events(events.extend)
+        assert unsubscribe is not None
+        prompt = PROMPTS[0][:27]
+        engine.generate(prompt, {**GREEDY, "max_new_tokens": 1})
+        stored = [e for e in events if isinstance(e, StateStored)]
+        # extra_buffer: checkpoints at 8, 16, 24, each named by its last page's chain hash
+        hashes = page_hashes(prompt, HYBRID_OVERRIDES["cache.page_size"])
+        assert [(e.num_tokens, e.block_hash) for e in stored] == [(n, hashes[n // 4 - 1]) for n in (8, 16, 24)]
+        nodes = engine.engine.snapshot()
+        assert sorted(n["state_len"] for n in nodes if n["state_slot"] is not None) == [8, 16, 24]
+        unsubscribe()
+    finally:
+        engine.shutdown()
