@@ -74,15 +74,18 @@ class FreeList:
         return i in self._allocated
 
 
-def _pin_default(pin_memory: bool | None) -> bool:
+def pin_default(pin_memory: bool | None) -> bool:
+    """Pinned (page-locked, for non-blocking transfers) when CUDA is there, unless told."""
     return torch.cuda.is_available() if pin_memory is None else pin_memory
 
 
-def _to_bytes(t: torch.Tensor) -> bytes:
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """`t`'s elements as bytes, C order, native byte order (any dtype, bfloat16 included)."""
     return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def _from_bytes(data: bytes | bytearray | memoryview, expected: int, what: str) -> torch.Tensor:
+def tensor_from_bytes(data: bytes | bytearray | memoryview, expected: int, what: str) -> torch.Tensor:
+    """A fresh uint8 tensor of `data`; raises ValueError unless it has `expected` bytes."""
     if len(data) != expected:
         raise ValueError(f"{what} needs {expected} bytes, got {len(data)}")
     # bytearray: frombuffer wants a writable buffer; this is the one copy of the input.
@@ -115,7 +118,7 @@ class HostPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.layout: Layout = layout
-        self.pinned = _pin_default(pin_memory)
+        self.pinned = pin_default(pin_memory)
         self._ids = FreeList(num_pages, "page")
         tail = (page_size, num_kv_heads, head_dim)
         shape = (2, num_layers, num_pages, *tail) if layout == "layer_first" else (num_pages, 2, num_layers, *tail)
@@ -167,13 +170,13 @@ class HostPool:
     def page_bytes(self, page: int) -> bytes:
         """The page's bytes in canonical order (see the module docstring). Reads only."""
         self._check_page(page)
-        return _to_bytes(self.page(page))
+        return tensor_bytes(self.page(page))
 
     def load_bytes(self, page: int, data: bytes | bytearray | memoryview) -> None:
         """Overwrite one page from `page_bytes` output; raises on a length mismatch
         before writing anything."""
         self._check_page(page)
-        raw = _from_bytes(data, self.bytes_per_page, "a host page")
+        raw = tensor_from_bytes(data, self.bytes_per_page, "a host page")
         self.page(page).copy_(raw.view(self.dtype).view(self.page(page).shape))
 
     def _check_page(self, page: int) -> None:
@@ -210,7 +213,8 @@ def runs(ids: Sequence[int]) -> Iterator[tuple[int, int, int]]:
         i = j
 
 
-def _check_ids(ids: Sequence[int], size: int, what: str) -> None:
+def check_ids(ids: Sequence[int], size: int, what: str) -> None:
+    """Raise ValueError on a repeat or an id outside [1, size) (0 is reserved)."""
     if len(set(ids)) != len(ids):
         raise ValueError(f"{what} {list(ids)} repeat: one copy would overwrite another")
     bad = [i for i in ids if not 0 < i < size]
@@ -226,8 +230,8 @@ def _check_match(kv_pool: KVPool, host: HostPool, device_pages: Sequence[int], h
     hst = (host.num_layers, host.page_size, host.num_kv_heads, host.head_dim, host.dtype)
     if dev != hst:
         raise ValueError(f"device pages (layers, page, heads, dim, dtype) {dev} != host pages {hst}")
-    _check_ids(device_pages, kv_pool.num_pages, "device pages")
-    _check_ids(host_pages, host.num_pages, "host pages")
+    check_ids(device_pages, kv_pool.num_pages, "device pages")
+    check_ids(host_pages, host.num_pages, "host pages")
 
 
 def _paged(t: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -235,7 +239,8 @@ def _paged(t: torch.Tensor, page_size: int) -> torch.Tensor:
     return t.view(-1, page_size, *t.shape[1:])
 
 
-def _stream_ctx(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager[object]:
+def stream_ctx(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager[object]:
+    """Make `stream` current (allocations and kernels go on it); nothing on CPU."""
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
@@ -263,7 +268,7 @@ def offload(
     _check_match(kv_pool, host_pool, device_pages, host_pages)
     device = kv_pool.k[0].device
     non_blocking = stream is not None
-    with _stream_ctx(stream):
+    with stream_ctx(stream):
         for a, b in _chunks(len(device_pages), host_pool.bytes_per_page, staging_bytes):
             idx = torch.tensor(device_pages[a:b], dtype=torch.long, device=device)
             stage = host_pool.staging(b - a, device)
@@ -294,7 +299,7 @@ def load_back(
     _check_match(kv_pool, host_pool, device_pages, host_pages)
     device = kv_pool.k[0].device
     non_blocking = stream is not None
-    with _stream_ctx(stream):
+    with stream_ctx(stream):
         for a, b in _chunks(len(device_pages), host_pool.bytes_per_page, staging_bytes):
             stage = host_pool.staging(b - a, device)
             for i, j, first in runs(host_pages[a:b]):
@@ -305,4 +310,5 @@ def load_back(
                 for layer, t in enumerate(layers):
                     _paged(t, kv_pool.page_size).index_copy_(0, idx, _block(stage, host_pool.layout, kv, layer))
     return len(device_pages) * host_pool.bytes_per_page
+
 
