@@ -7,12 +7,12 @@ import errno
 import os
 import random
 import re
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from cache.storage import page_file
+from cache.storage import file_backend, page_file
 from cache.storage.base import FAILURE_REASONS, StorageError
 from cache.storage.file_backend import FileBackend
 from cache.storage.keys import KEY_HEX_LEN, PageFormat, page_keys
@@ -151,6 +151,31 @@ def test_planted_bug_no_key_check_serves_another_prefix(
     """The checksum alone does not catch a file of another key: the key check does."""
     monkeypatch.setattr(page_file, "_key_matches", lambda *args: True)
     assert corrupt_then_get(backend, tmp_path / "store", "wrong_key") is not None
+
+
+def test_a_bad_read_never_deletes_a_newer_page(
+    backend: FileBackend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader that finds a corrupt file drops only the entry it read: if the key was
+    deleted and written again meanwhile (verification runs outside the lock), the new
+    page stays."""
+    key = KEYS[0]
+    backend.set_pages([(key, payload(key))])
+    path = page_path(tmp_path / "store", key)
+    path.write_bytes(path.read_bytes()[:-1] + b"!")  # corrupt
+    real_decode = page_file.decode_page
+
+    def rewrite_meanwhile(k: str, blob: bytes) -> tuple[bytes | None, str | None]:
+        monkeypatch.setattr(file_backend, "decode_page", real_decode)
+        backend.delete([key])
+        backend.set_pages([(key, payload(key))])
+        return real_decode(k, blob)
+
+    monkeypatch.setattr(file_backend, "decode_page", rewrite_meanwhile)
+    assert backend.get_pages([key]) == [None]
+    assert failures(backend) == {"corrupt": 1}
+    assert backend.get_pages([key]) == [payload(key)]
+    assert backend.stats()["bytes"] == path.stat().st_size
 
 
 def enospc(*args: object) -> None:
@@ -308,30 +333,23 @@ def test_concurrent_set_get_stay_consistent(tmp_path: Path) -> None:
     root = tmp_path / "s"
     size = HEADER_SIZE + 64
     backend = FileBackend(str(root), max_bytes=6 * size)
-    errors: list[BaseException] = []
 
     def work(seed: int) -> None:
         rng = random.Random(seed)
-        try:
-            for _ in range(150):
-                keys = rng.sample(KEYS, 3)
-                op = rng.random()
-                if op < 0.45:
-                    backend.set_pages([(k, payload(k)) for k in keys])
-                elif op < 0.9:
-                    for k, got in zip(keys, backend.get_pages(keys), strict=True):
-                        assert got is None or got == payload(k)
-                else:
-                    backend.delete(keys[:1])
-        except BaseException as exc:  # surfaced below: a thread's assert is otherwise lost
-            errors.append(exc)
+        for _ in range(150):
+            keys = rng.sample(KEYS, 3)
+            op = rng.random()
+            if op < 0.45:
+                backend.set_pages([(k, payload(k)) for k in keys])
+            elif op < 0.9:
+                for k, got in zip(keys, backend.get_pages(keys), strict=True):
+                    assert got is None or got == payload(k)
+            else:
+                backend.delete(keys[:1])
 
-    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    with ThreadPoolExecutor(max_workers=4) as pool:  # the engine's own way of calling
+        for future in [pool.submit(work, seed) for seed in range(4)]:
+            future.result()  # re-raises a worker's failed assert here
     stats = backend.stats()
     on_disk = files(root)
     assert all(PAGE_FILE.fullmatch(f) for f in on_disk)  # no temp file left behind
