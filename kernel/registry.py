@@ -37,6 +37,7 @@ _BUILTIN_PACKAGES: dict[str, tuple[str, ...]] = {
     "tier_write": ("handlers",),
     "tier_prefetch": ("handlers",),
     "state_strategy": ("handlers",),
+    "storage": ("cache.storage", "plugins.storage"),
 }
 _imported: set[str] = set()
 

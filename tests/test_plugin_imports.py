@@ -14,6 +14,8 @@ PLUGINS = Path(__file__).resolve().parent.parent / "plugins"
 ALLOWED_MODULES = {
     "kernel.async_engine", "kernel.config", "kernel.sampling_params", "kernel.events", "kernel.registry",
     "kernel.output", "kernel.cli", "cache.kv_events",
+    # Storage backends that need a server implement the cache's storage interface.
+    "cache.storage.base", "cache.storage.keys", "cache.storage.page_file",
 }
 ENGINE_NAMES = {
     "AsyncEngine", "OutputChunk", "PolicyError", "RequestError", "EngineInfo", "ContextOverflow", "EngineUnavailable",

@@ -26,8 +26,9 @@ from typing import Any
 # Why a page was not served, or not kept. `missing`: not stored (or vanished);
 # `truncated`: shorter than its header says; `corrupt`: bad magic/version/key/checksum;
 # `write_error`: a write failed (ENOSPC, EIO, a page larger than the whole budget);
-# `evicted`: dropped to stay within the size budget.
-FAILURE_REASONS: tuple[str, ...] = ("missing", "truncated", "corrupt", "write_error", "evicted")
+# `evicted`: dropped to stay within the size budget; `unavailable`: the backend could not
+# be reached at all (a networked store that is down or too slow).
+FAILURE_REASONS: tuple[str, ...] = ("missing", "truncated", "corrupt", "write_error", "evicted", "unavailable")
 
 
 class StorageError(RuntimeError):

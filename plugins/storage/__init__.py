@@ -1,0 +1,1 @@
+"""Storage-tier backends that need a server (registry kind `storage`): `redis`."""

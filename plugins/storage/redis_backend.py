@@ -1,0 +1,145 @@
+"""`redis` storage backend: one Redis (or a cluster proxy) shared by many server processes
+and machines — the step toward many replicas reusing one another's prefixes.
+
+Pages are stored under `<prefix><key>` (the key is a fixed-length hex storage key, never
+request text) in the `file` backend's page format (cache/storage/page_file.py: magic,
+version, key, length, checksum), so a value that does not verify — truncated, corrupt,
+or another key's — is a miss, deleted and counted, never served. `SET NX`: a key names
+its content, so a present page is never rewritten. Capacity and eviction are the Redis
+server's (`maxmemory` + `maxmemory-policy allkeys-lru`). A Redis that is down or slower
+than `timeout_s` makes every page of the call a miss counted as `unavailable`; the
+backend never raises for it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+
+from cache.storage.base import StorageBackend, StorageCounters, StorageError
+from cache.storage.keys import validate_key
+from cache.storage.page_file import decode_page, encode_page
+from kernel.registry import register
+
+_DOWN = (redis.ConnectionError, redis.TimeoutError)
+
+
+@register("storage", "redis")
+class RedisBackend(StorageBackend):
+    def __init__(self, redis_url: str, prefix: str = "tierserve:kv:", timeout_s: float = 1.0) -> None:
+        if not redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise StorageError(f"redis_url must be redis://, rediss:// or unix://, got {redis_url!r}")
+        self.prefix = prefix
+        # The client pool is thread-safe; counters are ours to lock.
+        self._client = redis.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._lock = threading.Lock()
+        self._counters = StorageCounters()
+
+    def _name(self, key: str) -> str:
+        return self.prefix + validate_key(key)
+
+    def exists_prefix(self, keys: Sequence[str]) -> int:
+        names = [self._name(k) for k in keys]
+        if not names:
+            return 0
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for name in names:
+                pipe.exists(name)
+            present = pipe.execute()
+        except _DOWN:
+            self._fail("unavailable", 0)
+            return 0
+        count = 0
+        for found in present:
+            if not found:
+                break
+            count += 1
+        return count
+
+    def get_pages(self, keys: Sequence[str]) -> list[bytes | None]:
+        names = [self._name(k) for k in keys]
+        if not names:
+            return []
+        try:
+            blobs = self._client.mget(names)
+        except _DOWN:
+            self._miss_all("unavailable", len(names))
+            return [None] * len(names)
+        out: list[bytes | None] = []
+        bad: list[str] = []
+        for key, name, blob in zip(keys, names, blobs):
+            payload, reason = (None, "missing") if blob is None else decode_page(key, bytes(blob))
+            with self._lock:
+                if payload is None:
+                    self._counters.miss(reason or "corrupt")
+                else:
+                    self._counters.hits += 1
+            if payload is None and blob is not None:
+                bad.append(name)
+            out.append(payload)
+        if bad:
+            self._delete_names(bad)
+        return out
+
+    def set_pages(self, items: Sequence[tuple[str, bytes]]) -> int:
+        named = [(self._name(k), encode_page(k, payload)) for k, payload in items]
+        if not named:
+            return 0
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for name, blob in named:
+                pipe.set(name, blob, nx=True)
+            pipe.execute()
+        except _DOWN:
+            self._fail("write_error", len(named))
+            return 0
+        return len(named)  # NX: a page already there counts as stored
+
+    def delete(self, keys: Sequence[str]) -> int:
+        return self._delete_names([self._name(k) for k in keys])
+
+    def clear(self) -> None:
+        try:
+            names = list(self._client.scan_iter(match=self.prefix + "*", count=1000))
+        except _DOWN:
+            self._fail("unavailable", 1)
+            return
+        self._delete_names(names)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of this process; `pages`/`bytes` are what the server holds under the
+        prefix (a SCAN: an admin action, not for every step)."""
+        pages = nbytes = 0
+        try:
+            for name in self._client.scan_iter(match=self.prefix + "*", count=1000):
+                pages += 1
+                nbytes += int(self._client.strlen(name))
+        except _DOWN:
+            pass
+        with self._lock:
+            return self._counters.snapshot(pages, nbytes)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _delete_names(self, names: Sequence[Any]) -> int:
+        if not names:
+            return 0
+        try:
+            return int(self._client.delete(*names))
+        except _DOWN:
+            self._fail("unavailable", 0)
+            return 0
+
+    def _fail(self, reason: str, n: int) -> None:
+        with self._lock:
+            self._counters.fail(reason, max(n, 1))
+
+    def _miss_all(self, reason: str, n: int) -> None:
+        with self._lock:
+            for _ in range(n):
+                self._counters.miss(reason)
