@@ -65,14 +65,14 @@ class RedisBackend(StorageBackend):
         if not names:
             return []
         try:
-            blobs = self._client.mget(names)
+            blobs: list[bytes | None] = self._client.mget(names)  # type: ignore[assignment]
         except _DOWN:
             self._miss_all("unavailable", len(names))
             return [None] * len(names)
         out: list[bytes | None] = []
         bad: list[str] = []
         for key, name, blob in zip(keys, names, blobs):
-            payload, reason = (None, "missing") if blob is None else decode_page(key, bytes(blob))
+            payload, reason = (None, "missing") if blob is None else decode_page(key, blob)
             with self._lock:
                 if payload is None:
                     self._counters.miss(reason or "corrupt")
