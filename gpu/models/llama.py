@@ -82,7 +82,8 @@ class LlamaModel:
         arch = self.arch
         n_q = arch.num_heads * arch.head_dim
         n_kv = arch.num_kv_heads * arch.head_dim
-        cos, sin = self.cos[positions], self.sin[positions]
+        # In the compute dtype, as the reference does (a no-op in float32): q, k stay bf16 in bf16.
+        cos, sin = self.cos[positions].to(self.dtype), self.sin[positions].to(self.dtype)
         h = self.embed[input_ids]
         for i, layer in enumerate(self.layers):
             x = self._rms_norm(h, layer.input_norm)
