@@ -152,14 +152,16 @@ class CopyWorker:
 
 def _deliver(job: _Job, result: Any, exc: BaseException | None) -> None:
     try:
-        job.loop.call_soon_threadsafe(_resolve, job.fut, result, exc)
+        job.loop.call_soon_threadsafe(resolve_future, job.fut, result, exc)
     except RuntimeError:
         # The caller's loop is closed: nobody awaits this future any more. The worker
         # must survive it to serve the other loops' jobs.
         pass
 
 
-def _resolve(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+def resolve_future(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+    """Settle `fut` on its loop (called there via call_soon_threadsafe); a cancelled
+    future is left alone. Shared with the device thread (gpu/device_thread.py)."""
     if fut.cancelled():
         return
     if exc is not None:

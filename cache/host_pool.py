@@ -21,6 +21,7 @@ from typing import Literal
 
 import torch
 
+from cache.allocator import FreeList, PooledIds
 from cache.kv_pool import KVPool
 
 Layout = Literal["layer_first", "page_first"]
@@ -28,50 +29,6 @@ Layout = Literal["layer_first", "page_first"]
 # Staging bound per copy call: a long offload is cut into chunks so the device scratch
 # never exceeds this (a page of a large model can be tens of MiB).
 DEFAULT_STAGING_BYTES = 64 * 2**20
-
-
-class FreeList:
-    """Ids [1, size) from a free list; id 0 is reserved and never handed out."""
-
-    def __init__(self, size: int, what: str) -> None:
-        if size < 2:
-            raise ValueError(f"a host {what} pool needs at least 2 {what}s ({what} 0 is reserved), got {size}")
-        self.size = size
-        self._what = what
-        # Pop from the end: low ids first, which yields consecutive runs (one transfer each).
-        self._free: list[int] = list(range(size - 1, 0, -1))
-        self._allocated: set[int] = set()
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_usable(self) -> int:
-        return self.size - 1
-
-    def allocate(self, n: int) -> list[int] | None:
-        """`n` ids, or None (and nothing taken) when fewer than `n` are free."""
-        if n < 0:
-            raise ValueError(f"cannot allocate {n} {self._what}s")
-        if n > len(self._free):
-            return None
-        ids = [self._free.pop() for _ in range(n)]
-        self._allocated.update(ids)
-        return ids
-
-    def free(self, ids: Sequence[int]) -> None:
-        """Return `ids`; raises (changing nothing) if any is not allocated or repeats."""
-        if len(set(ids)) != len(ids):
-            raise RuntimeError(f"host {self._what}s {list(ids)} contain a repeat (double free)")
-        for i in ids:
-            if i not in self._allocated:
-                raise RuntimeError(f"host {self._what} {i} freed but not allocated (double free?)")
-        self._allocated.difference_update(ids)
-        self._free.extend(ids)
-
-    def is_allocated(self, i: int) -> bool:
-        return i in self._allocated
 
 
 def pin_default(pin_memory: bool | None) -> bool:
@@ -92,7 +49,7 @@ def tensor_from_bytes(data: bytes | bytearray | memoryview, expected: int, what:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-class HostPool:
+class HostPool(PooledIds):
     """Host KV pages. `data` is `[2, layers, pages, page_size, heads, head_dim]`
     (layer_first: per layer and K/V one contiguous block, the device order) or
     `[pages, 2, layers, page_size, heads, head_dim]` (page_first: one contiguous block per
@@ -137,14 +94,6 @@ class HostPool:
         )
 
     @property
-    def num_free(self) -> int:
-        return self._ids.num_free
-
-    @property
-    def num_usable(self) -> int:
-        return self._ids.num_usable
-
-    @property
     def bytes_per_page(self) -> int:
         return KVPool.bytes_per_page(self.num_layers, self.page_size, self.num_kv_heads, self.head_dim, self.dtype)
 
@@ -155,9 +104,6 @@ class HostPool:
     def free(self, pages: Sequence[int]) -> None:
         """Return pages to the free list; a page not allocated raises and nothing changes."""
         self._ids.free(pages)
-
-    def is_allocated(self, page: int) -> bool:
-        return self._ids.is_allocated(page)
 
     def block(self, kv: int, layer: int) -> torch.Tensor:
         """View `[pages, page_size, heads, head_dim]` of K (kv=0) or V (kv=1) of one layer."""

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from cache.allocator import FreeList, PooledIds
 from cache.host_pool import (
-    FreeList,
     check_ids,
     pin_default,
     runs,
@@ -24,7 +24,7 @@ from cache.host_pool import (
 from cache.state_pool import RECURRENT_DTYPE, LayerStateShape, StatePool
 
 
-class HostStatePool:
+class HostStatePool(PooledIds):
     """Host copies of `StatePool` slots (hybrid models): `conv[layer]` is
     `[slots, conv_dim, conv_width]` in the model dtype, `recurrent[layer]` is
     `[slots, heads, k_dim, v_dim]` float32 or None. Slot 0 is reserved. A slot's canonical
@@ -48,14 +48,6 @@ class HostStatePool:
     @classmethod
     def like(cls, state_pool: StatePool, num_slots: int, pin_memory: bool | None = None) -> HostStatePool:
         return cls(state_pool.layers, num_slots, state_pool.dtype, pin_memory)
-
-    @property
-    def num_free(self) -> int:
-        return self._ids.num_free
-
-    @property
-    def num_usable(self) -> int:
-        return self._ids.num_usable
 
     @property
     def bytes_per_slot(self) -> int:

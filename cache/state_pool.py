@@ -13,6 +13,8 @@ from typing import NamedTuple
 
 import torch
 
+from cache.allocator import FreeList, PooledIds
+
 
 class LayerStateShape(NamedTuple):
     """State of one linear/conv layer, per slot."""
@@ -29,7 +31,7 @@ class LayerStateShape(NamedTuple):
 RECURRENT_DTYPE = torch.float32
 
 
-class StatePool:
+class StatePool(PooledIds):
     """conv[layer] is [num_slots, conv_dim, conv_width]; recurrent[layer] is
     [num_slots, heads, k_dim, v_dim] float32, or None for a conv-only layer.
 
@@ -56,8 +58,7 @@ class StatePool:
             else torch.zeros((num_slots, *s.recurrent), dtype=RECURRENT_DTYPE, device=device)
             for s in self.layers
         ]
-        self._free: list[int] = list(range(num_slots - 1, 0, -1))
-        self._free_set = set(self._free)
+        self._ids = FreeList(num_slots, "state slot")
 
     @staticmethod
     def slot_bytes(layers: Sequence[LayerStateShape], dtype: torch.dtype) -> int:
@@ -76,33 +77,15 @@ class StatePool:
     def bytes_per_slot(self) -> int:
         return self.slot_bytes(self.layers, self.dtype)
 
-    @property
-    def num_usable(self) -> int:
-        return self.num_slots - 1
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
     def allocate(self) -> int | None:
         """A free slot (its contents are stale: the first step from it must start fresh
         or it must be written by `copy`/`zero`), or None when all are in use."""
-        if not self._free:
-            return None
-        slot = self._free.pop()
-        self._free_set.discard(slot)
-        return slot
+        slots = self._ids.allocate(1)
+        return slots[0] if slots else None
 
     def free(self, slot: int) -> None:
-        if not 0 < slot < self.num_slots:
-            raise RuntimeError(f"state slot {slot} is reserved or out of range [1, {self.num_slots})")
-        if slot in self._free_set:
-            raise RuntimeError(f"state slot {slot} freed twice")
-        self._free.append(slot)
-        self._free_set.add(slot)
-
-    def is_allocated(self, slot: int) -> bool:
-        return 0 < slot < self.num_slots and slot not in self._free_set
+        """Give `slot` back; a reserved, free or out-of-range slot raises."""
+        self._ids.free([slot])
 
     def copy(self, src: int, dst: int) -> None:
         """Make slot `dst` hold slot `src`'s state, all layers."""

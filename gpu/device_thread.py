@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from cache.copy_worker import resolve_future
+
 
 class DeviceThread:
     def __init__(self, name: str = "tierserve-device", num_threads: int | None = None) -> None:
@@ -67,15 +69,6 @@ class DeviceThread:
             try:
                 result = fn()
             except BaseException as exc:  # noqa: BLE001 - delivered to the awaiting coroutine
-                loop.call_soon_threadsafe(_resolve, fut, None, exc)
+                loop.call_soon_threadsafe(resolve_future, fut, None, exc)
             else:
-                loop.call_soon_threadsafe(_resolve, fut, result, None)
-
-
-def _resolve(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
-    if fut.cancelled():
-        return
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(result)
+                loop.call_soon_threadsafe(resolve_future, fut, result, None)
