@@ -2,7 +2,8 @@
 
 Entries are never updated in place. Each push bumps the node's `heap_version`; an entry
 counts only if its version is the node's current one and the node is still an evictable
-leaf (attached, childless, unlocked). So re-keying a touched node, locking it or giving
+leaf (attached, unlocked, device-resident, no device-resident child: on a tree without
+a host tier, a childless unlocked node). So re-keying a touched node, locking it or giving
 it a child costs one push or nothing, and `pop` skips what went stale.
 
 Stale entries are swept incrementally: every push also inspects the next few array
@@ -16,7 +17,9 @@ integrity check verifies this with `live_ids`.
 
 `StateEvictHeap` is the same heap over a second version counter and another candidate
 test (an unlocked attached node holding a state slot, leaf or not): hybrid trees evict
-state slots in their own order (cache/radix_states.py).
+state slots in their own order (cache/radix_states.py). `HostEvictHeap` does the same
+for host copies (cache/radix_host.py): unlocked nodes with a host copy that are either
+device-resident too or leaves.
 """
 
 from __future__ import annotations
@@ -136,3 +139,18 @@ class StateEvictHeap(EvictHeap):
     def _bump(self, node: TreeNode) -> int:
         node.state_heap_version += 1
         return node.state_heap_version
+
+
+class HostEvictHeap(EvictHeap):
+    """Candidates are `TreeNode.is_host_candidate` nodes (attached, unlocked, holding a
+    host copy, device-resident or a leaf); versions live in `TreeNode.host_heap_version`."""
+
+    def is_candidate(self, node: TreeNode) -> bool:
+        return node.is_host_candidate
+
+    def _version(self, node: TreeNode) -> int:
+        return node.host_heap_version
+
+    def _bump(self, node: TreeNode) -> int:
+        node.host_heap_version += 1
+        return node.host_heap_version

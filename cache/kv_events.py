@@ -27,6 +27,18 @@ the state covers; `num_tokens` is that prefix's length. In one event batch a
 `StateStored` follows the `BlockStored` of its page and a `StateRemoved` precedes the
 `BlockRemoved` of its page. `AllBlocksCleared` also clears every state. A router for a
 dense model can ignore both; a hash with blocks but no state is a tombstone.
+
+Tiered trees (a host copy per node, cache/radix_host.py) fill in `medium`, which names
+the copy an event is about: `medium=None` is the device copy (a `BlockStored` when pages
+enter the cache, or come back to the device by `restore` / an `insert` over host-only
+nodes) or, on `BlockRemoved`, the block leaving the cache entirely (no copy left: a
+removed node, a host-only leaf dropped by `evict_host`, a device-only node's host-only
+descendants removed with it). `BlockStored(medium="host")` is a host copy landing
+(`mark_host`; a device copy exists). `BlockRemoved(medium="device")` is a device eviction
+of a block that stays matchable from its host copy; `BlockRemoved(medium="host")` a host
+copy evicted while the device copy stays. A `BlockRemoved` then need not be a chain tail:
+a device-evicted block may keep host-only children. Trees without a host tier only
+publish `medium=None`, as before.
 """
 
 from __future__ import annotations

@@ -18,6 +18,14 @@ into the state pool; slot 0 is reserved and never cached): `match` lends
 length it was inserted with. A dense cache (`hybrid` False) holds no slots and rejects
 `state_slot`.
 
+NOTE: host ownership (tiered caches, cache/radix_host.py). The same rule for host pages
+(ids into the host pool, 0 reserved): `mark_host` takes the caller's host copy of an
+entry's device pages, `match` lends `result.host_pages` (the part of the prefix cached on
+host only, right after the device part), `restore` takes the device pages the caller
+loaded them into, and only `evict_host`, `evict` and `reset` give host pages back. A
+cache without a host tier (`tiered` False) matches no host part and refuses `mark_host`
+and `restore`.
+
 A match result is deliberately a small record (`length`, `node`, `pages`) whose `node`
 is an opaque handle the caller only passes back to `lock` / `unlock`; tiered or
 hybrid caches extend the record (lengths per tier, a resumable state) without the
@@ -46,6 +54,16 @@ class PrefixCache(ABC):
     def hybrid(self) -> bool:
         """Whether entries carry state slots (attention + linear-attention/SSM models)."""
         return False
+
+    @property
+    def tiered(self) -> bool:
+        """Whether entries may keep host copies (`mark_host`, `evict_host`, `restore`)."""
+        return False
+
+    @property
+    def total_host_pages(self) -> int:
+        """Host pages the cache owns now (0 unless `tiered`)."""
+        return 0
 
     @property
     @abstractmethod
@@ -122,15 +140,40 @@ class PrefixCache(ABC):
         Locked entries are never touched. Caches without states return []."""
         return []
 
-    @abstractmethod
-    def reset(self) -> None:
-        """Drop everything cached (pages and state slots); raises while anything is locked."""
+    def evict_host(self, num_pages: int) -> list[int]:
+        """Tiered: free at least `num_pages` host pages of unlocked entries if possible
+        (through the host pool's free callback), entries that are also on the device
+        keeping their device pages; returns the freed host ids. Locked entries are never
+        touched. Caches without a host tier return []."""
+        return []
+
+    def mark_host(self, node: TreeNode, host_pages: Sequence[int]) -> None:
+        """Tiered: the caller copied the device pages of the (locked) handle `node` to
+        `host_pages` and verified them; the cache takes them. Caches without a host tier
+        raise ValueError (the caller still owns `host_pages`)."""
+        raise ValueError(f"{type(self).__name__} has no host tier")
+
+    def restore(self, host_node: TreeNode, device_pages: Sequence[int]) -> None:
+        """Tiered: the caller loaded the host part of a match ending at `host_node`
+        (`result.host_node`, locked) into `device_pages`; the cache takes them. Caches
+        without a host tier raise ValueError (the caller still owns `device_pages`)."""
+        raise ValueError(f"{type(self).__name__} has no host tier")
 
     @abstractmethod
-    def check_integrity(self, held_pages: Iterable[int] = (), held_states: Iterable[int] = ()) -> None:
+    def reset(self) -> None:
+        """Drop everything cached (pages, state slots, host copies); raises while anything
+        is locked."""
+
+    @abstractmethod
+    def check_integrity(
+        self,
+        held_pages: Iterable[int] = (),
+        held_states: Iterable[int] = (),
+        held_host_pages: Iterable[int] = (),
+    ) -> None:
         """Raise AssertionError if the cache's bookkeeping is broken, or if one of
-        `held_pages` / `held_states` (pages and state slots callers own) is also owned
-        by the cache."""
+        `held_pages` / `held_states` / `held_host_pages` (pages, state slots and host
+        pages callers own) is also owned by the cache."""
 
     def set_policy(self, policy: Any) -> None:
         """Switch the eviction policy (caches without eviction ignore it)."""
@@ -188,5 +231,10 @@ class NoPrefixCache(PrefixCache):
     def reset(self) -> None:
         pass
 
-    def check_integrity(self, held_pages: Iterable[int] = (), held_states: Iterable[int] = ()) -> None:
+    def check_integrity(
+        self,
+        held_pages: Iterable[int] = (),
+        held_states: Iterable[int] = (),
+        held_host_pages: Iterable[int] = (),
+    ) -> None:
         pass

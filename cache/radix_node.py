@@ -20,7 +20,16 @@ class TreeNode:
 
     `last_access` is the tree's logical clock (deterministic); `last_access_wall` is
     time.monotonic() for people. `heap_version` belongs to the tree's eviction heap,
-    `state_heap_version` to its state eviction heap (cache/radix_states.py).
+    `state_heap_version` to its state eviction heap (cache/radix_states.py),
+    `host_heap_version` to its host eviction heap (cache/radix_host.py).
+
+    NOTE: residency (tiered trees, cache/radix_host.py). `pages` are device pages and
+    `host_pages` (None: no host copy) host pool ids, one per page of `key` each when
+    present: `tier` is "device" (pages only), "device+host" or "host" (`pages == []`).
+    Device-resident nodes form a top subtree: a device-resident node's parent is the
+    root or device-resident, so a host-only node has only host-only descendants.
+    `device_children` counts the children holding device pages (all children on a tree
+    without a host tier).
 
     NOTE: invariant 2. `state_slot` (hybrid trees only) holds the recurrent state after
     exactly `state_len` tokens, and `state_len` must equal the node's key length from
@@ -31,9 +40,12 @@ class TreeNode:
     __slots__ = (
         "children",
         "created",
+        "device_children",
         "hashes",
         "heap_version",
         "hit_count",
+        "host_heap_version",
+        "host_pages",
         "id",
         "key",
         "last_access",
@@ -46,7 +58,6 @@ class TreeNode:
         "state_heap_version",
         "state_len",
         "state_slot",
-        "tier",
     )
 
     def __init__(
@@ -71,11 +82,13 @@ class TreeNode:
         self.hit_count = 0
         self.created = 0
         self.priority = 0  # max priority of the requests that inserted or used it
-        self.tier = "device"
+        self.host_pages: list[int] | None = None  # tiered trees: a verified host copy of `pages`
+        self.device_children = 0  # children with device pages (eviction candidates have none)
         self.state_slot: int | None = None  # hybrid models: state for exactly this end position
         self.state_len: int | None = None  # tokens the state covers: the key length from the root
         self.heap_version = 0
         self.state_heap_version = 0
+        self.host_heap_version = 0
 
     @property
     def hash(self) -> int | None:
@@ -84,12 +97,36 @@ class TreeNode:
 
     @property
     def num_pages(self) -> int:
+        """Device pages held (0 for a host-only node)."""
         return len(self.pages)
 
     @property
+    def tier(self) -> str:
+        """Where the node's KV lives: "device", "device+host" or "host" (the root, which
+        holds nothing, is "device")."""
+        if self.key and not self.pages:
+            return "host"
+        return "device" if self.host_pages is None else "device+host"
+
+    @property
     def is_evictable_leaf(self) -> bool:
-        """Attached (the root and evicted nodes have no parent), childless and unlocked."""
-        return self.parent is not None and not self.children and self.lock_ref == 0
+        """A device-eviction candidate: attached (the root and evicted nodes have no
+        parent), unlocked, holding device pages, with no device-resident child. On a
+        tree without a host tier that is an unlocked leaf."""
+        return (
+            self.parent is not None and self.lock_ref == 0 and bool(self.pages) and not self.device_children
+        )
+
+    @property
+    def is_host_candidate(self) -> bool:
+        """A host-eviction candidate: attached, unlocked, holding a host copy, and either
+        device-resident too (it only loses the copy) or a leaf (it leaves the tree)."""
+        return (
+            self.parent is not None
+            and self.lock_ref == 0
+            and self.host_pages is not None
+            and (bool(self.pages) or not self.children)
+        )
 
     def describe(self) -> dict[str, Any]:
         """Plain fields for the admin inspector (no references to other nodes)."""
@@ -98,6 +135,7 @@ class TreeNode:
             "parent": self.parent.id if self.parent is not None else None,
             "num_tokens": len(self.key),
             "num_pages": len(self.pages),
+            "num_host_pages": len(self.host_pages) if self.host_pages is not None else 0,
             "lock_ref": self.lock_ref,
             "hit_count": self.hit_count,
             "last_access": self.last_access,
@@ -119,18 +157,28 @@ class TreeNode:
 class MatchResult(NamedTuple):
     """What a match lends. On a hybrid tree `length`/`node`/`pages` stop at the deepest
     matched node that holds a state slot (the root if none does): where a request can
-    resume. `lost_tokens` are the matched KV tokens past it (tombstones)."""
+    resume. `lost_tokens` are the matched KV tokens past what the result can use
+    (tombstones).
+
+    Tiered trees add the host part: `host_length` tokens right after `length`, cached on
+    host only (whole pages, contiguous), their host ids `host_pages` in order, and
+    `host_node`, the node ending at `length + host_length`: lock it while loading them
+    back (then `restore`). Without a host part: 0, [], None."""
 
     length: int  # cached tokens, a multiple of page_size
     node: TreeNode  # deepest matched (hybrid: resumable) node; the root if nothing matched
     pages: list[int]  # the tree's page ids covering `length` (lent, not owned)
     state_slot: int | None = None  # hybrid: the state after exactly `length` tokens (lent); None at the root
-    lost_tokens: int = 0  # KV-matched tokens past `length` that no state slot covers
+    lost_tokens: int = 0  # KV-matched tokens past `length + host_length` that no state slot covers
+    host_length: int = 0  # tokens after `length` on host only (tiered trees), a multiple of page_size
+    host_pages: list[int] = []  # noqa: RUF012 (a NamedTuple default, never mutated) host ids of those tokens
+    host_node: TreeNode | None = None  # deepest matched host-only node; lock it during a load-back
 
     @property
     def kv_length(self) -> int:
-        """How far the KV alone matched (== `length` on a dense tree)."""
-        return self.length + self.lost_tokens
+        """How far the KV matched over both tiers (== `length` on a dense tree without a
+        host tier)."""
+        return self.length + self.host_length + self.lost_tokens
 
 
 class InsertResult(NamedTuple):

@@ -22,6 +22,10 @@ Eviction pops unlocked leaves from a lazily invalidated heap keyed by the policy
 Hybrid trees (`free_states` given) also own state slots, at most one per node for its
 exact end position; a match resumes only at a node holding one. Ownership, locks and
 the second eviction order of slots: cache/radix_states.py.
+
+Tiered trees (`free_host_pages` given) also own host copies: a node may keep its KV in
+host memory and stay matchable without device pages. Residency, the top-subtree
+invariant, ownership, locks and the third eviction order: cache/radix_host.py.
 """
 
 from __future__ import annotations
@@ -35,7 +39,6 @@ from cache.evict_heap import EvictHeap
 from cache.evict_policy import EvictPolicy
 from cache.kv_events import (
     AllBlocksCleared,
-    BlockRemoved,
     BlockStored,
     EventHub,
     Subscriber,
@@ -44,6 +47,7 @@ from cache.kv_events import (
 )
 from cache.prefix_cache import PrefixCache
 from cache.radix_check import TreeIntegrityError, check_tree
+from cache.radix_host import FreeHostPages, HostTierMixin, TreeHost, removed_events
 from cache.radix_node import ChildKey, InsertResult, MatchResult, PageKey, TreeNode
 from cache.radix_states import FreeStates, TreeStates
 
@@ -53,14 +57,15 @@ FreePages = Callable[[list[int]], None]
 
 # What the upper half of a split inherits. NOTE: invariant 2: state_slot / state_len stay
 # with the lower half, which keeps the end position they cover; the upper is a tombstone.
-_SPLIT_COPIES = ("lock_ref", "last_access", "last_access_wall", "hit_count", "created", "priority", "tier")
+# Residency is split, not copied: each half keeps its share of `pages` and `host_pages`.
+_SPLIT_COPIES = ("lock_ref", "last_access", "last_access_wall", "hit_count", "created", "priority")
 
 
 class TreeLockedError(RuntimeError):
     """`reset` while a node is locked, or a lock on a node that is no longer in the tree."""
 
 
-class RadixTree(PrefixCache):
+class RadixTree(HostTierMixin, PrefixCache):
     """`cache.prefix: radix`; the PrefixCache contract, with the rules in the docstring above."""
 
     def __init__(
@@ -70,9 +75,12 @@ class RadixTree(PrefixCache):
         policy: EvictPolicy,
         strict_events: bool = False,
         free_states: FreeStates | None = None,
+        free_host_pages: FreeHostPages | None = None,
     ) -> None:
         """`free_states` makes a hybrid tree: it receives the state slots the tree gives
-        back (evict, evict_states, reset), as `free_pages` receives pages."""
+        back (evict, evict_states, reset), as `free_pages` receives pages.
+        `free_host_pages` makes a tiered tree: it receives the host pages the tree gives
+        back (evict_host, evict, reset)."""
         if page_size < 1:
             raise ValueError("page_size must be >= 1")
         self.page_size = page_size
@@ -88,6 +96,7 @@ class RadixTree(PrefixCache):
         self._protected = 0
         self._num_nodes = 0
         self._states = TreeStates(free_states, policy, self._events) if free_states is not None else None
+        self._host = TreeHost(free_host_pages, policy, self._events) if free_host_pages is not None else None
 
     # -- counters ------------------------------------------------------------------
     @property
@@ -140,22 +149,30 @@ class RadixTree(PrefixCache):
         KV match ends. On a hybrid tree the result is trimmed back to the deepest matched
         node holding a state slot (the root if none: a fresh state), `state_slot` is
         lent like the pages, and only the nodes up to it are touched.
+
+        Tiered trees: `length`/`node`/`pages` are the device part; the host-only nodes
+        after it are the host part (`host_length`, `host_pages` lent like pages,
+        `host_node`; the top-subtree invariant makes it one contiguous run). Hybrid and
+        tiered: the host part is offered only when the device part was not trimmed, and
+        ends at the deepest host-only node holding a state slot (`host_node.state_slot`,
+        the state after `length + host_length` tokens); else it is empty.
         """
         toks = self._whole_pages(tokens)
         if touch:
             self._tick()
         path = self._walk(toks, namespace)
         kv_length = sum(len(node.key) for node in path)
-        if self._states is not None:
-            while path and path[-1].state_slot is None:
-                path.pop()  # a tombstone: its KV is cached, its state is not
+        device, host_path = self._usable_parts(path)
         if touch:
-            for node in path:
+            for node in (*device, *host_path):
                 self._touch(node, priority, hit=True)
-        pages = [page for node in path for page in node.pages]
-        length = len(pages) * self.page_size
-        end = path[-1] if path else self.root
-        return MatchResult(length, end, pages, end.state_slot, kv_length - length)
+        pages = [page for node in device for page in node.pages]
+        host_pages = [page for node in host_path for page in node.host_pages or ()]
+        length, host_length = len(pages) * self.page_size, len(host_pages) * self.page_size
+        end = device[-1] if device else self.root
+        host_node = host_path[-1] if host_path else None
+        lost = kv_length - length - host_length
+        return MatchResult(length, end, pages, end.state_slot, lost, host_length, host_pages, host_node)
 
     def insert(
         self,
@@ -175,6 +192,10 @@ class RadixTree(PrefixCache):
 
         The returned node is unlocked: a request still using the pages (or, having
         given its slot away, resuming from it) locks it before anything can call `evict`.
+
+        Tiered trees: `prefix_len` counts device-cached tokens only. Host-only nodes along
+        `tokens` take the caller's pages for their tokens (the caller computed that KV
+        itself) and become device+host, so every page past `prefix_len` is the tree's.
         """
         toks = tuple(tokens)
         self._check_insert(toks, pages, state_slot)
@@ -184,10 +205,11 @@ class RadixTree(PrefixCache):
             self._touch(node, priority, hit=False)
         found = [page for node in path for page in node.pages]
         prefix_len = len(found) * self.page_size
+        found += self._adopt_host_suffix(path, pages, len(found))
         end = path[-1] if path else self.root
-        if prefix_len < len(toks):
-            rest = list(pages[prefix_len // self.page_size :])
-            end = self._add_leaf(end, toks[prefix_len:], rest, namespace, priority)
+        if len(found) * self.page_size < len(toks):
+            rest = list(pages[len(found) :])
+            end = self._add_leaf(end, toks[len(found) * self.page_size :], rest, namespace, priority)
             found += end.pages
         duplicate = None
         if self._states is not None and state_slot is not None:
@@ -196,8 +218,9 @@ class RadixTree(PrefixCache):
 
     # -- locks ---------------------------------------------------------------------
     def lock(self, node: TreeNode) -> None:
-        """Protect `node` and its ancestors from eviction, their pages and (hybrid) their
-        state slots alike: one lock count serves both. Locking the root is a no-op."""
+        """Protect `node` and its ancestors from eviction, their pages, (hybrid) state
+        slots and (tiered) host copies alike: one lock count serves all. Locking the root
+        is a no-op."""
         self._require_attached(node)
         while node.parent is not None:
             if node.lock_ref == 0:
@@ -205,6 +228,8 @@ class RadixTree(PrefixCache):
                 self._protected += len(node.pages)
                 if self._states is not None:
                     self._states.on_lock(node)
+                if self._host is not None:
+                    self._host.on_lock(node)
             node.lock_ref += 1
             node = node.parent
 
@@ -218,35 +243,47 @@ class RadixTree(PrefixCache):
             if node.lock_ref == 0:
                 self._protected -= len(node.pages)
                 self._evictable += len(node.pages)
-                if not node.children:
+                if node.is_evictable_leaf:
                     self._heap.push(node)
                 if self._states is not None:
                     self._states.on_unlock(node)
+                if self._host is not None:
+                    self._host.on_unlock(node)
             node = node.parent
 
     # -- eviction ------------------------------------------------------------------
     def evict(self, num_pages: int) -> list[int]:
-        """Free at least `num_pages` pages if unlocked leaves allow; returns the freed ids.
+        """Free at least `num_pages` device pages if unlocked leaves allow; returns them.
 
-        Whole nodes go, so a call may free more than asked. A hybrid leaf's state slot
-        goes with it (through `free_states`). May change: pages and slots owned.
+        Whole nodes' pages go, so a call may free more than asked. A hybrid leaf's state
+        slot goes with it (through `free_states`). May change: pages and slots owned.
+        Tiered trees: a candidate is an unlocked node with device pages and no
+        device-resident child. With a host copy it only loses its device pages (it stays,
+        host-only and matchable: BlockRemoved medium "device"); without one it leaves the
+        tree with its host-only descendants, whose host pages go to `free_host_pages`.
         """
         freed: list[int] = []
         gone: list[TreeNode] = []
+        demoted: list[TreeNode] = []
+        host_freed: list[int] = []
         while len(freed) < num_pages:
             node = self._heap.pop()
             if node is None:
                 break
-            parent = self._detach(node)
             freed.extend(node.pages)
-            gone.append(node)
+            parent = self._evict_node(node, gone, demoted, host_freed)
             if parent.is_evictable_leaf:
                 self._heap.push(parent)
         if freed:
             self._free_pages(freed)
+            if self._host is not None:
+                self._host.free(host_freed)
             events = self._states.release(gone) if self._states is not None else []
-            removed = [h for node in gone for h in node.hashes]
-            self._events.emit(lambda: [*events, BlockRemoved(block_hashes=removed)])
+            self._events.emit(
+                # A demoted node may leave later in the same call (with a device-only
+                # parent): its "device" removal comes first.
+                lambda: [*removed_events(demoted, "device"), *events, *removed_events(gone, None)]
+            )
         return freed
 
     def evict_states(self, num_slots: int) -> list[int]:
@@ -259,12 +296,16 @@ class RadixTree(PrefixCache):
         return self._states.evict(num_slots) if self._states is not None else []
 
     def reset(self) -> None:
-        """Free every page and state slot; refuses while any node is locked."""
-        if self._protected:
-            raise TreeLockedError(f"reset with {self._protected} locked pages")
+        """Free every page, state slot and host copy; refuses while any node is locked."""
+        locked_host = self._host.total - self._host.evictable if self._host is not None else 0
+        if self._protected or locked_host:
+            raise TreeLockedError(
+                f"reset with {self._protected} locked pages, {locked_host} locked host pages"
+            )
         nodes = list(self.nodes())
         pages = [page for node in nodes for page in node.pages]
         slots = self._states.clear(nodes) if self._states is not None else []
+        host_pages = self._host.clear(nodes) if self._host is not None else []
         for node in nodes:
             node.parent = None  # detached: a stale reference can no longer be locked
         self.root.children = {}
@@ -274,6 +315,8 @@ class RadixTree(PrefixCache):
             self._free_pages(pages)
         if self._states is not None:
             self._states.free(slots)
+        if self._host is not None:
+            self._host.free(host_pages)
         self._events.emit(lambda: [AllBlocksCleared()])
 
     def set_policy(self, policy: EvictPolicy) -> None:
@@ -281,6 +324,8 @@ class RadixTree(PrefixCache):
         self._heap.rebuild(policy, self.nodes())
         if self._states is not None:
             self._states.set_policy(policy, self.nodes())
+        if self._host is not None:
+            self._host.set_policy(policy, self.nodes())
 
     # -- events and inspection -----------------------------------------------------
     def subscribe(self, callback: Subscriber) -> Callable[[], None]:
@@ -303,14 +348,22 @@ class RadixTree(PrefixCache):
         """One dict per node, root first, for the admin inspector."""
         return [node.describe() for node in itertools.chain([self.root], self.nodes())]
 
-    def check_integrity(self, held_pages: Iterable[int] = (), held_states: Iterable[int] = ()) -> None:
-        """Raise TreeIntegrityError unless the tree is consistent; `held_pages` and
-        `held_states` are the pages and state slots live requests own (they must not be
-        in the tree). O(tree): debug only."""
+    def check_integrity(
+        self,
+        held_pages: Iterable[int] = (),
+        held_states: Iterable[int] = (),
+        held_host_pages: Iterable[int] = (),
+    ) -> None:
+        """Raise TreeIntegrityError unless the tree is consistent; `held_pages`,
+        `held_states` and `held_host_pages` are the pages, state slots and host pages
+        callers own (they must not be in the tree). O(tree): debug only."""
         live = self._heap.live_ids()
         counters = (self._total, self._evictable, self._protected, self._num_nodes)
         states = self._states.book() if self._states is not None else None
-        check_tree(self.root, self.page_size, counters, live, held_pages, states, held_states)
+        host = self._host.book() if self._host is not None else None
+        check_tree(
+            self.root, self.page_size, counters, live, held_pages, states, held_states, host, held_host_pages
+        )
 
     # -- internals -----------------------------------------------------------------
     def _whole_pages(self, tokens: Sequence[int]) -> PageKey:
@@ -355,7 +408,7 @@ class RadixTree(PrefixCache):
         if toks[pos : pos + len(key)] == key:
             return child
         k = 1  # the first page matched: it is the dict key
-        while k < len(child.pages) and key[k * ps : (k + 1) * ps] == toks[pos + k * ps : pos + (k + 1) * ps]:
+        while k < len(key) // ps and key[k * ps : (k + 1) * ps] == toks[pos + k * ps : pos + (k + 1) * ps]:
             k += 1
         return self._split(child, k)
 
@@ -364,7 +417,8 @@ class RadixTree(PrefixCache):
 
         `child` keeps its identity as the lower part: a lock or state slot refers to its
         end position, which does not move. The upper node inherits locks and stats (every
-        lock on `child` also counted on it), so counters and the heap stay valid.
+        lock on `child` also counted on it), so counters and the heap stay valid. NOTE:
+        both halves keep `child`'s residency: device pages and host copy split alike.
         """
         parent, ps = child.parent, self.page_size
         assert parent is not None
@@ -374,10 +428,15 @@ class RadixTree(PrefixCache):
         for stat in _SPLIT_COPIES:
             setattr(upper, stat, getattr(child, stat))
         child.key, child.pages, child.hashes = child.key[k * ps :], child.pages[k:], child.hashes[k:]
+        if child.host_pages is not None:
+            upper.host_pages, child.host_pages = child.host_pages[:k], child.host_pages[k:]
+        upper.device_children = 1 if child.pages else 0
         parent.children[self._child_key(parent, upper.key, 0, upper.namespace)] = upper
         upper.children[child.key[:ps]] = child
         child.parent = upper
         self._num_nodes += 1
+        if self._host is not None:
+            self._host.on_candidate(upper)  # a device+host upper is a host candidate
         return upper
 
     def _add_leaf(
@@ -392,6 +451,7 @@ class RadixTree(PrefixCache):
         leaf.last_access_wall = self._wall
         leaf.priority = priority
         parent.children[self._child_key(parent, toks, 0, namespace)] = leaf
+        parent.device_children += 1
         self._total += len(pages)
         self._evictable += len(pages)
         self._num_nodes += 1
@@ -403,6 +463,7 @@ class RadixTree(PrefixCache):
         parent = node.parent
         assert parent is not None and node.lock_ref == 0
         del parent.children[self._child_key(parent, node.key, 0, node.namespace)]
+        parent.device_children -= 1 if node.pages else 0
         node.parent = None
         self._total -= len(node.pages)
         self._evictable -= len(node.pages)
@@ -422,6 +483,8 @@ class RadixTree(PrefixCache):
             self._heap.push(node)  # re-key: the old entry goes stale
         if self._states is not None:
             self._states.on_touch(node)
+        if self._host is not None:
+            self._host.on_candidate(node)
 
     def _require_attached(self, node: TreeNode) -> None:
         if node.parent is None and node is not self.root:

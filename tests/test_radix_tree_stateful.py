@@ -11,19 +11,36 @@ free list: each request holds a working slot, offers a checkpoint slot (or, on f
 its working slot) with some inserts, and slots are evicted on their own. After every
 step every slot has exactly one owner (free list, tree or a request), every cached slot
 covers exactly its node's key length (invariant 2), and locked slots are still cached.
+
+`HostRadixMachine` adds a host tier with a real host-page free list and simulated KV
+content (each device and host page records the hash of the tokens it holds): copies to
+host land in flight (locked while copying, refused if a split changed the node), device
+and host eviction, and requests that load a matched host part back (lock `host_node`,
+allocate, restore). After every step every device page and host page has exactly one
+owner, every page holds its node's tokens, and matches are device-then-host prefixes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from cache.allocator import PageAllocator
 from cache.evict_policy import EvictPolicy
-from cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, StateRemoved, StateStored
+from cache.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    StateRemoved,
+    StateStored,
+    page_hashes,
+)
+from cache.radix_node import MatchResult
 from cache.radix_tree import RadixTree, TreeNode
 from handlers.evict_fifo import FIFO
 from handlers.evict_lfu import LFU
@@ -62,6 +79,7 @@ class Req:
 
 class RadixMachine(RuleBasedStateMachine):
     HYBRID = False
+    HOST = False  # a host tier (HostRadixMachine)
 
     def __init__(self) -> None:
         super().__init__()
@@ -70,7 +88,8 @@ class RadixMachine(RuleBasedStateMachine):
         self.ps = 1
         self._tree: RadixTree | None = None
         self.requests: list[Req] = []
-        self.cached_hashes: set[int] = set()  # what the events say is in the tree
+        self.cached_hashes: set[int] = set()  # what the events say is in the tree (on device)
+        self.host_hashes: set[int] = set()  # what the events say has a host copy
         self.state_hashes: set[int] = set()  # what the events say is resumable
         self.unchecked: list[KVEvent] = []  # delivered but not yet checked
 
@@ -83,7 +102,10 @@ class RadixMachine(RuleBasedStateMachine):
     def setup(self, ps: int, policy: str) -> None:
         self.ps = ps
         free_states = self.slots.free if self.HYBRID else None
-        self._tree = RadixTree(ps, self.alloc.free, POLICIES[policy](), free_states=free_states)
+        free_host = self.host_free if self.HOST else None
+        self._tree = RadixTree(
+            ps, self.alloc.free, POLICIES[policy](), free_states=free_states, free_host_pages=free_host
+        )
         self._tree.subscribe(self.unchecked.extend)
 
     def follow_events(self) -> None:
@@ -92,15 +114,26 @@ class RadixMachine(RuleBasedStateMachine):
         events = list(self.unchecked)
         self.unchecked.clear()
         for event in events:
-            if isinstance(event, BlockStored):
+            if isinstance(event, BlockStored) and event.medium == "host":
+                assert self.HOST and self.cached_hashes.issuperset(event.block_hashes)
+                assert self.host_hashes.isdisjoint(event.block_hashes)
+                self.host_hashes.update(event.block_hashes)
+            elif isinstance(event, BlockStored):
+                assert event.medium is None
                 assert event.parent_block_hash is None or event.parent_block_hash in self.cached_hashes
                 assert self.cached_hashes.isdisjoint(event.block_hashes)
                 assert len(event.token_ids) == len(event.block_hashes) * event.block_size
                 self.cached_hashes.update(event.block_hashes)
+            elif isinstance(event, BlockRemoved) and event.medium is not None:
+                assert self.HOST and self.cached_hashes.issuperset(event.block_hashes)
+                assert self.host_hashes.issuperset(event.block_hashes)
+                gone = self.cached_hashes if event.medium == "device" else self.host_hashes
+                gone.difference_update(event.block_hashes)
             elif isinstance(event, BlockRemoved):
-                assert self.cached_hashes.issuperset(event.block_hashes)
+                assert (self.cached_hashes | self.host_hashes).issuperset(event.block_hashes)
                 assert self.state_hashes.isdisjoint(event.block_hashes), "a state outlived its page"
                 self.cached_hashes.difference_update(event.block_hashes)
+                self.host_hashes.difference_update(event.block_hashes)
             elif isinstance(event, StateStored):
                 assert self.HYBRID and event.block_hash in self.cached_hashes
                 assert event.block_hash not in self.state_hashes and event.num_tokens % self.ps == 0
@@ -110,7 +143,17 @@ class RadixMachine(RuleBasedStateMachine):
                 self.state_hashes.discard(event.block_hash)
             elif isinstance(event, AllBlocksCleared):
                 self.cached_hashes.clear()
+                self.host_hashes.clear()
                 self.state_hashes.clear()
+
+    def host_free(self, pages: list[int]) -> None:
+        """The tree's `free_host_pages` (host mode)."""
+        raise NotImplementedError("only HostRadixMachine has a host tier")
+
+    def wrote(self, pages: list[int], tokens: list[int], namespace: str | None, first: int) -> list[int]:
+        """A request computed the KV of pages `first`, `first + 1`, ... of `tokens` into
+        `pages`; returns `pages`. Host mode records the content."""
+        return pages
 
     def tokens(self, num_pages: int, pool: list[int]) -> list[int]:
         return (pool * 4)[: num_pages * self.ps]
@@ -157,7 +200,7 @@ class RadixMachine(RuleBasedStateMachine):
     def check_match(self, hit_length: int, kv_length: int, node: TreeNode, slot: int | None) -> None:
         assert hit_length % self.ps == 0 and kv_length >= hit_length
         if not self.HYBRID:
-            assert slot is None and kv_length == hit_length
+            assert slot is None and (kv_length == hit_length or self.HOST)
         elif hit_length == 0:
             assert slot is None and node is self.tree.root
         else:
@@ -178,7 +221,7 @@ class RadixMachine(RuleBasedStateMachine):
             if slot is not None:
                 self.slots.free([slot])
             return
-        table = hit.pages + self.alloc.allocate(num_pages - cached)
+        table = hit.pages + self.wrote(self.alloc.allocate(num_pages - cached), tokens, namespace, cached)
         req = Req(tokens, namespace, priority, hit.node, table, cached, slot)
         self.tree.unlock(hit.node)
         self.lock(req, hit.node)  # the same lock, now with the path's slots recorded
@@ -274,7 +317,7 @@ class RadixMachine(RuleBasedStateMachine):
         state slot), duplicates freed after."""
         if not self.make_room(num_pages):
             return
-        pages = self.alloc.allocate(num_pages)
+        pages = self.wrote(self.alloc.allocate(num_pages), self.tokens(num_pages, pool), namespace, 0)
         slot = self.checkpoint(with_state)
         result = self.tree.insert(self.tokens(num_pages, pool), pages, namespace, priority, slot)
         assert result.prefix_len % self.ps == 0
@@ -351,7 +394,10 @@ class RadixMachine(RuleBasedStateMachine):
         if self._tree is None:
             return
         self.follow_events()
-        assert self.cached_hashes == {h for node in self.tree.nodes() for h in node.hashes}
+        assert self.cached_hashes == {h for node in self.tree.nodes() if node.pages for h in node.hashes}
+        assert self.host_hashes == {
+            h for n in self.tree.nodes() if n.host_pages is not None for h in n.hashes
+        }
         assert self.state_hashes == {n.hashes[-1] for n in self.tree.nodes() if n.state_slot is not None}
 
 
@@ -383,10 +429,240 @@ class HybridRadixMachine(RadixMachine):
         self.checked_evict_states(1)
 
 
+NUM_HOST_PAGES = 24  # small, so host eviction happens often
+
+
+@dataclass
+class Copy:
+    """A copy to host in flight: the node is locked, the host pages are the copier's."""
+
+    node: TreeNode
+    host: list[int]
+
+
+class HostRadixMachine(RadixMachine):
+    """The same requests on a tiered tree, plus write-through copies, host eviction and
+    load-backs of matched host parts."""
+
+    HOST = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.host_pool: list[int] = list(range(NUM_HOST_PAGES - 1, 0, -1))  # host page free list
+        self.copies: list[Copy] = []
+        self.kv: dict[int, int] = {}  # device page -> hash of the tokens it holds
+        self.host_kv: dict[int, int] = {}  # host page -> hash of the tokens it holds
+
+    def host_free(self, pages: list[int]) -> None:
+        for page in pages:
+            assert page != 0 and page not in self.host_pool, f"host page {page} freed twice"
+            self.host_pool.append(page)
+
+    def wrote(self, pages: list[int], tokens: list[int], namespace: str | None, first: int) -> list[int]:
+        hashes = page_hashes(tokens, self.ps, namespace)
+        for i, page in enumerate(pages):
+            self.kv[page] = hashes[first + i]
+        return pages
+
+    def served(self, hit: MatchResult, tokens: list[int], namespace: str | None) -> None:
+        """A match is a device part then a host part, each page holding its tokens."""
+        hashes = page_hashes(tokens, self.ps, namespace)
+        n, m = len(hit.pages), len(hit.host_pages)
+        assert hit.length == n * self.ps and hit.host_length == m * self.ps
+        assert [self.kv[p] for p in hit.pages] == hashes[:n], "a device page holds other tokens"
+        assert [self.host_kv[h] for h in hit.host_pages] == hashes[n : n + m], (
+            "a host page holds other tokens"
+        )
+        assert (hit.host_node is None) == (m == 0)
+        if hit.host_node is not None:
+            assert not hit.host_node.pages and hit.host_node.hash == hashes[n + m - 1]
+        if n:
+            assert hit.node.hash == hashes[n - 1] and hit.node.pages
+
+    # -- requests ------------------------------------------------------------------
+    @precondition(lambda self: len(self.requests) < MAX_REQUESTS)
+    @rule(num_pages=page_counts, pool=token_pools, namespace=namespaces, priority=priorities)
+    def start(self, num_pages: int, pool: list[int], namespace: str | None, priority: int) -> None:
+        """Admission that loads a matched host part back: lock `host_node` (it protects
+        the whole path), make room, copy host -> device, `restore`."""
+        tokens = self.tokens(num_pages, pool)
+        hit = self.tree.match(tokens, namespace, priority=priority)
+        self.served(hit, tokens, namespace)
+        node = hit.host_node or hit.node
+        length = hit.length + hit.host_length
+        self.check_match(length, hit.kv_length, node, node.state_slot if length else None)
+        self.tree.lock(node)
+        slot = self.take_slot() if self.HYBRID else None
+        if not self.make_room(num_pages - hit.length // self.ps) or (self.HYBRID and slot is None):
+            self.tree.unlock(node)
+            if slot is not None:
+                self.slots.free([slot])
+            return
+        loaded = self.alloc.allocate(len(hit.host_pages))
+        for page, host in zip(loaded, hit.host_pages):
+            self.kv[page] = self.host_kv[host]
+        if hit.host_node is not None:
+            self.tree.restore(hit.host_node, loaded)
+            assert hit.host_node.tier == "device+host"
+        cached = length // self.ps
+        table = (
+            hit.pages
+            + loaded
+            + self.wrote(self.alloc.allocate(num_pages - cached), tokens, namespace, cached)
+        )
+        req = Req(tokens, namespace, priority, node, table, cached, slot)
+        self.tree.unlock(node)
+        self.lock(req, node)
+        self.requests.append(req)
+
+    # -- host tier -----------------------------------------------------------------
+    @rule(pick=picks)
+    def start_copy(self, pick: int) -> None:
+        """The engine starts copying a device node without a host copy: lock it, take
+        host pages (evicting host copies if needed)."""
+        busy = {id(c.node) for c in self.copies}
+        candidates = sorted(
+            (n for n in self.tree.nodes() if n.pages and n.host_pages is None and id(n) not in busy),
+            key=lambda n: n.id,
+        )
+        if not candidates:
+            return
+        node = candidates[pick % len(candidates)]
+        self.tree.lock(node)
+        need = len(node.pages)
+        if len(self.host_pool) < need:
+            self.checked_evict_host(need - len(self.host_pool))
+        if len(self.host_pool) < need:
+            self.tree.unlock(node)  # locks hold every host copy: no copy now
+            return
+        host = [self.host_pool.pop() for _ in range(need)]
+        for page, h in zip(node.pages, host):
+            self.host_kv[h] = self.kv[page]
+        self.copies.append(Copy(node, host))
+
+    @rule(pick=picks, num_pages=st.integers(0, 6))
+    def copy_now_then_evict(self, pick: int, num_pages: int) -> None:
+        """A write-through copy that lands at once, then device eviction, which now keeps
+        the copied prefix matchable from host."""
+        self.start_copy(pick)
+        if self.copies:
+            self.land_copy(len(self.copies) - 1, verified=True)
+        self.evict(num_pages)
+
+    @rule(pick=picks)
+    def load_back(self, pick: int) -> None:
+        """Match the prefix of a random host-only node and load its host part back, as an
+        admission would, then drop the request before it computes anything."""
+        host_only = sorted((n for n in self.tree.nodes() if not n.pages), key=lambda n: n.id)
+        if not host_only:
+            return
+        tokens: list[int] = []
+        walk: TreeNode | None = host_only[pick % len(host_only)]
+        namespace = walk.namespace if walk is not None else None
+        while walk is not None and walk.parent is not None:
+            tokens[:0] = walk.key
+            walk = walk.parent
+        hit = self.tree.match(tokens, namespace)
+        self.served(hit, tokens, namespace)
+        if hit.host_node is None:
+            assert self.HYBRID, "a dense tiered tree always offers the host part"
+            return
+        self.tree.lock(hit.host_node)
+        if self.make_room(len(hit.host_pages)):
+            loaded = self.alloc.allocate(len(hit.host_pages))
+            for page, host in zip(loaded, hit.host_pages):
+                self.kv[page] = self.host_kv[host]
+            self.tree.restore(hit.host_node, loaded)
+            again = self.tree.match(tokens[: hit.length + hit.host_length], namespace, touch=False)
+            assert again.pages == hit.pages + loaded and again.host_length == 0
+        self.tree.unlock(hit.host_node)
+
+    @precondition(lambda self: self.copies)
+    @rule(pick=picks, verified=st.booleans())
+    def land_copy(self, pick: int, verified: bool) -> None:
+        """The copy lands: `mark_host`, unless it failed to verify (freed, never served)
+        or a split changed the node's page count meanwhile (refused, freed)."""
+        copy = self.copies.pop(pick % len(self.copies))
+        node = copy.node
+        assert node.parent is not None and node.pages and node.host_pages is None, "a copied node changed"
+        if not verified:
+            self.host_free(copy.host)
+        elif len(node.pages) != len(copy.host):
+            with pytest.raises(ValueError, match="host pages"):
+                self.tree.mark_host(node, copy.host)
+            self.host_free(copy.host)
+        else:
+            stored = self.tree.total_host_pages
+            self.tree.mark_host(node, copy.host)
+            assert node.host_pages == copy.host and self.tree.total_host_pages == stored + len(copy.host)
+        self.tree.unlock(node)
+
+    def checked_evict_host(self, num_pages: int) -> list[int]:
+        """`evict_host`, checked against a full scan: the policy's first candidate goes
+        first, nothing locked goes, the counters move by what was freed."""
+        could = self.tree.evictable_host_pages
+        candidates = [n for n in self.tree.nodes() if n.is_host_candidate]
+        first = min(candidates, key=lambda n: (self.tree.policy.key(n), n.id), default=None)
+        first_host = list(first.host_pages or []) if first is not None else []
+        total = self.tree.total_host_pages
+        freed = self.tree.evict_host(num_pages)
+        assert len(freed) >= min(num_pages, could) and self.tree.total_host_pages == total - len(freed)
+        if first is not None and num_pages > 0:
+            assert freed[: len(first_host)] == first_host
+        locked = {h for n in self.tree.nodes() if n.lock_ref for h in n.host_pages or ()}
+        assert locked.isdisjoint(freed), "evicted a locked host copy"
+        return freed
+
+    @rule(num_pages=st.integers(0, 12))
+    def evict_host(self, num_pages: int) -> None:
+        self.checked_evict_host(num_pages)
+
+    @rule(num_pages=page_counts, pool=token_pools, namespace=namespaces, touch=st.booleans())
+    def probe(self, num_pages: int, pool: list[int], namespace: str | None, touch: bool) -> None:
+        tokens = self.tokens(num_pages, pool)
+        hit = self.tree.match(tokens, namespace, touch=touch)
+        self.served(hit, tokens, namespace)
+        self.check_match(hit.length, hit.kv_length, hit.node, hit.state_slot)
+
+    @precondition(lambda self: not self.requests and not self.copies)
+    @rule()
+    def reset(self) -> None:
+        super().reset()
+        assert self.tree.total_host_pages == 0 and len(self.host_pool) == NUM_HOST_PAGES - 1
+
+    # -- invariants ------------------------------------------------------------------
+    @invariant()
+    def every_host_page_has_one_owner_and_every_page_its_tokens(self) -> None:
+        if self._tree is None:
+            return
+        in_flight = [h for c in self.copies for h in c.host]
+        self.tree.check_integrity(
+            held_pages=[p for r in self.requests for p in r.owned], held_host_pages=in_flight
+        )
+        in_tree = [h for n in self.tree.nodes() for h in n.host_pages or ()]
+        owners = sorted(self.host_pool + in_tree + in_flight)
+        assert owners == list(range(1, NUM_HOST_PAGES)), f"host page owners {owners}"
+        assert len(in_tree) == self.tree.total_host_pages
+        for node in self.tree.nodes():
+            assert [self.kv[p] for p in node.pages] in ([], node.hashes), (
+                f"{node!r} device pages hold other KV"
+            )
+            if node.host_pages is not None:
+                assert [self.host_kv[h] for h in node.host_pages] == node.hashes, (
+                    f"{node!r} host copy is wrong"
+                )
+            if node.pages and node.parent is not self.tree.root:
+                assert node.parent is not None and node.parent.pages, "a device node under a host-only one"
+        for req in self.requests:  # a running request's KV is on the device, in its table
+            assert [self.kv[p] for p in req.table] == page_hashes(req.tokens, self.ps, req.namespace)
+
+
 RadixMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 TestRadixTreeStateful = RadixMachine.TestCase
 HybridRadixMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 TestHybridRadixTreeStateful = HybridRadixMachine.TestCase
+HostRadixMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+TestHostRadixTreeStateful = HostRadixMachine.TestCase
 
 
 def test_event_checks_fail_on_a_wrong_event() -> None:

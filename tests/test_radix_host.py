@@ -1,0 +1,568 @@
+"""Host-tier residency in the radix tree: write-through copies, device eviction that keeps
+a prefix matchable from host, load-back (`restore`), host eviction, locks, splits of
+host-only nodes, reset, events, and planted bugs the checks must catch.
+
+The harness simulates KV content: every device page and host page records the chained
+hash of the tokens it holds, so a match that lends the wrong page (a host copy on the
+wrong node, shifted by one) fails `served` even where the counts all agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from cache.allocator import PageAllocator
+from cache.evict_policy import EvictPolicy
+from cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, StateRemoved, page_hashes
+from cache.prefix_cache import NoPrefixCache
+from cache.radix_host import TreeHost
+from cache.radix_node import MatchResult
+from cache.radix_tree import InsertResult, RadixTree, TreeIntegrityError, TreeLockedError, TreeNode
+from handlers.evict_lru import LRU
+
+
+class HostPages:
+    """A host page free list (id 0 reserved) that refuses double frees."""
+
+    def __init__(self, size: int) -> None:
+        self.num_usable = size - 1
+        self.free_list: list[int] = list(range(size - 1, 0, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_list)
+
+    def allocate(self, n: int) -> list[int]:
+        assert n <= len(self.free_list), "host pool exhausted"
+        return [self.free_list.pop() for _ in range(n)]
+
+    def free(self, pages: list[int]) -> None:
+        for page in pages:
+            assert page != 0 and page not in self.free_list, f"host page {page} freed twice"
+            self.free_list.append(page)
+
+
+class Tiered:
+    """A tiered tree wired to a page allocator, a host free list, simulated KV content,
+    and (hybrid) a state-slot free list; records every event."""
+
+    def __init__(self, ps: int = 2, policy: EvictPolicy | None = None, hybrid: bool = False) -> None:
+        self.ps = ps
+        self.alloc = PageAllocator(64)
+        self.host = HostPages(64)
+        self.slots = HostPages(16)
+        self.kv: dict[int, int] = {}  # device page -> hash of the tokens it holds
+        self.host_kv: dict[int, int] = {}  # host page -> hash of the tokens it holds
+        free_states = self.slots.free if hybrid else None
+        self.tree = RadixTree(
+            ps, self.alloc.free, policy or LRU(), free_states=free_states, free_host_pages=self.host.free
+        )
+        self.events: list[KVEvent] = []
+        self.tree.subscribe(self.events.extend)
+
+    def put(self, tokens: Sequence[int], namespace: str | None = None, state: bool = False) -> InsertResult:
+        """Insert like a request that computed everything itself (hybrid: with a state slot)."""
+        pages = self.alloc.allocate(len(tokens) // self.ps)
+        assert pages is not None
+        for page, h in zip(pages, page_hashes(tokens, self.ps, namespace)):
+            self.kv[page] = h
+        slot = self.slots.allocate(1)[0] if state else None
+        result = self.tree.insert(tokens, pages, namespace, state_slot=slot)
+        self.alloc.free(result.duplicates(pages))
+        if result.duplicate_state is not None:
+            self.slots.free([result.duplicate_state])
+        return result
+
+    def copy(self, node: TreeNode) -> list[int]:
+        """Write-through: lock, copy the device pages to fresh host pages, mark, unlock."""
+        self.tree.lock(node)
+        host = self.host.allocate(len(node.pages))
+        for page, h in zip(node.pages, host):
+            self.host_kv[h] = self.kv[page]
+        self.tree.mark_host(node, host)
+        self.tree.unlock(node)
+        return host
+
+    def load(self, hit: MatchResult) -> list[int]:
+        """Load a match's host part back as a request would: lock, allocate, copy, restore, unlock."""
+        assert hit.host_node is not None
+        self.tree.lock(hit.host_node)
+        pages = self.alloc.allocate(len(hit.host_pages))
+        assert pages is not None
+        for page, h in zip(pages, hit.host_pages):
+            self.kv[page] = self.host_kv[h]
+        self.tree.restore(hit.host_node, pages)
+        self.tree.unlock(hit.host_node)
+        return pages
+
+    def served(self, tokens: Sequence[int], namespace: str | None = None) -> MatchResult:
+        """Match (no touch) and check every lent page holds the KV of its tokens."""
+        hit = self.tree.match(tokens, namespace, touch=False)
+        hashes = page_hashes(tokens, self.ps, namespace)
+        n, m = len(hit.pages), len(hit.host_pages)
+        assert hit.length == n * self.ps and hit.host_length == m * self.ps
+        assert [self.kv[p] for p in hit.pages] == hashes[:n], "a device page holds other tokens"
+        assert [self.host_kv[h] for h in hit.host_pages] == hashes[n : n + m], (
+            "a host page holds other tokens"
+        )
+        return hit
+
+    def check(self) -> None:
+        self.tree.check_integrity()
+        assert self.alloc.num_free + self.tree.total_pages == self.alloc.num_usable
+        assert self.host.num_free + self.tree.total_host_pages == self.host.num_usable
+
+    def take_events(self) -> list[KVEvent]:
+        events = list(self.events)
+        self.events.clear()  # the subscriber extends this very list
+        return events
+
+
+def seq(start: int, num_pages: int, ps: int = 2) -> list[int]:
+    return list(range(start, start + num_pages * ps))
+
+
+def test_write_through_then_device_eviction_keeps_the_prefix_matchable() -> None:
+    t = Tiered()
+    tokens = seq(100, 3)
+    node = t.put(tokens).node
+    device = list(node.pages)
+    host = t.copy(node)
+    assert node.tier == "device+host" and t.tree.total_host_pages == 3 == t.tree.evictable_host_pages
+    t.check()
+
+    assert t.tree.evict(1) == device  # the whole node's device pages go, the copy stays
+    assert node.tier == "host" and node.parent is t.tree.root and t.tree.total_pages == 0
+    t.check()
+    hit = t.served(tokens + [7])
+    assert (hit.length, hit.pages, hit.node) == (0, [], t.tree.root)
+    assert hit.host_length == 6 and hit.host_pages == host and hit.host_node is node
+    assert hit.kv_length == 6 and hit.lost_tokens == 0
+
+    loaded = t.load(hit)
+    assert node.tier == "device+host" and node.pages == loaded and node.host_pages == host
+    again = t.served(tokens)
+    assert again.length == 6 and again.pages == loaded and again.host_length == 0 and again.host_node is None
+    t.check()
+
+    t.take_events()
+    assert t.tree.evict(3) == loaded  # a second device eviction needs no copy: the copy is kept
+    assert node.tier == "host" and node.host_pages == host and t.tree.total_host_pages == 3
+    assert t.take_events() == [BlockRemoved(node.hashes, medium="device")]
+    t.check()
+
+
+def test_a_device_only_node_goes_with_its_host_only_descendants() -> None:
+    t = Tiered()
+    parent = t.put(seq(0, 2)).node
+    child = t.put(seq(0, 2) + seq(50, 2)).node
+    t.copy(child)
+    child_pages = list(child.pages)
+    assert t.tree.evict(1) == child_pages  # the leaf first: it keeps its copy
+    assert child.tier == "host" and parent.is_evictable_leaf  # no device child left
+    t.check()
+    t.take_events()
+    freed_host = list(child.host_pages or [])
+    assert t.tree.evict(1) == parent.pages  # no copy: removed, and the host-only child with it
+    assert parent.parent is None and child.parent is None and t.tree.num_nodes == 0
+    assert t.tree.total_host_pages == 0 and set(freed_host) <= set(t.host.free_list)
+    assert t.take_events() == [BlockRemoved(parent.hashes + child.hashes)]
+    assert t.served(seq(0, 4)).host_length == 0
+    t.check()
+
+
+def test_host_eviction_order_leaves_and_device_nodes() -> None:
+    t = Tiered()
+    a = t.put(seq(0, 2)).node  # oldest
+    b = t.put(seq(0, 2) + seq(40, 1)).node  # a's child
+    c = t.put(seq(90, 1)).node  # newest, stays device+host
+    for node in (a, b, c):
+        t.copy(node)
+    t.tree.evict(3)  # b then a demoted (a has no device child once b is host-only)
+    assert (a.tier, b.tier, c.tier) == ("host", "host", "device+host")
+    assert t.tree.evictable_host_pages == 4
+    t.check()
+    t.take_events()
+
+    # a is host-only with a child: not a candidate; b (host-only leaf, older) goes first.
+    b_hashes, b_host = list(b.hashes), list(b.host_pages or [])
+    assert t.tree.evict_host(1) == b_host
+    assert b.parent is None and a.children == {} and t.tree.evictable_host_pages == 3
+    assert t.take_events() == [BlockRemoved(b_hashes)]
+    t.check()
+    a_host = list(a.host_pages or [])
+    assert t.tree.evict_host(1) == a_host  # a is a host-only leaf now
+    c_host = list(c.host_pages or [])
+    assert c_host and t.tree.evict_host(5) == c_host
+    assert c.tier == "device" and c.parent is t.tree.root
+    assert t.tree.total_host_pages == 0 == t.tree.evictable_host_pages
+    assert t.take_events()[-1] == BlockRemoved(c.hashes, medium="host")
+    assert t.served(seq(90, 1)).length == 2  # c kept its device pages
+    assert t.tree.evict_host(1) == []
+    t.check()
+
+
+def test_host_eviction_of_a_device_and_host_node_keeps_its_device_pages() -> None:
+    t = Tiered()
+    node = t.put(seq(0, 3)).node
+    host = t.copy(node)
+    t.take_events()
+    assert t.tree.evict_host(1) == host and node.host_pages is None and node.tier == "device"
+    assert t.take_events() == [BlockRemoved(node.hashes, medium="host")]
+    assert t.served(seq(0, 3)).length == 6
+    assert t.host.num_free == t.host.num_usable
+    t.check()
+
+
+def test_locked_nodes_lose_nothing() -> None:
+    t = Tiered()
+    node = t.put(seq(0, 2)).node
+    host = t.copy(node)
+    t.tree.lock(node)
+    assert t.tree.evict(10) == [] and t.tree.evict_host(10) == [] and t.tree.evictable_host_pages == 0
+    with pytest.raises(TreeLockedError):
+        t.tree.reset()
+    t.tree.unlock(node)
+    t.tree.evict(1)
+    hit = t.served(seq(0, 2))
+    assert hit.host_node is node
+    t.tree.lock(node)  # a load-back in flight: the host-only node keeps its copy
+    assert t.tree.protected_pages == 0 and t.tree.evictable_host_pages == 0
+    assert t.tree.evict_host(10) == [] and node.host_pages == host
+    with pytest.raises(TreeLockedError, match="host"):
+        t.tree.reset()  # nothing device is locked, but a host copy is
+    t.check()
+    t.tree.unlock(node)
+    assert t.tree.evict_host(10) == host and node.parent is None
+    t.check()
+
+
+def test_a_split_of_a_host_only_node_splits_its_host_pages() -> None:
+    t = Tiered()
+    tokens = seq(0, 4)
+    node = t.put(tokens).node
+    host = t.copy(node)
+    t.tree.evict(1)
+    hit = t.served(tokens[:4] + [99, 98])  # ends inside the host-only node: split after 2 pages
+    assert hit.host_length == 4 and hit.host_pages == host[:2]
+    upper = hit.host_node
+    assert upper is not None and upper is node.parent and upper.tier == "host" and node.tier == "host"
+    assert upper.host_pages == host[:2] and node.host_pages == host[2:]
+    t.check()
+    assert t.served(tokens).host_pages == host
+
+    # An insert through the host-only upper: it adopts the caller's pages (device+host),
+    # keeping device-resident nodes a top subtree; the lower half stays host-only.
+    t.take_events()
+    inserted = t.put(tokens[:4] + seq(70, 1))
+    assert inserted.prefix_len == 0 and upper.tier == "device+host" and node.tier == "host"
+    assert inserted.pages[:2] == upper.pages and inserted.node.parent is upper
+    stored = [e for e in t.take_events() if isinstance(e, BlockStored)]
+    assert [e.block_hashes for e in stored] == [upper.hashes, inserted.node.hashes]
+    assert all(e.medium is None for e in stored)
+    hit = t.served(tokens)
+    assert (hit.length, hit.host_length, hit.host_pages) == (4, 4, host[2:])
+    t.check()
+
+
+def test_a_split_of_a_device_and_host_node_splits_both_lists() -> None:
+    t = Tiered()
+    node = t.put(seq(0, 3)).node
+    device, host = list(node.pages), t.copy(node)
+    t.put(seq(0, 1) + seq(50, 1))  # splits after one page
+    upper = node.parent
+    assert upper is not None and upper.pages == device[:1] and upper.host_pages == host[:1]
+    assert node.pages == device[1:] and node.host_pages == host[1:]
+    t.check()
+    t.tree.evict(10)  # the new leaf (no copy) goes, node and then upper keep their copies
+    assert (upper.tier, node.tier, len(upper.children)) == ("host", "host", 1)
+    hit = t.served(seq(0, 3))
+    assert hit.host_pages == host and hit.host_node is node
+    t.check()
+
+
+def test_restore_refuses_a_wrong_count_or_a_path_no_longer_host_resident() -> None:
+    t = Tiered()
+    tokens = seq(0, 2)
+    node = t.put(tokens).node
+    t.copy(node)
+    t.tree.evict(1)
+    hit = t.served(tokens)
+    t.tree.lock(node)
+    pages = t.alloc.allocate(3)
+    assert pages is not None
+    with pytest.raises(ValueError, match="3 device pages"):
+        t.tree.restore(node, pages)
+    assert node.tier == "host" and t.tree.total_pages == 0
+    with pytest.raises(ValueError, match="page 0"):
+        t.tree.restore(node, [0, pages[0]])
+    t.put(tokens)  # another request computed the same tokens: the node adopts its pages
+    assert node.tier == "device+host" and hit.host_node is node
+    with pytest.raises(ValueError, match="no longer host-resident"):
+        t.tree.restore(node, pages[:2])  # the load-back lost the race: its pages are still its own
+    t.alloc.free(pages)
+    t.tree.unlock(node)
+    t.check()
+
+
+def test_mark_host_refuses_callers_bugs() -> None:
+    t = Tiered()
+    node = t.put(seq(0, 2)).node
+    with pytest.raises(ValueError, match="2 device pages"):
+        t.tree.mark_host(node, [5])
+    with pytest.raises(ValueError, match="reserved"):
+        t.tree.mark_host(node, [0, 5])
+    t.copy(node)
+    with pytest.raises(ValueError, match="already"):
+        t.tree.mark_host(node, [7, 8])
+    t.tree.evict(1)
+    assert node.tier == "host"
+    with pytest.raises(ValueError, match="already"):
+        t.tree.mark_host(node, [7, 8])
+    t.check()
+
+    dense = RadixTree(2, PageAllocator(8).free, LRU())
+    with pytest.raises(ValueError, match="host tier"):
+        dense.mark_host(t.tree.root, [1])
+    with pytest.raises(ValueError, match="host tier"):
+        dense.restore(t.tree.root, [1])
+    assert not dense.tiered and dense.evict_host(5) == [] and dense.total_host_pages == 0
+
+
+def test_a_copy_split_in_flight_is_refused() -> None:
+    t = Tiered()
+    node = t.put(seq(0, 3)).node
+    t.tree.lock(node)
+    host = t.host.allocate(3)
+    t.put(seq(0, 1) + seq(50, 1))  # a match/insert splits the node while it is copied
+    with pytest.raises(ValueError, match="3 host pages"):
+        t.tree.mark_host(node, host)
+    t.host.free(host)
+    t.tree.unlock(node)
+    t.check()
+
+
+def test_reset_frees_host_copies() -> None:
+    t = Tiered()
+    a = t.put(seq(0, 2)).node
+    b = t.put(seq(0, 2) + seq(10, 2)).node
+    t.copy(a)
+    t.copy(b)
+    t.tree.evict(2)
+    t.take_events()
+    t.tree.reset()
+    assert t.tree.total_host_pages == 0 and t.host.num_free == t.host.num_usable
+    assert t.alloc.num_free == t.alloc.num_usable and t.take_events() == [AllBlocksCleared()]
+    assert a.parent is None and b.parent is None
+    t.check()
+
+
+def test_events_name_the_medium() -> None:
+    t = Tiered()
+    node = t.put(seq(0, 2)).node
+    t.copy(node)
+    t.tree.evict(1)
+    hit = t.served(seq(0, 2))
+    t.load(hit)
+    t.tree.evict_host(1)
+    t.tree.evict(1)
+    h, toks = node.hashes, seq(0, 2)
+    assert t.take_events() == [
+        BlockStored(h, None, toks, 2),
+        BlockStored(h, None, toks, 2, medium="host"),
+        BlockRemoved(h, medium="device"),
+        BlockStored(h, None, toks, 2),  # restore: the device copy is back
+        BlockRemoved(h, medium="host"),
+        BlockRemoved(h),  # the last copy: gone from the cache
+    ]
+
+
+def test_snapshot_shows_tier_and_host_pages() -> None:
+    t = Tiered()
+    a = t.put(seq(0, 2)).node
+    b = t.put(seq(20, 1)).node
+    t.copy(a)
+    t.copy(b)
+    t.tree.evict(1)  # LRU: a (older) goes to host
+    rows = {row["id"]: row for row in t.tree.snapshot()}
+    assert rows[t.tree.root.id]["tier"] == "device"
+    assert (rows[a.id]["tier"], rows[a.id]["num_pages"], rows[a.id]["num_host_pages"]) == ("host", 0, 2)
+    assert (rows[b.id]["tier"], rows[b.id]["num_host_pages"]) == ("device+host", 1)
+
+
+def test_hybrid_host_part_stops_at_the_deepest_host_node_with_a_state() -> None:
+    t = Tiered(hybrid=True)
+    a = t.put(seq(0, 2), state=True).node
+    b = t.put(seq(0, 2) + seq(30, 1), state=True).node
+    c = t.put(seq(0, 2) + seq(30, 2), state=False).node  # a tombstone below b
+    for node in (a, b, c):
+        t.copy(node)
+    t.tree.evict(2)  # c then b: a keeps its device pages
+    assert (a.tier, b.tier, c.tier) == ("device+host", "host", "host")
+    assert b.state_slot is not None, "a host-only node keeps its state slot"
+    hit = t.served(seq(0, 2) + seq(30, 2))
+    assert (hit.length, hit.state_slot, hit.host_length, hit.host_node) == (4, a.state_slot, 2, b)
+    assert hit.lost_tokens == 2 and hit.kv_length == 8
+    t.check()
+
+    # A device part trimmed back (a tombstone at its end) offers no host part.
+    a_slot = a.state_slot
+    assert t.tree.evict_states(1) == [a_slot]  # LRU tie with b: the lower id goes first
+    assert a.state_slot is None and b.state_slot is not None
+    t.check()
+    hit = t.served(seq(0, 2) + seq(30, 2))
+    assert (hit.length, hit.host_length, hit.host_node, hit.lost_tokens) == (0, 0, None, 8)
+
+    # A host-only leaf evicted from host takes its slot with it (StateRemoved first).
+    t.take_events()
+    b_slot, b_hashes, c_hashes, a_hashes = b.state_slot, list(b.hashes), list(c.hashes), list(a.hashes)
+    assert t.tree.evict_host(10)  # a's copy, c, then b (a leaf once c is gone) with its slot
+    assert (a.tier, b.parent, c.parent) == ("device", None, None) and b_slot in t.slots.free_list
+    assert t.take_events() == [
+        StateRemoved(b_hashes[-1]),
+        BlockRemoved(c_hashes + b_hashes),
+        BlockRemoved(a_hashes, medium="host"),
+    ]
+    assert t.slots.num_free + t.tree.total_states == t.slots.num_usable
+    t.check()
+
+
+def test_a_tree_without_a_host_tier_reports_no_host_part() -> None:
+    alloc = PageAllocator(16)
+    tree = RadixTree(2, alloc.free, LRU())
+    tree.insert(seq(0, 2), alloc.allocate(2) or [])
+    hit = tree.match(seq(0, 2))
+    assert (hit.host_length, hit.host_pages, hit.host_node, hit.kv_length) == (0, [], None, 4)
+    none = NoPrefixCache(2)
+    assert not none.tiered and none.total_host_pages == 0 and none.evict_host(3) == []
+    none.check_integrity(held_host_pages=[1])
+    with pytest.raises(ValueError):
+        none.mark_host(none.match([1, 2]).node, [1])
+    with pytest.raises(ValueError):
+        none.restore(none.match([1, 2]).node, [1])
+
+
+def test_held_host_pages_must_not_be_tree_pages() -> None:
+    t = Tiered()
+    node = t.put(seq(0, 2)).node
+    host = t.copy(node)
+    with pytest.raises(TreeIntegrityError, match="both"):
+        t.tree.check_integrity(held_host_pages=[host[0]])
+    with pytest.raises(TreeIntegrityError, match="twice"):
+        t.tree.check_integrity(held_host_pages=[60, 60])
+
+
+# -- planted bugs ------------------------------------------------------------------------
+def two_level(t: Tiered) -> tuple[TreeNode, TreeNode]:
+    parent = t.put(seq(0, 2)).node
+    child = t.put(seq(0, 2) + seq(50, 2)).node
+    return parent, child
+
+
+def test_a_host_copy_recorded_at_the_wrong_node_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = TreeHost.mark
+
+    def on_the_parent(self: TreeHost, node: TreeNode, host_pages: Sequence[int], page_size: int) -> None:
+        target = node.parent if node.parent is not None and node.parent.parent is not None else node
+        real(self, target, host_pages, page_size)
+
+    monkeypatch.setattr(TreeHost, "mark", on_the_parent)
+    t = Tiered()
+    _, child = two_level(t)
+    t.copy(child)  # same page count as the parent: every count agrees
+    t.tree.check_integrity()
+    t.tree.evict(4)  # child removed, parent demoted to its (wrong) copy
+    with pytest.raises(AssertionError, match="host page holds other tokens"):
+        t.served(seq(0, 4))
+
+
+def test_host_pages_shifted_by_one_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = TreeHost.mark
+
+    def shifted(self: TreeHost, node: TreeNode, host_pages: Sequence[int], page_size: int) -> None:
+        real(self, node, [*host_pages[1:], *host_pages[:1]], page_size)
+
+    monkeypatch.setattr(TreeHost, "mark", shifted)
+    t = Tiered()
+    node = t.put(seq(0, 3)).node
+    t.copy(node)
+    t.tree.evict(1)
+    with pytest.raises(AssertionError, match="host page holds other tokens"):
+        t.served(seq(0, 3))
+
+
+def test_a_split_that_shifts_host_pages_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = RadixTree._split
+
+    def off_by_one(self: RadixTree, child: TreeNode, k: int) -> TreeNode:
+        upper = real(self, child, k)
+        if upper.host_pages is not None and child.host_pages:
+            upper.host_pages.append(child.host_pages.pop(0))  # one host page on the wrong side
+        return upper
+
+    monkeypatch.setattr(RadixTree, "_split", off_by_one)
+    t = Tiered()
+    node = t.put(seq(0, 4)).node
+    t.copy(node)
+    t.tree.evict(1)
+    t.tree.match(seq(0, 2), touch=False)  # splits the host-only node
+    with pytest.raises(TreeIntegrityError, match="pages of 2"):
+        t.tree.check_integrity()
+
+
+def test_a_device_child_under_a_host_only_parent_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Device eviction that ignores device-resident children would demote a parent first."""
+    monkeypatch.setattr(
+        TreeNode,
+        "is_evictable_leaf",
+        property(lambda n: n.parent is not None and n.lock_ref == 0 and bool(n.pages)),
+    )
+    t = Tiered()
+    parent, child = two_level(t)
+    t.copy(parent)
+    t.copy(child)
+    assert (parent.last_access, parent.id) < (child.last_access, child.id)
+    t.tree.evict(1)  # LRU takes the parent first: its child is still on the device
+    assert parent.tier == "host" and child.tier == "device+host"
+    with pytest.raises(TreeIntegrityError, match="device-resident under host-only"):
+        t.tree.check_integrity()
+
+
+def test_host_counters_off_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(TreeHost, "on_lock", lambda self, node: None)  # forgets to count locked copies
+    t = Tiered()
+    node = t.put(seq(0, 2)).node
+    t.copy(node)  # the copy lands while locked, the unlock counts it: still consistent
+    t.tree.check_integrity()
+    t.tree.lock(node)  # a lock that forgets the host copy
+    with pytest.raises(TreeIntegrityError, match="host counters"):
+        t.tree.check_integrity()
+
+
+def test_a_device_children_count_off_is_caught() -> None:
+    t = Tiered()
+    parent, _ = two_level(t)
+    parent.device_children -= 1
+    with pytest.raises(TreeIntegrityError, match="device children"):
+        t.tree.check_integrity()
+
+
+def test_a_host_candidate_missing_from_the_host_heap_is_caught() -> None:
+    t = Tiered()
+    node = t.put(seq(0, 2)).node
+    t.copy(node)
+    node.host_heap_version += 1  # its entry goes stale: the copy would never be evicted
+    with pytest.raises(TreeIntegrityError, match="host heap"):
+        t.tree.check_integrity()
+
+
+def test_a_node_with_neither_pages_nor_a_copy_is_caught() -> None:
+    t = Tiered()
+    node = t.put(seq(0, 2)).node
+    t.copy(node)
+    t.tree.evict(1)
+    node.host_pages = None
+    with pytest.raises(TreeIntegrityError, match="0 pages"):
+        t.tree.check_integrity()
