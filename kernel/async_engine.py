@@ -80,6 +80,9 @@ class AsyncEngine:
             self.scheduler, device_thread, parts.runner, self.output,
             check_invariants=config.debug.check_invariants, halt=self._halt,
         )
+        self.host = self.scheduler.prefix.host  # the host tier, when hicache is on
+        if self.host is not None:
+            self.host.wake = self.loop.wake.set  # a finished load makes a request runnable
         self._loop_task = asyncio.get_running_loop().create_task(self.loop.run())
 
     @classmethod
@@ -168,7 +171,8 @@ class AsyncEngine:
 
     # ---- public surface for plugins (admin socket, metrics, HTTP) ---------------
     def is_idle(self) -> bool:
-        return not self.scheduler.has_work()
+        """No request queued or running, and no tier copy in flight."""
+        return not self.scheduler.has_work() and (self.host is None or not self.host.busy)
 
     def num_requests(self) -> int:
         """Requests queued or running (what a queue limit counts)."""
@@ -203,6 +207,7 @@ class AsyncEngine:
             },
             "rows": {"usable": sched.req_table.num_rows - 1, "free": sched.req_table.num_free},
             "states": self._state_stats(),
+            "host": self.host.stats() if self.host is not None else None,
             "requests": {"waiting": len(sched.waiting), "running": len(sched.running)},
             "idle": self.is_idle(),
             "counters": {
@@ -241,10 +246,17 @@ class AsyncEngine:
             return str(exc)
         return None
 
+    async def settle_copies(self, timeout_s: float = 10.0) -> None:
+        """Wait (bounded) until no host-tier copy is in flight."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self.host is not None and self.host.busy and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.002)
+
     def flush_cache(self) -> tuple[bool, str]:
         """Empty the prefix cache. Only when idle: running requests hold cached nodes."""
         if not self.is_idle():
-            return False, f"cannot flush the cache while {self.num_requests()} requests are in flight"
+            copies = "" if self.host is None or not self.host.busy else " (or host-tier copies)"
+            return False, f"cannot flush the cache while {self.num_requests()} requests{copies} are in flight"
         self.scheduler.prefix.cache.reset()
         log.info("cache_flushed")
         return True, "flushed"
@@ -283,6 +295,8 @@ class AsyncEngine:
         await asyncio.gather(self._loop_task, return_exceptions=True)  # a dead loop's error was reported
         for st in list(self.output.streams.values()):
             st.queue.put_nowait(EngineUnavailable("engine shut down"))
+        if self.host is not None:
+            self.host.worker.shutdown(wait=True, timeout=10)
         self.device_thread.shutdown()
 
     def _halt(self, exc: BaseException) -> None:

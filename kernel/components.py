@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -10,6 +11,8 @@ import structlog
 import torch
 
 from cache.allocator import PageAllocator, pages_for
+from cache.copy_worker import CopyWorker
+from cache.host_pool import HostPool
 from cache.kv_pool import KVPool
 from cache.prefix_cache import NoPrefixCache, PrefixCache
 from cache.radix_tree import RadixTree
@@ -19,7 +22,8 @@ from gpu.loader import load_checkpoint
 from gpu.model_runner import ModelRunner
 from gpu.tokenizer import Tokenizer
 from kernel import registry
-from kernel.config import Config
+from kernel.config import Config, ConfigError
+from kernel.host_tier import HostTier
 from kernel.hybrid_state import HybridState
 from kernel.prefix_reuse import PrefixReuse
 from kernel.scheduler import Scheduler
@@ -67,12 +71,14 @@ def build_components(config: Config, device: torch.device) -> Components:
     )
     allocator = PageAllocator(num_pages)
     states = _state_pool(config, model, dtype, device)
+    host_pool = _host_pool(config, pool, num_pages, states)
     cache: PrefixCache
     if config.cache.prefix == "radix":
         evict = registry.lookup("evict", config.cache.evict_policy)()
         free_states = _free_slots(states) if states is not None else None
         cache = RadixTree(
-            page_size, allocator.free, evict, strict_events=config.debug.check_invariants, free_states=free_states
+            page_size, allocator.free, evict, strict_events=config.debug.check_invariants, free_states=free_states,
+            free_host_pages=host_pool.free if host_pool is not None else None,
         )
     else:
         cache = NoPrefixCache(page_size)
@@ -83,6 +89,9 @@ def build_components(config: Config, device: torch.device) -> Components:
             states, strategy, config.cache.state_track_interval, checkpoints=cache.reuses,
             evict_states=cache.evict_states,
         )
+    prefix = PrefixReuse(cache, allocator, table, hybrid=states is not None)
+    if host_pool is not None:
+        prefix.host = _host_tier(config, cache, pool, host_pool, allocator, table, device)
     return Components(
         runner=ModelRunner(model, pool, attention, states),
         scheduler=Scheduler(
@@ -93,7 +102,7 @@ def build_components(config: Config, device: torch.device) -> Components:
             policy,
             eos_ids=tokenizer.eos_token_ids if tokenizer is not None else frozenset(),
             max_context=context,
-            prefix=PrefixReuse(cache, allocator, table, hybrid=states is not None),
+            prefix=prefix,
             hybrid=hybrid,
         ),
         tokenizer=tokenizer,
@@ -114,6 +123,35 @@ def _state_pool(config: Config, model: Any, dtype: torch.dtype, device: torch.de
     pool = StatePool(model.state_shapes(), num, dtype, device)
     log.info("state_pool_sized", slots=num, bytes_per_slot=pool.bytes_per_slot)
     return pool
+
+
+def _host_pool(config: Config, pool: KVPool, num_pages: int, states: StatePool | None) -> HostPool | None:
+    """The host tier's pages (hicache.host_pages, or host_ratio x the device pool)."""
+    hc = config.hicache
+    if not hc.enabled:
+        return None
+    if config.cache.prefix != "radix":
+        raise ConfigError("hicache needs cache.prefix: radix (the tiers hold the radix tree's pages)")
+    if states is not None:
+        raise ConfigError("hicache does not hold hybrid models' recurrent states yet: turn it off for this model")
+    pages = hc.host_pages or max(2, int(hc.host_ratio * num_pages))
+    host = HostPool.like(pool, pages, layout=hc.host_layout)  # type: ignore[arg-type]
+    log.info("host_pool_sized", pages=pages, bytes_per_page=host.bytes_per_page, pinned=host.pinned)
+    return host
+
+
+def _host_tier(
+    config: Config, cache: PrefixCache, pool: KVPool, host_pool: HostPool, allocator: PageAllocator,
+    table: ReqToTokenTable, device: torch.device,
+) -> HostTier:
+    hc = config.hicache
+    policy_args = dataclasses.asdict(hc)
+    write = registry.lookup("tier_write", hc.write_policy)(**policy_args)
+    prefetch = registry.lookup("tier_prefetch", hc.prefetch_policy)(**policy_args)
+    # On CUDA the copy worker owns a copy stream: copies never queue behind forwards.
+    streams = (lambda: torch.cuda.Stream(device)) if device.type == "cuda" else None
+    worker = CopyWorker(stream_factory=streams)
+    return HostTier(cache, pool, host_pool, worker, write, prefetch, allocator, table)
 
 
 def _free_slots(states: StatePool) -> Callable[[list[int]], None]:

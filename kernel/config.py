@@ -122,6 +122,34 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class HicacheConfig:
+    """The host tier below the device KV pool (dense models): cached pages are copied to
+    host memory by a write policy and loaded back on a hit by a prefetch policy."""
+
+    host_pages: int | None = None  # host pool size in pages; None: host_ratio x device pages
+    host_ratio: float = 0.0  # 0 (and no host_pages): no host tier
+    host_layout: str = "layer_first"
+    write_policy: str = "write_through"  # registry kind tier_write
+    write_threshold: int = 2  # write_through_selective: hits before a node is copied
+    prefetch_policy: str = "wait_complete"  # registry kind tier_prefetch
+    prefetch_timeout_s: float = 0.02  # timeout: base budget of a load ...
+    prefetch_timeout_per_token_s: float = 2e-5  # ... growing with the tokens loaded
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.host_pages) or self.host_ratio > 0
+
+    def validate(self) -> None:
+        _positive("hicache.host_pages", self.host_pages, allow_none=True)
+        if not 0.0 <= self.host_ratio <= 64.0:
+            raise ConfigError(f"hicache.host_ratio must be in [0, 64], got {self.host_ratio}")
+        _choice("hicache.host_layout", self.host_layout, ("layer_first", "page_first"))
+        _positive("hicache.write_threshold", self.write_threshold)
+        if self.prefetch_timeout_s < 0 or self.prefetch_timeout_per_token_s < 0:
+            raise ConfigError("hicache.prefetch_timeout_s and prefetch_timeout_per_token_s must be >= 0")
+
+
+@dataclass(frozen=True)
 class DebugConfig:
     check_invariants: bool = False
 
@@ -142,6 +170,7 @@ class LoggingConfig:
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    hicache: HicacheConfig = field(default_factory=HicacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
@@ -150,7 +179,7 @@ class Config:
     seed: int = 0
 
     def validate(self) -> None:
-        for section in (self.model, self.cache, self.scheduler, self.server, self.debug, self.logging):
+        for section in (self.model, self.cache, self.hicache, self.scheduler, self.server, self.debug, self.logging):
             section.validate()
         if self.scheduler.chunked_prefill_size < self.cache.page_size:
             raise ConfigError(

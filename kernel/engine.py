@@ -73,6 +73,7 @@ class Engine:
         return ok
 
     async def _flush(self) -> tuple[bool, str]:
+        await self.engine.settle_copies()  # tier copies in flight hold cached nodes
         return self.engine.flush_cache()  # on the loop thread, which owns the cache
 
     def shutdown(self) -> None:

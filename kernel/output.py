@@ -28,6 +28,7 @@ class OutputChunk(NamedTuple):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    cached_by_tier: dict[str, int]
 
 
 @dataclass
@@ -44,6 +45,7 @@ class Collected:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
 
     def add(self, chunk: OutputChunk) -> None:
         self.text += chunk.text
@@ -55,6 +57,7 @@ class Collected:
         self.prompt_tokens = chunk.prompt_tokens
         self.completion_tokens = chunk.completion_tokens
         self.cached_tokens = chunk.cached_tokens
+        self.cached_by_tier = chunk.cached_by_tier
 
     def native(self, return_logprob: bool, top_logprobs: bool) -> dict[str, Any]:
         """The native result: {text, output_ids, meta_info} (SGLang's shape)."""
@@ -63,6 +66,7 @@ class Collected:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
+            "cached_tokens_by_tier": dict(self.cached_by_tier),
             "finish_reason": self.finish_reason,
             "matched_stop": self.matched_stop,
         }
@@ -97,6 +101,7 @@ class RequestStream:
             prompt_tokens=len(req.prompt_ids),
             completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens,
+            cached_by_tier=dict(req.cached_by_tier),
         )
 
     def end(self) -> None:

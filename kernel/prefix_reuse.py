@@ -12,6 +12,7 @@ from __future__ import annotations
 from cache.allocator import PageAllocator
 from cache.prefix_cache import MatchResult, PrefixCache
 from cache.req_table import ReqToTokenTable
+from kernel.host_tier import HostTier
 from kernel.request import Request
 
 
@@ -32,6 +33,7 @@ class PrefixReuse:
         self.query_tokens = 0  # prompt tokens looked up on admission
         self.hit_tokens = 0  # of which served from the cache
         self.truncated_tokens = 0  # cached KV a hit could not use: no state at its end
+        self.host: HostTier | None = None  # the host tier, when hicache is on
 
     @property
     def reuses(self) -> bool:
@@ -55,16 +57,18 @@ class PrefixReuse:
         # Prompt tokens served from the cache (what usage reports; a readmitted request
         # may also resume tokens it generated itself before its retraction).
         req.cached_tokens = min(result.length, len(req.prompt_ids))
-        self.truncated_tokens += result.kv_length - result.length
-        if result.length == 0:
-            return
-        self.cache.lock(result.node)
-        req.resume_slot = result.state_slot  # lent, kept alive by the lock
-        req.cache_handle = result.node
-        req.pages = list(result.pages)
-        req.shared_pages = len(result.pages)
-        req.kv_len = result.length
-        self.req_table.write_pages(req.row, 0, req.pages, self.page_size)
+        req.cached_by_tier = {"device": req.cached_tokens, "host": 0, "storage": 0}
+        self.truncated_tokens += result.lost_tokens
+        if result.length:
+            self.cache.lock(result.node)
+            req.resume_slot = result.state_slot  # lent, kept alive by the lock
+            req.cache_handle = result.node
+            req.pages = list(result.pages)
+            req.shared_pages = len(result.pages)
+            req.kv_len = result.length
+            self.req_table.write_pages(req.row, 0, req.pages, self.page_size)
+        if self.host is not None and result.host_length:
+            self.host.start_load(req, result)  # the rest of the prefix is on host
 
     def count_admission(self, req: Request) -> None:
         """Count an admission whose first chunk is planned (a refused one is not)."""
@@ -109,11 +113,15 @@ class PrefixReuse:
             self.cache.unlock(req.cache_handle)
         req.cache_handle = result.node
         req.shared_pages = full
+        if self.host is not None:
+            self.host.after_insert(result.node)
         return state_slot is not None and result.duplicate_state is None
 
     def release(self, req: Request) -> None:
         """Give back every page the request owns; computed whole pages stay cached
         (not after a failed step: its KV may be incomplete)."""
+        if self.host is not None:
+            self.host.detach(req)
         if req.row is not None and req.error is None:
             self.cache_computed(req)
         self.allocator.free(req.pages[req.shared_pages :])

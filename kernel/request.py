@@ -55,6 +55,10 @@ class Request:
     checkpoint_len: int = 0
     step_dst: int | None = None
     step_track: list[tuple[int, int]] = field(default_factory=list)  # checkpoints inside the chunk
+    # Host tier (kernel/host_tier.py): the load-back this request waits for, and its hit
+    # tokens by tier (device + host + storage == cached_tokens).
+    loading: object | None = None
+    cached_by_tier: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
     cached_tokens: int = 0
     inflight: bool = False
     finish_reason: str | None = None

@@ -108,7 +108,8 @@ class Scheduler:
         retracted: list[Request] = []
         while True:
             chunks = self._plan(retracted)
-            if chunks or not self.running:
+            # A request waiting for its prefix to load is not blocked: do not retract it.
+            if chunks or not self.running or any(r.loading is not None for r in self.running):
                 for chunk in chunks:
                     chunk.req.inflight = True
                 return StepPlan(chunks, retracted)
@@ -129,6 +130,10 @@ class Scheduler:
             planned.add(id(req))
             budget -= 1
         for req in list(self.running):
+            if req.loading is not None and self.prefix.host is not None:
+                self.prefix.host.expire(req)
+            if req.loading is not None:
+                continue  # its prefix is being loaded back from the host tier
             if req.status is Status.RUNNING and req.total_len - req.kv_len > 1 and budget > 0:
                 length = self._plan_prefill(req, budget)
                 if length:
@@ -144,6 +149,8 @@ class Scheduler:
             if self._prefix_in_flight(req):
                 continue  # another request is computing its prefix: reuse it next step
             length = self._plan_prefill(req, budget, admitting=True)
+            if req.loading is not None:
+                continue  # admitted; it computes once its prefix is back from the host tier
             if not length:
                 break
             chunks.append(self._chunk(req, length))
@@ -176,6 +183,9 @@ class Scheduler:
     def _plan_prefill(self, req: Request, budget: int, admitting: bool = False) -> int:
         if admitting:
             self._admit(req)
+            if req.loading is not None:
+                self.prefix.count_admission(req)
+                return 0
         length = plan_chunk(
             start=req.kv_len,
             total=req.total_len,
@@ -325,6 +335,9 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Invariants 1 and 3: aligned chunk cuts and exact page accounting."""
         held: list[int] = [p for r in self.running for p in r.pages[r.shared_pages :]]
+        host = self.prefix.host
+        if host is not None:
+            held += host.held_pages()  # pages loads in flight are filling
         if len(held) != len(set(held)):
             raise IntegrityError("a page is held by two requests")
         cached = self.prefix.cache.total_pages
@@ -335,7 +348,17 @@ class Scheduler:
             )
         own_states = self._check_states()
         # Also: no page (or state slot) both held by a request and owned by the cache.
-        self.prefix.cache.check_integrity(held, own_states)
+        if host is None:
+            self.prefix.cache.check_integrity(held, own_states)
+        else:
+            copying = host.held_host_pages()
+            self.prefix.cache.check_integrity(held, own_states, copying)
+            pool = host.host_pool
+            if pool.num_free + self.prefix.cache.total_host_pages + len(copying) != pool.num_usable:
+                raise IntegrityError(
+                    f"host page leak: free {pool.num_free} + cached {self.prefix.cache.total_host_pages} "
+                    f"+ copying {len(copying)} != usable {pool.num_usable}"
+                )
         for req in self.running:
             if pages_for(req.kv_len, self.page_size) > len(req.pages):
                 raise IntegrityError(f"request {req.rid} computed past its pages")

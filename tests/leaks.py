@@ -52,6 +52,11 @@ def accounting_errors(engine: AsyncEngine) -> list[str]:
         errors.append(f"free + cached != usable: {pages}")
     if rows["free"] != rows["usable"]:
         errors.append(f"request rows leaked: {rows}")
+    host = stats["host"]
+    if host is not None:
+        hp = host["host_pages"]
+        if hp["copying"] or hp["free"] + hp["cached"] != hp["usable"]:
+            errors.append(f"host pages leaked: {hp}")
     states = stats["states"]
     if states is not None and (states["held"] != 0 or states["free"] + states["cached"] != states["usable"]):
         errors.append(f"state slots leaked: {states}")

@@ -1,0 +1,20 @@
+"""Write policies of the host tier: `write_through` copies every cached node to host as
+soon as it is cached; `write_through_selective` only once it has been hit
+`hicache.write_threshold` times (hot prefixes only, less copy traffic)."""
+
+from __future__ import annotations
+
+from kernel.registry import register
+from kernel.tier_policy import WritePolicy
+
+
+@register("tier_write", "write_through")
+class WriteThrough(WritePolicy):
+    def should_copy(self, hit_count: int) -> bool:
+        return True
+
+
+@register("tier_write", "write_through_selective")
+class WriteThroughSelective(WritePolicy):
+    def should_copy(self, hit_count: int) -> bool:
+        return hit_count >= int(self.config.get("write_threshold", 2))  # type: ignore[call-overload]

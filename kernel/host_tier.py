@@ -1,0 +1,212 @@
+"""The host tier as the scheduler sees it (dense models): cached device pages get host
+copies in the background (a write policy decides which), and a request whose prefix is
+on host waits — as its prefetch policy allows — while a copy job loads it back.
+
+Copies run on the copy worker (cache/copy_worker.py), never on the event loop and never
+queued behind forwards; their completions come back here, on the loop, which owns the
+tree. NOTE: invariant 3 with tiers. A node being copied is locked (it cannot be evicted
+or lose its pages); device pages a load fills belong to the load until the tree takes
+them (`restore`), host pages a copy fills belong to the copy until `mark_host`; the
+scheduler's accounting counts both (`held_pages`, `check`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from cache.allocator import PageAllocator
+from cache.copy_worker import CopyWorker
+from cache.host_pool import HostPool, load_back, offload
+from cache.kv_pool import KVPool
+from cache.prefix_cache import MatchResult, PrefixCache
+from cache.req_table import ReqToTokenTable
+from kernel.request import Request
+from kernel.tier_policy import PrefetchPolicy, WritePolicy
+
+log = structlog.get_logger("tierserve")
+
+
+@dataclass(eq=False)
+class Load:
+    """One load-back in flight: host pages of `host_node`'s path into `device_pages`."""
+
+    req: Request | None  # the request waiting for it (None once it stopped waiting)
+    host_node: Any
+    device_pages: list[int]
+    host_tokens: int
+    deadline: float
+
+
+@dataclass
+class TierCounters:
+    offloaded_pages: int = 0
+    loaded_pages: int = 0
+    host_hit_tokens: int = 0
+    prefetch: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("issued", "completed", "revoked", "timed_out", "skipped"), 0))
+    failures: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(("host_full", "copy", "copy_revoked", "load"), 0)
+    )
+
+
+class HostTier:
+    def __init__(
+        self, tree: PrefixCache, kv_pool: KVPool, host_pool: HostPool, worker: CopyWorker,
+        write: WritePolicy, prefetch: PrefetchPolicy, allocator: PageAllocator, req_table: ReqToTokenTable,
+    ) -> None:
+        self.tree = tree
+        self.kv_pool = kv_pool
+        self.host_pool = host_pool
+        self.worker = worker
+        self.write = write
+        self.prefetch = prefetch
+        self.allocator = allocator
+        self.req_table = req_table
+        self.page_size = tree.page_size
+        self.copying: dict[int, list[int]] = {}  # id(node) -> host pages being written
+        self.loads: list[Load] = []
+        self.counters = TierCounters()
+        self.wake: Callable[[], None] = lambda: None  # the step loop's, set by the engine
+
+    # ---- offload ------------------------------------------------------------------
+    def after_insert(self, node: Any) -> None:
+        """A request cached up to `node`: copy what the write policy wants on its path."""
+        while node is not None and node.parent is not None:
+            fresh = node.pages and node.host_pages is None and id(node) not in self.copying
+            if fresh and self.write.should_copy(node.hit_count):
+                self._copy(node)
+            node = node.parent
+
+    def _copy(self, node: Any) -> None:
+        pages = list(node.pages)
+        host = self.host_pool.allocate(len(pages))
+        if host is None:
+            self.tree.evict_host(len(pages) - self.host_pool.num_free)
+            host = self.host_pool.allocate(len(pages))
+        if host is None:
+            self.counters.failures["host_full"] += 1
+            return
+        self.tree.lock(node)  # not evicted, and its pages not reused, while they are read
+        self.copying[id(node)] = host
+        fut = self.worker.submit_copy(lambda: offload(self.kv_pool, pages, self.host_pool, host))
+        fut.add_done_callback(lambda f: self._copied(node, pages, host, f))
+
+    def _copied(self, node: Any, pages: list[int], host: list[int], fut: asyncio.Future[int]) -> None:
+        del self.copying[id(node)]
+        ok = not fut.cancelled() and fut.exception() is None
+        # A match that split the node meanwhile changed what it holds: this copy no longer
+        # names one node; drop it (a later insert copies the parts).
+        if ok and node.pages == pages and node.host_pages is None:
+            self.tree.mark_host(node, host)
+            self.counters.offloaded_pages += len(pages)
+        else:
+            self.host_pool.free(host)
+            self.counters.failures["copy" if not ok else "copy_revoked"] += 1
+        self.tree.unlock(node)
+
+    # ---- load back ------------------------------------------------------------------
+    def start_load(self, req: Request, match: MatchResult) -> None:
+        """After `req` matched `match` (its device part locked): load the host part back."""
+        n = len(match.host_pages)
+        if n == 0:
+            return
+        if any(load.host_node is match.host_node for load in self.loads):
+            self.counters.prefetch["skipped"] += 1  # another request is loading it already
+            return
+        if not self.allocator.can_allocate(n):
+            self.tree.evict(n - self.allocator.num_free)
+        if not self.allocator.can_allocate(n):
+            self.counters.prefetch["skipped"] += 1
+            return
+        device = self.allocator.allocate(n)
+        assert match.host_node is not None
+        self.tree.lock(match.host_node)  # its host copies stay while they are read
+        budget = self.prefetch.budget_s(match.host_length)
+        load = Load(req if budget > 0 else None, match.host_node, device, match.host_length,
+                    time.monotonic() + budget)
+        self.loads.append(load)
+        req.loading = load if budget > 0 else None
+        host_pages = list(match.host_pages)
+        fut = self.worker.submit_copy(lambda: load_back(self.host_pool, host_pages, self.kv_pool, device))
+        fut.add_done_callback(lambda f: self._loaded(load, f))
+        self.counters.prefetch["issued"] += 1
+
+    def expire(self, req: Request) -> None:
+        """Planning: a request past its prefetch budget computes the rest itself."""
+        load = req.loading
+        if isinstance(load, Load) and time.monotonic() >= load.deadline:
+            load.req, req.loading = None, None
+            self.counters.prefetch["timed_out"] += 1
+
+    def detach(self, req: Request) -> None:
+        """The request leaves (finish, abort, retraction) while its load is in flight: the
+        load completes into the tree for later requests."""
+        load = req.loading
+        if isinstance(load, Load):
+            load.req, req.loading = None, None
+
+    def _loaded(self, load: Load, fut: asyncio.Future[int]) -> None:
+        self.loads.remove(load)
+        req = load.req
+        if fut.cancelled() or fut.exception() is not None:
+            self.allocator.free(load.device_pages)
+            self.counters.failures["load"] += 1
+        else:
+            try:
+                self.tree.restore(load.host_node, load.device_pages)
+            except ValueError:  # an insert gave these nodes device pages meanwhile
+                self.allocator.free(load.device_pages)
+                self.counters.prefetch["revoked"] += 1
+            else:
+                self.counters.loaded_pages += len(load.device_pages)
+                self.counters.prefetch["completed"] += 1
+                if req is not None and req.loading is load and not req.finished and req.row is not None:
+                    self._attach(req, load)
+        self.tree.unlock(load.host_node)
+        if req is not None and req.loading is load:
+            req.loading = None
+        self.wake()
+
+    def _attach(self, req: Request, load: Load) -> None:
+        """The request now reads the loaded pages as cached ones, like a device hit."""
+        assert req.row is not None
+        start = len(req.pages)
+        assert start == req.shared_pages and req.kv_len == start * self.page_size
+        req.pages.extend(load.device_pages)
+        req.shared_pages = len(req.pages)
+        req.kv_len += load.host_tokens
+        self.req_table.write_pages(req.row, start, load.device_pages, self.page_size)
+        self.tree.lock(load.host_node)
+        if req.cache_handle is not None:
+            self.tree.unlock(req.cache_handle)
+        req.cache_handle = load.host_node
+        req.cached_by_tier["host"] = min(load.host_tokens, max(len(req.prompt_ids) - req.cached_tokens, 0))
+        req.cached_tokens += req.cached_by_tier["host"]
+        self.counters.host_hit_tokens += load.host_tokens
+
+    # ---- accounting -----------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return bool(self.copying or self.loads)
+
+    def held_pages(self) -> list[int]:
+        """Device pages loads in flight fill (owned by the load until the tree takes them)."""
+        return [p for load in self.loads for p in load.device_pages]
+
+    def held_host_pages(self) -> list[int]:
+        return [p for pages in self.copying.values() for p in pages]
+
+    def stats(self) -> dict[str, Any]:
+        c = self.counters
+        return {
+            "host_pages": {"usable": self.host_pool.num_usable, "free": self.host_pool.num_free,
+                           "cached": self.tree.total_host_pages, "copying": len(self.held_host_pages())},
+            "offloaded_pages": c.offloaded_pages, "loaded_pages": c.loaded_pages,
+            "host_hit_tokens": c.host_hit_tokens, "prefetch": dict(c.prefetch), "failures": dict(c.failures),
+        }

@@ -1,0 +1,98 @@
+"""The host tier in the engine (dense models): write-through copies cached pages to host
+memory, device eviction keeps them matchable from host, and a hit loads them back —
+bit-identical to a cold run in deterministic mode, counted per tier. Prefetch policies
+decide how long a request waits for its load; a planted copy into the wrong host page
+is caught by the bit-exact compare."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from kernel import Engine
+from tests import leaks
+from tests.conftest import TINY_OVERRIDES
+
+PAGE = TINY_OVERRIDES["cache.page_size"]
+GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True, "return_logprob": True}
+# 40 usable device pages of 4 tokens; 200 host pages.
+TIERED = {"cache.prefix": "radix", "cache.num_pages": 41, "hicache.host_pages": 200, "deterministic": True}
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randint(50, 40000) for _ in range(n)]
+
+
+def logprobs(out: dict[str, Any]) -> list[float]:
+    return [lp for lp, _ in out["meta_info"]["output_token_logprobs"]]
+
+
+def make(folder: str, **extra: Any) -> Engine:
+    return Engine(None, {"model.path": folder, **TINY_OVERRIDES, **TIERED, **extra})
+
+
+def host_hit(engine: Engine) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(cold reference, warm run) of a prompt whose prefix was pushed out to host."""
+    shared = tokens(1, 60)
+    prompt = shared + tokens(2, 7)
+    assert engine.flush_cache()
+    ref = engine.generate(prompt, GREEDY)
+    assert engine.flush_cache()
+    engine.generate(shared, GREEDY)  # cached on device, written through to host
+    for i in range(4):  # fill the device pool: the shared prefix is evicted to host
+        engine.generate(tokens(10 + i, 60), GREEDY)
+    warm = engine.generate(prompt, GREEDY)
+    return ref, warm  # type: ignore[return-value]
+
+
+def test_host_hit_is_bit_exact_and_counted(tiny_chat_folder: str) -> None:
+    engine = make(tiny_chat_folder)
+    try:
+        ref, warm = host_hit(engine)
+        tiers = warm["meta_info"]["cached_tokens_by_tier"]
+        assert tiers["host"] > 0, tiers
+        assert warm["meta_info"]["cached_tokens"] == tiers["device"] + tiers["host"]
+        assert warm["output_ids"] == ref["output_ids"] and logprobs(warm) == logprobs(ref)
+        host = engine.engine.stats()["host"]
+        assert host["offloaded_pages"] > 0 and host["loaded_pages"] > 0
+        assert host["prefetch"]["completed"] >= 1
+    finally:
+        engine.shutdown()
+
+
+def test_red_a_page_copied_to_the_wrong_host_slot(tiny_chat_folder: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import kernel.host_tier as tier_mod
+
+    real = tier_mod.offload
+
+    def shifted(kv_pool: Any, device_pages: list[int], host_pool: Any, host_pages: list[int]) -> int:
+        return real(kv_pool, device_pages[::-1], host_pool, host_pages)  # planted: pages swapped
+
+    monkeypatch.setattr(tier_mod, "offload", shifted)
+    engine = make(tiny_chat_folder)
+    try:
+        ref, warm = host_hit(engine)
+        assert warm["meta_info"]["cached_tokens_by_tier"]["host"] > 0
+        assert logprobs(warm) != logprobs(ref)  # the bit-exact compare goes red
+    finally:
+        leaks.excuse(engine.engine)
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("policy", ["best_effort", "wait_complete", "timeout"])
+def test_prefetch_policies_give_the_same_output(tiny_chat_folder: str, policy: str) -> None:
+    engine = make(tiny_chat_folder, **{"hicache.prefetch_policy": policy})
+    try:
+        ref, warm = host_hit(engine)
+        assert warm["output_ids"] == ref["output_ids"] and logprobs(warm) == logprobs(ref)
+        prefetch = engine.engine.stats()["host"]["prefetch"]
+        assert prefetch["issued"] >= 1
+        if policy == "wait_complete":
+            assert warm["meta_info"]["cached_tokens_by_tier"]["host"] > 0
+        if policy == "best_effort":
+            assert warm["meta_info"]["cached_tokens_by_tier"]["host"] == 0  # it did not wait
+    finally:
+        engine.shutdown()
