@@ -71,10 +71,13 @@ def counters(stats: dict[str, Any]) -> Iterable[Metric]:
         "tierserve_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache.",
         cache["prefix_query_tokens"],
     )
+    host = stats["host"]
     yield tier_counter(
         "tierserve_prefix_cache_hits_tokens", "Prompt tokens served from the prefix cache.",
-        cache["prefix_hit_tokens"],
+        cache["prefix_hit_tokens"], host["host_hit_tokens"] if host is not None else None,
     )
+    if host is not None:
+        yield from host_tier_metrics(host)
     yield CounterMetricFamily(
         "tierserve_prefix_cache_truncated_tokens",
         "Cached prompt tokens a hit could not use: no recurrent state at their end (hybrid models).",
@@ -107,10 +110,32 @@ def gauges(stats: dict[str, Any]) -> Iterable[Metric]:
     yield GaugeMetricFamily("tierserve_kv_pages_cached", "KV pages owned by the prefix cache.", pages["cached"])
 
 
-def tier_counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+def tier_counter(name: str, doc: str, value: float, host: float | None = None) -> CounterMetricFamily:
     family = CounterMetricFamily(name, doc, labels=["tier"])
     family.add_metric(["device"], value)
+    if host is not None:
+        family.add_metric(["host"], host)
     return family
+
+
+def host_tier_metrics(host: dict[str, Any]) -> Iterable[Metric]:
+    """Pages moved between tiers, prefetch outcomes and failures by reason, host capacity."""
+    yield CounterMetricFamily("tierserve_tier_offloaded_pages", "Pages copied from device to host.",
+                              host["offloaded_pages"])
+    yield CounterMetricFamily("tierserve_tier_loaded_pages", "Pages loaded back from host to device.",
+                              host["loaded_pages"])
+    outcomes = CounterMetricFamily("tierserve_tier_prefetch", "Load-backs by outcome.", labels=["outcome"])
+    for outcome, count in host["prefetch"].items():
+        outcomes.add_metric([outcome], count)
+    yield outcomes
+    failures = CounterMetricFamily("tierserve_tier_failures", "Tier copies that failed, by reason.",
+                                   labels=["reason"])
+    for reason, count in host["failures"].items():
+        failures.add_metric([reason], count)
+    yield failures
+    pages = host["host_pages"]
+    yield GaugeMetricFamily("tierserve_host_pages_total", "Usable host-tier pages.", pages["usable"])
+    yield GaugeMetricFamily("tierserve_host_pages_cached", "Host pages holding cached KV.", pages["cached"])
 
 
 class RequestTracker:

@@ -96,3 +96,43 @@ def test_prefetch_policies_give_the_same_output(tiny_chat_folder: str, policy: s
             assert warm["meta_info"]["cached_tokens_by_tier"]["host"] == 0  # it did not wait
     finally:
         engine.shutdown()
+
+
+def test_decode_hit_from_host(tiny_chat_folder: str) -> None:
+    """The second turn reuses tokens the first turn generated, after they went to host."""
+    engine = make(tiny_chat_folder)
+    try:
+        first = tokens(3, 30)
+        turn1 = engine.generate(first, {**GREEDY, "max_new_tokens": 24})
+        turn2 = first + turn1["output_ids"] + tokens(4, 5)  # type: ignore[index]
+        for i in range(4):
+            engine.generate(tokens(20 + i, 60), GREEDY)  # push the conversation to host
+        warm = engine.generate(turn2, GREEDY)
+        tiers = warm["meta_info"]["cached_tokens_by_tier"]  # type: ignore[index]
+        assert tiers["device"] + tiers["host"] > len(first) and tiers["host"] > 0, tiers
+        assert engine.flush_cache()
+        cold = engine.generate(turn2, GREEDY)
+        assert warm["output_ids"] == cold["output_ids"] and logprobs(warm) == logprobs(cold)  # type: ignore[arg-type]
+    finally:
+        engine.shutdown()
+
+
+async def test_metrics_count_host_hits(tiny_chat_folder: str) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from plugins.metrics import add_metrics_route
+    from tests.inprocess import serve_engine
+
+    async with serve_engine(tiny_chat_folder, add_metrics_route, {**TIERED}) as (engine, client):
+        shared = tokens(5, 60)
+        await engine.generate(shared, GREEDY)
+        await engine.settle_copies()
+        for i in range(4):
+            await engine.generate(tokens(30 + i, 60), GREEDY)
+        await engine.generate(shared + [7, 7, 7, 7, 7], GREEDY)
+        text = await (await client.get("/metrics")).text()
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for f in text_string_to_metric_families(text) for s in f.samples}
+        assert samples[("tierserve_prefix_cache_hits_tokens_total", (("tier", "host"),))] > 0
+        assert samples[("tierserve_tier_offloaded_pages_total", ())] > 0
+        assert samples[("tierserve_tier_prefetch_total", (("outcome", "completed"),))] >= 1

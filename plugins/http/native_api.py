@@ -136,6 +136,7 @@ async def server_info(request: web.Request) -> web.Response:
         "halt_reason": stats["halt_reason"],
         "pool": pool_summary(stats),
         "cache": stats["cache"],
+        "host": stats["host"],  # host tier capacity and traffic (None without hicache)
         "counters": stats["counters"],
         "config": config,
     })
