@@ -111,19 +111,20 @@ class HostTier:
         self.tree.unlock(node)
 
     # ---- load back ------------------------------------------------------------------
-    def start_load(self, req: Request, match: MatchResult) -> None:
-        """After `req` matched `match` (its device part locked): load the host part back."""
+    def start_load(self, req: Request, match: MatchResult) -> bool:
+        """After `req` matched `match` (its device part locked): load the host part back.
+        False when it cannot start now — no device pages for it, or another request is
+        loading the same prefix: the request then waits for admission (computing the
+        part itself would need the same pages, and the other load serves it soon)."""
         n = len(match.host_pages)
         if n == 0:
-            return
+            return True
         if any(load.host_node is match.host_node for load in self.loads):
-            self.counters.prefetch["skipped"] += 1  # another request is loading it already
-            return
+            return False
         if not self.allocator.can_allocate(n):
             self.tree.evict(n - self.allocator.num_free)
         if not self.allocator.can_allocate(n):
-            self.counters.prefetch["skipped"] += 1
-            return
+            return False
         device = self.allocator.allocate(n)
         assert match.host_node is not None
         self.tree.lock(match.host_node)  # its host copies stay while they are read
@@ -136,6 +137,7 @@ class HostTier:
         fut = self.worker.submit_copy(lambda: load_back(self.host_pool, host_pages, self.kv_pool, device))
         fut.add_done_callback(lambda f: self._loaded(load, f))
         self.counters.prefetch["issued"] += 1
+        return True
 
     def expire(self, req: Request) -> None:
         """Planning: a request past its prefetch budget computes the rest itself."""

@@ -67,8 +67,8 @@ class PrefixReuse:
             req.shared_pages = len(result.pages)
             req.kv_len = result.length
             self.req_table.write_pages(req.row, 0, req.pages, self.page_size)
-        if self.host is not None and result.host_length:
-            self.host.start_load(req, result)  # the rest of the prefix is on host
+        if self.host is not None and result.host_length:  # the rest of the prefix is on host
+            req.host_wait = not self.host.start_load(req, result)
 
     def count_admission(self, req: Request) -> None:
         """Count an admission whose first chunk is planned (a refused one is not)."""

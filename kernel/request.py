@@ -58,6 +58,7 @@ class Request:
     # Host tier (kernel/host_tier.py): the load-back this request waits for, and its hit
     # tokens by tier (device + host + storage == cached_tokens).
     loading: object | None = None
+    host_wait: bool = False  # its host prefix cannot be loaded yet: wait for admission
     cached_by_tier: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
     cached_tokens: int = 0
     inflight: bool = False

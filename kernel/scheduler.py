@@ -183,6 +183,10 @@ class Scheduler:
     def _plan_prefill(self, req: Request, budget: int, admitting: bool = False) -> int:
         if admitting:
             self._admit(req)
+            if req.host_wait:  # its prefix is on host and cannot be loaded yet: wait
+                req.host_wait = False
+                self._unadmit(req)
+                return 0
             if req.loading is not None:
                 self.prefix.count_admission(req)
                 return 0

@@ -1,0 +1,134 @@
+"""Multi-turn chat against a device pool far smaller than the sessions' contexts: TTFT,
+throughput and per-tier hit rates with the device pool alone vs with the host tier, in
+one invocation (in the spirit of SGLang's bench_multiturn).
+
+`--sessions` sessions each run `--turns` turns; a turn sends the whole conversation so
+far plus `--user-tokens` new tokens and generates `--output-tokens`. Round by round,
+every session sends its next turn, `--concurrency` turns in flight at once. The device
+pool (`--device-pages`) holds a fraction of all sessions' context, so without a lower
+tier a session's history has been evicted by the time its next turn comes and is
+computed again; with the host tier it is loaded back.
+
+    .venv/bin/python benchmarks/multiturn.py
+    .venv/bin/python benchmarks/multiturn.py --sessions 8 --turns 3 --device-pages 128   # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import sys
+import time
+from typing import Any
+
+from throughput import REPO, add_engine_args  # type: ignore[import-not-found]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sessions", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=4, help="turns in flight at once")
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--system-tokens", type=int, default=256, help="a system prompt per session")
+    p.add_argument("--user-tokens", type=int, default=128)
+    p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument("--device-pages", type=int, default=256)
+    p.add_argument("--host-pages", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    add_engine_args(p)
+    return p.parse_args()
+
+
+class Progress:
+    def __init__(self, label: str, total: int) -> None:
+        self.label, self.total, self.done = label, total, 0
+
+    def tick(self) -> None:
+        self.done += 1
+        filled = self.done * 30 // self.total
+        end = "\n" if self.done == self.total else ""
+        print(f"\r{self.label:<12} [{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total}",
+              end=end, file=sys.stderr, flush=True)
+
+
+class Session:
+    def __init__(self, rng: random.Random, args: argparse.Namespace) -> None:
+        self.rng = rng
+        self.history = [rng.randrange(100, 40000) for _ in range(args.system_tokens)]
+
+    async def turn(self, engine: Any, args: argparse.Namespace, gate: asyncio.Semaphore,
+                   records: list[dict[str, Any]], progress: Progress) -> None:
+        self.history += [self.rng.randrange(100, 40000) for _ in range(args.user_tokens)]
+        params = {"max_new_tokens": args.output_tokens, "temperature": 0, "ignore_eos": True}
+        async with gate:
+            t0 = time.perf_counter()
+            rid = engine.add_request(self.history, params)
+            ttft, last = None, None
+            async for chunk in engine.stream(rid):
+                if ttft is None and chunk.token_ids:
+                    ttft = time.perf_counter() - t0
+                self.history += chunk.token_ids
+                last = chunk
+        assert last is not None and ttft is not None
+        records.append({"ttft": ttft, "prompt": last.prompt_tokens, "tiers": last.cached_by_tier,
+                        "output": last.completion_tokens})
+        progress.tick()
+
+
+async def run(label: str, args: argparse.Namespace, overrides: dict[str, Any]) -> dict[str, Any]:
+    from kernel.async_engine import AsyncEngine
+
+    path = args.config if (REPO / args.config).exists() is False else str(REPO / args.config)
+    engine = await AsyncEngine.create(path, overrides)
+    records: list[dict[str, Any]] = []
+    progress = Progress(label, args.sessions * args.turns)
+    try:
+        await engine.generate(list(range(100, 164)), {"max_new_tokens": 2})  # warm-up
+        t0 = time.perf_counter()
+        sessions = [Session(random.Random(args.seed * 1000 + s), args) for s in range(args.sessions)]
+        gate = asyncio.Semaphore(args.concurrency)
+        for _ in range(args.turns):  # round by round: every session's next turn, a few at a time
+            await asyncio.gather(*(s.turn(engine, args, gate, records, progress) for s in sessions))
+        wall = time.perf_counter() - t0
+        tier = engine.stats()["host"]
+        if tier is not None:
+            print(f"{label}: host tier {tier}", file=sys.stderr)
+    finally:
+        await engine.shutdown()
+    ttfts = sorted(r["ttft"] for r in records)
+    prompt = sum(r["prompt"] for r in records)
+    return {
+        "label": label, "mean": statistics.mean(ttfts), "p90": ttfts[int(0.9 * (len(ttfts) - 1))],
+        "tok_s": sum(r["output"] for r in records) / wall, "wall": wall,
+        "device": sum(r["tiers"].get("device", 0) for r in records) / prompt,
+        "host": sum(r["tiers"].get("host", 0) for r in records) / prompt,
+    }
+
+
+def main() -> int:
+    args = parse_args()
+    from kernel.config import parse_set_args
+
+    base = {**parse_set_args(args.set), "cache.prefix": "radix", "cache.num_pages": args.device_pages,
+            "logging.level": "warning"}
+    total = args.sessions * (args.system_tokens + args.turns * (args.user_tokens + args.output_tokens))
+    pool = (args.device_pages - 1) * 16
+    print(f"{args.sessions} sessions x {args.turns} turns, total context {total} tokens vs a device pool of "
+          f"~{pool} tokens ({total / pool:.1f}x)", file=sys.stderr)
+    rows = [
+        asyncio.run(run("device only", args, base)),
+        asyncio.run(run("+host", args, {**base, "hicache.host_pages": args.host_pages})),
+    ]
+    print(f"{'config':<12} | mean TTFT s | p90 TTFT s | out tok/s | wall s | device hit | host hit")
+    for r in rows:
+        print(f"{r['label']:<12} | {r['mean']:11.3f} | {r['p90']:10.3f} | {r['tok_s']:9.1f} | {r['wall']:6.1f} | "
+              f"{r['device']:10.1%} | {r['host']:8.1%}")
+    print(f"mean TTFT: device only / +host = {rows[0]['mean'] / rows[1]['mean']:.2f}x; "
+          f"p90 {rows[0]['p90'] / rows[1]['p90']:.2f}x; throughput {rows[1]['tok_s'] / rows[0]['tok_s']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
