@@ -351,18 +351,8 @@ class Scheduler:
                 f"!= usable {self.allocator.num_usable}"
             )
         own_states = self._check_states()
-        # Also: no page (or state slot) both held by a request and owned by the cache.
-        if host is None:
-            self.prefix.cache.check_integrity(held, own_states)
-        else:
-            copying = host.held_host_pages()
-            self.prefix.cache.check_integrity(held, own_states, copying)
-            pool = host.host_pool
-            if pool.num_free + self.prefix.cache.total_host_pages + len(copying) != pool.num_usable:
-                raise IntegrityError(
-                    f"host page leak: free {pool.num_free} + cached {self.prefix.cache.total_host_pages} "
-                    f"+ copying {len(copying)} != usable {pool.num_usable}"
-                )
+        # Also: no page (or state slot, or host page) both held and owned by the cache.
+        self.prefix.cache.check_integrity(held, own_states, self._check_host())
         for req in self.running:
             if pages_for(req.kv_len, self.page_size) > len(req.pages):
                 raise IntegrityError(f"request {req.rid} computed past its pages")
@@ -371,6 +361,20 @@ class Scheduler:
         for req in self.waiting:
             if req.pages or req.row is not None or req.state_slot is not None or req.track_slot is not None:
                 raise IntegrityError(f"waiting request {req.rid} holds pages, a row or a state slot")
+
+    def _check_host(self) -> list[int]:
+        """Host pages: free + cached + being written == usable. Returns those being written."""
+        host = self.prefix.host
+        if host is None:
+            return []
+        copying = host.held_host_pages()
+        pool, cached = host.host_pool, self.prefix.cache.total_host_pages
+        if pool.num_free + cached + len(copying) != pool.num_usable:
+            raise IntegrityError(
+                f"host page leak: free {pool.num_free} + cached {cached} + copying {len(copying)} "
+                f"!= usable {pool.num_usable}"
+            )
+        return copying
 
     def _check_states(self) -> list[int]:
         """Invariant 2's accounting side: every state slot has exactly one owner, and
