@@ -97,8 +97,11 @@ class PrefixCache(ABC):
 
         Hybrid: the match stops at the deepest cached prefix that has a state slot for
         exactly its length (`result.state_slot`, lent like the pages and protected by
-        the same lock; None for length 0: start from a fresh state); `result.kv_length`
-        is how far the KV alone matched. Dense: `state_slot` None, `kv_length == length`.
+        the same lock; None for length 0: start from a fresh state) and
+        `result.lost_tokens` counts the cached KV past it. Tiered: `length`/`pages` are
+        the device part, `host_length`/`host_pages`/`host_node` the contiguous host part
+        after it. `result.kv_length` = length + host_length + lost_tokens; a dense tree
+        without a host tier has `state_slot` None and `kv_length == length`.
         """
 
     @abstractmethod
