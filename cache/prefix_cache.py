@@ -156,6 +156,16 @@ class PrefixCache(ABC):
         raise ValueError (the caller still owns `host_pages`)."""
         raise ValueError(f"{type(self).__name__} has no host tier")
 
+    def insert_host(
+        self, tokens: Sequence[int], host_pages: Sequence[int], namespace: str | None = None
+    ) -> tuple[TreeNode | None, list[int]]:
+        """Tiered: cache `tokens` (whole pages) whose last `len(host_pages)` pages the
+        caller filled host pages with (from storage); the cache takes those it has no
+        pages for yet and returns (the new host-only entry or None, the caller's host
+        pages it did not take, for the caller to free). Caches without a host tier raise
+        ValueError (the caller still owns `host_pages`)."""
+        raise ValueError(f"{type(self).__name__} has no host tier")
+
     def restore(self, host_node: TreeNode, device_pages: Sequence[int]) -> None:
         """Tiered: the caller loaded the host part of a match ending at `host_node`
         (`result.host_node`, locked) into `device_pages`; the cache takes them. Caches

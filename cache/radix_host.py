@@ -91,6 +91,13 @@ class TreeHost:
         hashes, tokens = list(node.hashes), list(node.key)
         self._events.emit(lambda: [BlockStored(hashes, parent_hash, tokens, page_size, medium="host")])
 
+    def mark_new(self, leaf: TreeNode, host_pages: Sequence[int]) -> None:
+        """A new host-only leaf (`insert_host`) owns `host_pages` from now on."""
+        leaf.host_pages = list(host_pages)
+        self.total += len(host_pages)
+        self.evictable += len(host_pages)
+        self.on_candidate(leaf)
+
     @staticmethod
     def host_path(node: TreeNode) -> list[TreeNode]:
         """The host-only nodes from just below the deepest device-resident ancestor down
@@ -210,6 +217,7 @@ class HostTierMixin:
     the host-side bookkeeping is the tree's `TreeHost` (`_host`, None without a tier)."""
 
     page_size: int
+    root: TreeNode
     _host: TreeHost | None
     _states: TreeStates | None
     _events: EventHub
@@ -222,6 +230,11 @@ class HostTierMixin:
     if TYPE_CHECKING:
 
         def _detach(self, node: TreeNode) -> TreeNode: ...
+        def _tick(self) -> None: ...
+        def _walk(self, toks: tuple[int, ...], namespace: str | None) -> list[TreeNode]: ...
+        def _new_leaf(
+            self, parent: TreeNode, toks: tuple[int, ...], pages: list[int], namespace: str | None, priority: int
+        ) -> TreeNode: ...
 
     @property
     def tiered(self) -> bool:
@@ -268,6 +281,44 @@ class HostTierMixin:
         (medium "host").
         """
         self._require_host().mark(node, host_pages, self.page_size)
+
+    def insert_host(
+        self, tokens: Sequence[int], host_pages: Sequence[int], namespace: str | None = None
+    ) -> tuple[TreeNode | None, list[int]]:
+        """Tiered trees: cache `tokens` (whole pages) whose last `len(host_pages)` pages
+        the engine filled host pages with itself (a storage fetch), in order.
+
+        The pages before those must be in the tree already (on any tier: the fetch
+        started where a match ended); if they no longer are, nothing is taken. Of the
+        rest, pages the tree already holds keep the tree's copy; the remaining ones become
+        one new host-only leaf, marked `stored`, below the deepest node matched (host-only
+        under anything keeps the top-subtree invariant). Returns (that leaf or None, the
+        caller's host pages not taken, for the caller to free). Dense trees only (a hybrid
+        leaf needs its state slot). Raises ValueError, changing nothing, unless `tokens`
+        are whole pages and `host_pages` distinct nonzero ids, at most one per page. May
+        change: nodes, host pages owned; emits BlockStored (medium "host").
+        """
+        host, ps = self._require_host(), self.page_size
+        if self._states is not None:
+            raise ValueError("insert_host on a hybrid tree: a host-only leaf needs its state slot")
+        total = len(tokens) // ps
+        if len(tokens) % ps or len(host_pages) > total:
+            raise ValueError(f"{len(tokens)} tokens and {len(host_pages)} host pages are not whole pages")
+        if 0 in host_pages or len(set(host_pages)) != len(host_pages):
+            raise ValueError(f"host pages {list(host_pages)}: id 0 is reserved, ids must be distinct")
+        self._tick()
+        toks = tuple(tokens)
+        path = self._walk(toks, namespace)
+        have, first = sum(len(node.key) for node in path) // ps, total - len(host_pages)
+        if have < first or have == total:
+            return None, list(host_pages)  # a gap before the caller's pages, or nothing new
+        parent = path[-1] if path else self.root
+        leaf = self._new_leaf(parent, toks[have * ps :], [], namespace, 0)
+        leaf.stored = True
+        host.mark_new(leaf, host_pages[have - first :])
+        hashes, keys, parent_hash = list(leaf.hashes), list(leaf.key), parent.hash
+        self._events.emit(lambda: [BlockStored(hashes, parent_hash, keys, ps, medium="host")])
+        return leaf, list(host_pages[: have - first])
 
     def restore(self, host_node: TreeNode, device_pages: Sequence[int]) -> None:
         """Tiered trees: the engine loaded the host part ending at `host_node` back into

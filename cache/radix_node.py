@@ -58,6 +58,7 @@ class TreeNode:
         "state_heap_version",
         "state_len",
         "state_slot",
+        "stored",
     )
 
     def __init__(
@@ -89,6 +90,10 @@ class TreeNode:
         self.heap_version = 0
         self.state_heap_version = 0
         self.host_heap_version = 0
+        # Tiered trees with a storage tier: every page of `key` is known to be in storage
+        # (written by this engine, or fetched from it). A hint for people and for skipping
+        # rewrites; storage may evict it or another server may add it meanwhile.
+        self.stored = False
 
     @property
     def hash(self) -> int | None:
@@ -141,6 +146,7 @@ class TreeNode:
             "last_access": self.last_access,
             "priority": self.priority,
             "tier": self.tier,
+            "stored": self.stored,
             "namespace": self.namespace,
             "state_slot": self.state_slot,
             "state_len": self.state_len,

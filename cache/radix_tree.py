@@ -58,7 +58,7 @@ FreePages = Callable[[list[int]], None]
 # What the upper half of a split inherits. NOTE: invariant 2: state_slot / state_len stay
 # with the lower half, which keeps the end position they cover; the upper is a tombstone.
 # Residency is split, not copied: each half keeps its share of `pages` and `host_pages`.
-_SPLIT_COPIES = ("lock_ref", "last_access", "last_access_wall", "hit_count", "created", "priority")
+_SPLIT_COPIES = ("lock_ref", "last_access", "last_access_wall", "hit_count", "created", "priority", "stored")
 
 
 class TreeLockedError(RuntimeError):
@@ -442,6 +442,19 @@ class RadixTree(HostTierMixin, PrefixCache):
     def _add_leaf(
         self, parent: TreeNode, toks: PageKey, pages: list[int], namespace: str | None, priority: int
     ) -> TreeNode:
+        leaf = self._new_leaf(parent, toks, pages, namespace, priority)
+        parent.device_children += 1
+        self._total += len(pages)
+        self._evictable += len(pages)
+        self._heap.push(leaf)
+        parent_hash = parent.hash
+        self._events.emit(lambda: [BlockStored(list(leaf.hashes), parent_hash, list(toks), self.page_size)])
+        return leaf
+
+    def _new_leaf(
+        self, parent: TreeNode, toks: PageKey, pages: list[int], namespace: str | None, priority: int
+    ) -> TreeNode:
+        """A new child of `parent` holding `toks` (no accounting, no events)."""
         parent_hash = parent.hash
         seed = parent_hash if parent_hash is not None else namespace_seed(namespace)
         leaf = TreeNode(
@@ -451,12 +464,7 @@ class RadixTree(HostTierMixin, PrefixCache):
         leaf.last_access_wall = self._wall
         leaf.priority = priority
         parent.children[self._child_key(parent, toks, 0, namespace)] = leaf
-        parent.device_children += 1
-        self._total += len(pages)
-        self._evictable += len(pages)
         self._num_nodes += 1
-        self._heap.push(leaf)
-        self._events.emit(lambda: [BlockStored(list(leaf.hashes), parent_hash, list(toks), self.page_size)])
         return leaf
 
     def _detach(self, node: TreeNode) -> TreeNode:

@@ -27,6 +27,7 @@ from kernel.output import Collected, OutputChunk, OutputProcessor
 from kernel.request import Request
 from kernel.sampling_params import SamplingParams
 from kernel.step_loop import StepLoop
+from kernel.storage_tier import StorageTier
 
 __all__ = [
     "AsyncEngine", "BadPrompt", "ContextOverflow", "EngineInfo", "EngineUnavailable", "OutputChunk",
@@ -83,6 +84,8 @@ class AsyncEngine:
         self.host = self.scheduler.prefix.host  # the host tier, when hicache is on
         if self.host is not None:
             self.host.wake = self.loop.wake.set  # a finished load makes a request runnable
+            if self.host.storage is not None:
+                self.host.storage.wake = self.loop.wake.set
         self._loop_task = asyncio.get_running_loop().create_task(self.loop.run())
 
     @classmethod
@@ -208,6 +211,7 @@ class AsyncEngine:
             "rows": {"usable": sched.req_table.num_rows - 1, "free": sched.req_table.num_free},
             "states": self._state_stats(),
             "host": self.host.stats() if self.host is not None else None,
+            "storage": self.storage.stats() if self.storage is not None else None,
             "requests": {"waiting": len(sched.waiting), "running": len(sched.running)},
             "idle": self.is_idle(),
             "counters": {
@@ -279,6 +283,17 @@ class AsyncEngine:
             fallback = self.config.scheduler.lpm_fallback_queue
             self.scheduler.policy = registry.lookup("schedule", name)(lpm_fallback_queue=fallback)
 
+    @property
+    def storage(self) -> StorageTier | None:
+        """The storage tier, when hicache.storage is set."""
+        return self.host.storage if self.host is not None else None
+
+    def set_storage(self, enabled: bool) -> None:
+        """Switch the storage tier on (after it was switched off for failing) or off."""
+        if self.storage is None:
+            raise PolicyError("no storage tier (hicache.storage is none)")
+        self.storage.set_enabled(enabled)
+
     def policies(self) -> dict[str, str | None]:
         """The registry names of the policies in use now."""
         cache = self.scheduler.prefix.cache
@@ -296,8 +311,21 @@ class AsyncEngine:
         for st in list(self.output.streams.values()):
             st.queue.put_nowait(EngineUnavailable("engine shut down"))
         if self.host is not None:
-            self.host.worker.shutdown(wait=True, timeout=10)
+            await self._flush_tiers()
         self.device_thread.shutdown()
+
+    async def _flush_tiers(self) -> None:
+        """Shutdown: copies in flight land, then the storage writes queued (those of the
+        copies too) finish, within `hicache.storage_flush_timeout_s`; nothing new starts."""
+        assert self.host is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.hicache.storage_flush_timeout_s
+        while self.host.copying and loop.time() < deadline:
+            await asyncio.sleep(0.002)
+        self.host.worker.shutdown(wait=True, timeout=max(deadline - loop.time(), 0.1))
+        if self.storage is not None:
+            flushed = await loop.run_in_executor(None, self.storage.close)
+            log.info("storage_flushed", complete=flushed, pages_written=self.storage.counters.written_pages)
 
     def _halt(self, exc: BaseException) -> None:
         """The step loop died: fail every client with the reason and take no new work."""

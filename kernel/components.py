@@ -13,6 +13,7 @@ import torch
 from cache.allocator import PageAllocator, pages_for
 from cache.copy_worker import CopyWorker
 from cache.host_pool import HostPool
+from cache.storage import PageFormat
 from cache.kv_pool import KVPool
 from cache.prefix_cache import NoPrefixCache, PrefixCache
 from cache.radix_tree import RadixTree
@@ -24,6 +25,8 @@ from gpu.tokenizer import Tokenizer
 from kernel import registry
 from kernel.config import Config, ConfigError
 from kernel.host_tier import HostTier
+from kernel.storage_tier import StorageTier, weights_fingerprint
+from kernel.tier_policy import PrefetchPolicy
 from kernel.hybrid_state import HybridState
 from kernel.prefix_reuse import PrefixReuse
 from kernel.scheduler import Scheduler
@@ -56,6 +59,7 @@ def build_components(config: Config, device: torch.device) -> Components:
     model_cls = registry.lookup("model", arch.architecture)
     model = model_cls(arch, ckpt.weights, dtype, device, deterministic=config.deterministic)
     tokenizer = ckpt.tokenizer
+    model_id = weights_fingerprint(ckpt.weights) if config.hicache.storage != "none" else ""
     del ckpt  # the model holds its own (fused) copies; drop the loader's
     page_size = config.cache.page_size
     kv_layers = getattr(model, "num_kv_layers", arch.num_layers)  # hybrids: attention layers only
@@ -92,6 +96,8 @@ def build_components(config: Config, device: torch.device) -> Components:
     prefix = PrefixReuse(cache, allocator, table, hybrid=states is not None)
     if host_pool is not None:
         prefix.host = _host_tier(config, cache, pool, host_pool, allocator, table, device)
+        if config.hicache.storage != "none":
+            prefix.host.storage = _storage_tier(config, cache, pool, host_pool, prefix.host.prefetch, model_id)
     return Components(
         runner=ModelRunner(model, pool, attention, states),
         scheduler=Scheduler(
@@ -152,6 +158,24 @@ def _host_tier(
     streams = (lambda: torch.cuda.Stream(device)) if device.type == "cuda" else None
     worker = CopyWorker(stream_factory=streams)
     return HostTier(cache, pool, host_pool, worker, write, prefetch, allocator, table)
+
+
+def _storage_tier(
+    config: Config, cache: PrefixCache, pool: KVPool, host_pool: HostPool, prefetch: PrefetchPolicy, model_id: str
+) -> StorageTier:
+    """The storage backend below the host tier, and the page format its keys name."""
+    hc = config.hicache
+    if cache.hybrid:
+        raise ConfigError("hicache.storage does not hold hybrid models' recurrent states yet: set it to none")
+    options = dataclasses.asdict(hc)
+    backend = registry.lookup("storage", hc.storage).from_options(options)
+    fmt = PageFormat(
+        # `page_bytes` order, whatever the host layout (cache/host_pool.py).
+        model_id=model_id, layout="kv_page_c_order", dtype=str(pool.k[0].dtype).removeprefix("torch."),
+        page_size=pool.page_size, num_kv_layers=len(pool.k), kv_heads=pool.k[0].shape[1], head_dim=pool.k[0].shape[2],
+    )
+    log.info("storage_tier", backend=hc.storage, model_id=model_id, stats=backend.stats())
+    return StorageTier(backend, fmt, cache, host_pool, prefetch, options)
 
 
 def _free_slots(states: StatePool) -> Callable[[list[int]], None]:

@@ -123,8 +123,10 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class HicacheConfig:
-    """The host tier below the device KV pool (dense models): cached pages are copied to
-    host memory by a write policy and loaded back on a hit by a prefetch policy."""
+    """The tiers below the device KV pool: cached pages are copied to host memory by a
+    write policy and loaded back on a hit by a prefetch policy; with `storage` set, host
+    copies are also written to a storage backend (registry kind `storage`) below it,
+    which outlives the process and may be shared between servers (redis)."""
 
     host_pages: int | None = None  # host pool size in pages; None: host_ratio x device pages
     host_ratio: float = 0.0  # 0 (and no host_pages): no host tier
@@ -134,6 +136,14 @@ class HicacheConfig:
     prefetch_policy: str = "wait_complete"  # registry kind tier_prefetch
     prefetch_timeout_s: float = 0.02  # timeout: base budget of a load ...
     prefetch_timeout_per_token_s: float = 2e-5  # ... growing with the tokens loaded
+    storage: str = "none"  # none | file | redis | pkg.module:Class (registry kind storage)
+    storage_dir: str = "~/.cache/tierserve/kv"  # file: one file per page under here
+    storage_max_bytes: int = 8 << 30  # file: LRU-evicted on disk beyond this
+    redis_url: str = "redis://127.0.0.1:6379/0"  # redis
+    storage_timeout_s: float = 1.0  # a storage read slower than this is a miss (recomputed)
+    storage_fail_limit: int = 8  # consecutive failed operations before the backend is switched off
+    storage_queue_bytes: int = 256 << 20  # page bytes waiting to be written; more are dropped
+    storage_flush_timeout_s: float = 10.0  # shutdown: how long queued writes may take
 
     @property
     def enabled(self) -> bool:
@@ -147,6 +157,13 @@ class HicacheConfig:
         _positive("hicache.write_threshold", self.write_threshold)
         if self.prefetch_timeout_s < 0 or self.prefetch_timeout_per_token_s < 0:
             raise ConfigError("hicache.prefetch_timeout_s and prefetch_timeout_per_token_s must be >= 0")
+        if self.storage != "none" and not self.enabled:
+            raise ConfigError("hicache.storage needs a host tier: set hicache.host_pages or hicache.host_ratio")
+        _positive("hicache.storage_max_bytes", self.storage_max_bytes)
+        _positive("hicache.storage_fail_limit", self.storage_fail_limit)
+        _positive("hicache.storage_queue_bytes", self.storage_queue_bytes)
+        if self.storage_timeout_s <= 0 or self.storage_flush_timeout_s < 0:
+            raise ConfigError("hicache.storage_timeout_s must be > 0 and storage_flush_timeout_s >= 0")
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from cache.kv_pool import KVPool
 from cache.prefix_cache import MatchResult, PrefixCache
 from cache.req_table import ReqToTokenTable
 from kernel.request import Request
+from kernel.storage_tier import StorageTier
 from kernel.tier_policy import PrefetchPolicy, WritePolicy
 
 log = structlog.get_logger("tierserve")
@@ -73,6 +74,7 @@ class HostTier:
         self.loads: list[Load] = []
         self.counters = TierCounters()
         self.wake: Callable[[], None] = lambda: None  # the step loop's, set by the engine
+        self.storage: StorageTier | None = None  # the tier below, when hicache.storage is set
 
     # ---- offload ------------------------------------------------------------------
     def after_insert(self, node: Any) -> None:
@@ -94,10 +96,24 @@ class HostTier:
             return
         self.tree.lock(node)  # not evicted, and its pages not reused, while they are read
         self.copying[id(node)] = host
-        fut = self.worker.submit_copy(lambda: offload(self.kv_pool, pages, self.host_pool, host))
-        fut.add_done_callback(lambda f: self._copied(node, pages, host, f))
+        hashes = list(node.hashes)
+        # The storage write carries the page bytes, read here while the copy owns the host
+        # pages: a queued write then depends on nothing the tree may evict meanwhile.
+        payloads: list[bytes] | None = [] if self.storage is not None and self.storage.wants(node) else None
 
-    def _copied(self, node: Any, pages: list[int], host: list[int], fut: asyncio.Future[int]) -> None:
+        def job() -> int:
+            copied = offload(self.kv_pool, pages, self.host_pool, host)
+            if payloads is not None:
+                payloads.extend(self.host_pool.page_bytes(p) for p in host)
+            return copied
+
+        fut = self.worker.submit_copy(job)
+        fut.add_done_callback(lambda f: self._copied(node, pages, host, f, hashes, payloads))
+
+    def _copied(
+        self, node: Any, pages: list[int], host: list[int], fut: asyncio.Future[int],
+        hashes: list[int], payloads: list[bytes] | None,
+    ) -> None:
         del self.copying[id(node)]
         ok = not fut.cancelled() and fut.exception() is None
         # A match that split the node meanwhile changed what it holds: this copy no longer
@@ -105,6 +121,8 @@ class HostTier:
         if ok and node.pages == pages and node.host_pages is None:
             self.tree.mark_host(node, host)
             self.counters.offloaded_pages += len(pages)
+            if payloads and self.storage is not None:
+                self.storage.write(node, hashes, payloads)
         else:
             self.host_pool.free(host)
             self.counters.failures["copy" if not ok else "copy_revoked"] += 1
@@ -188,21 +206,27 @@ class HostTier:
         if req.cache_handle is not None:
             self.tree.unlock(req.cache_handle)
         req.cache_handle = load.host_node
-        req.cached_by_tier["host"] = min(load.host_tokens, max(len(req.prompt_ids) - req.cached_tokens, 0))
-        req.cached_tokens += req.cached_by_tier["host"]
-        self.counters.host_hit_tokens += load.host_tokens
+        used = min(load.host_tokens, max(len(req.prompt_ids) - req.cached_tokens, 0))
+        # Tokens this request's own storage fetch brought into the host tier count as storage hits.
+        from_storage = self.storage.split_hit(req, start * self.page_size, used) if self.storage is not None else 0
+        req.cached_by_tier["host"] = used - from_storage
+        req.cached_by_tier["storage"] = from_storage
+        req.cached_tokens += used
+        self.counters.host_hit_tokens += load.host_tokens - from_storage
 
     # ---- accounting -----------------------------------------------------------------
     @property
     def busy(self) -> bool:
-        return bool(self.copying or self.loads)
+        return bool(self.copying or self.loads) or (self.storage is not None and self.storage.busy)
 
     def held_pages(self) -> list[int]:
         """Device pages loads in flight fill (owned by the load until the tree takes them)."""
         return [p for load in self.loads for p in load.device_pages]
 
     def held_host_pages(self) -> list[int]:
-        return [p for pages in self.copying.values() for p in pages]
+        """Host pages copies (and storage fetches) in flight fill: theirs until the tree takes them."""
+        held = [p for pages in self.copying.values() for p in pages]
+        return held + self.storage.held_host_pages() if self.storage is not None else held
 
     def stats(self) -> dict[str, Any]:
         c = self.counters

@@ -70,6 +70,19 @@ class PrefixReuse:
         if self.host is not None and result.host_length:  # the rest of the prefix is on host
             req.host_wait = not self.host.start_load(req, result)
 
+    def storage_wait(self, req: Request) -> bool:
+        """Before admission: whether `req` waits while its prefix comes in from storage
+        (the first call probes storage past what the tree holds; see kernel/storage_tier.py)."""
+        storage = self.host.storage if self.host is not None else None
+        if storage is None:
+            return False
+
+        def matched_pages() -> int:
+            found = self.probe(req)
+            return (found.length + found.host_length) // self.page_size
+
+        return storage.wait(req, lambda: self._matchable(req), matched_pages)
+
     def count_admission(self, req: Request) -> None:
         """Count an admission whose first chunk is planned (a refused one is not)."""
         self.query_tokens += req.total_len

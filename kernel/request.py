@@ -59,6 +59,9 @@ class Request:
     # tokens by tier (device + host + storage == cached_tokens).
     loading: object | None = None
     host_wait: bool = False  # its host prefix cannot be loaded yet: wait for admission
+    storage_fetch: object | None = None  # a storage fetch of its prefix it waits for (before admission)
+    storage_checked: bool = False  # storage was probed for its prefix (once per request)
+    storage_span: tuple[int, int] | None = None  # tokens its fetch brought into the host tier
     cached_by_tier: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
     cached_tokens: int = 0
     inflight: bool = False

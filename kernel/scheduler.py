@@ -146,6 +146,8 @@ class Scheduler:
                 break
             if self.hybrid is not None and not self.hybrid.can_admit():
                 break  # out of state slots: a scheduling event, the request waits
+            if self.prefix.storage_wait(req):
+                continue  # its prefix is coming in from storage: admit it once it is in the tree
             if self._prefix_in_flight(req):
                 continue  # another request is computing its prefix: reuse it next step
             length = self._plan_prefill(req, budget, admitting=True)

@@ -71,13 +71,16 @@ def counters(stats: dict[str, Any]) -> Iterable[Metric]:
         "tierserve_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache.",
         cache["prefix_query_tokens"],
     )
-    host = stats["host"]
+    host, storage = stats["host"], stats["storage"]
     yield tier_counter(
         "tierserve_prefix_cache_hits_tokens", "Prompt tokens served from the prefix cache.",
         cache["prefix_hit_tokens"], host["host_hit_tokens"] if host is not None else None,
+        storage["hit_tokens"] if storage is not None else None,
     )
     if host is not None:
         yield from host_tier_metrics(host)
+    if storage is not None:
+        yield from storage_tier_metrics(storage)
     yield CounterMetricFamily(
         "tierserve_prefix_cache_truncated_tokens",
         "Cached prompt tokens a hit could not use: no recurrent state at their end (hybrid models).",
@@ -110,11 +113,22 @@ def gauges(stats: dict[str, Any]) -> Iterable[Metric]:
     yield GaugeMetricFamily("tierserve_kv_pages_cached", "KV pages owned by the prefix cache.", pages["cached"])
 
 
-def tier_counter(name: str, doc: str, value: float, host: float | None = None) -> CounterMetricFamily:
+def tier_counter(
+    name: str, doc: str, value: float, host: float | None = None, storage: float | None = None
+) -> CounterMetricFamily:
     family = CounterMetricFamily(name, doc, labels=["tier"])
     family.add_metric(["device"], value)
     if host is not None:
         family.add_metric(["host"], host)
+    if storage is not None:
+        family.add_metric(["storage"], storage)
+    return family
+
+
+def labelled(name: str, doc: str, label: str, counts: dict[str, int]) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for value, count in counts.items():
+        family.add_metric([value], count)
     return family
 
 
@@ -124,18 +138,32 @@ def host_tier_metrics(host: dict[str, Any]) -> Iterable[Metric]:
                               host["offloaded_pages"])
     yield CounterMetricFamily("tierserve_tier_loaded_pages", "Pages loaded back from host to device.",
                               host["loaded_pages"])
-    outcomes = CounterMetricFamily("tierserve_tier_prefetch", "Load-backs by outcome.", labels=["outcome"])
-    for outcome, count in host["prefetch"].items():
-        outcomes.add_metric([outcome], count)
-    yield outcomes
-    failures = CounterMetricFamily("tierserve_tier_failures", "Tier copies that failed, by reason.",
-                                   labels=["reason"])
-    for reason, count in host["failures"].items():
-        failures.add_metric([reason], count)
-    yield failures
+    yield labelled("tierserve_tier_prefetch", "Load-backs by outcome.", "outcome", host["prefetch"])
+    yield labelled("tierserve_tier_failures", "Tier copies that failed, by reason.", "reason", host["failures"])
     pages = host["host_pages"]
     yield GaugeMetricFamily("tierserve_host_pages_total", "Usable host-tier pages.", pages["usable"])
     yield GaugeMetricFamily("tierserve_host_pages_cached", "Host pages holding cached KV.", pages["cached"])
+
+
+def storage_tier_metrics(storage: dict[str, Any]) -> Iterable[Metric]:
+    """Pages and bytes written to and read from storage, fetch outcomes, failures by
+    reason (the tier's and the backend's), what the backend holds, whether it is on."""
+    yield CounterMetricFamily("tierserve_storage_written_pages", "Pages written to storage.", storage["written_pages"])
+    yield CounterMetricFamily("tierserve_storage_written_bytes", "Page bytes written to storage.",
+                              storage["written_bytes"])
+    yield CounterMetricFamily("tierserve_storage_read_pages", "Pages read from storage into host pages.",
+                              storage["read_pages"])
+    yield CounterMetricFamily("tierserve_storage_read_bytes", "Page bytes read from storage.", storage["read_bytes"])
+    yield labelled("tierserve_storage_prefetch", "Storage fetches by outcome.", "outcome", storage["prefetch"])
+    backend = storage["backend_stats"]
+    yield labelled("tierserve_storage_failures", "Storage tier failures, by reason.", "reason",
+                   {**backend["failures"], **storage["failures"]})
+    yield CounterMetricFamily("tierserve_storage_switched_off", "Times a failing backend was switched off.",
+                              storage["switched_off"])
+    yield GaugeMetricFamily("tierserve_storage_enabled", "1 while the storage backend is in use.",
+                            1 if storage["enabled"] else 0)
+    yield GaugeMetricFamily("tierserve_storage_pages", "Pages the storage backend holds.", backend["pages"])
+    yield GaugeMetricFamily("tierserve_storage_bytes", "Bytes the storage backend holds.", backend["bytes"])
 
 
 class RequestTracker:

@@ -18,8 +18,9 @@ Contract shared by every backend:
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,19 @@ from typing import Any
 # `evicted`: dropped to stay within the size budget; `unavailable`: the backend could not
 # be reached at all (a networked store that is down or too slow).
 FAILURE_REASONS: tuple[str, ...] = ("missing", "truncated", "corrupt", "write_error", "evicted", "unavailable")
+
+
+# Reasons that say the backend is not working (rather than that one page is bad).
+OUTAGE_REASONS: tuple[str, ...] = ("write_error", "unavailable")
+
+_this_thread = threading.local()
+
+
+def outages_in_this_thread() -> int:
+    """How many outage failures (OUTAGE_REASONS) StorageCounters counted on the calling
+    thread so far: compare before and after one backend call to know whether *that* call
+    met an outage, whatever other threads' calls met meanwhile."""
+    return int(getattr(_this_thread, "outages", 0))
 
 
 class StorageError(RuntimeError):
@@ -52,6 +66,8 @@ class StorageCounters:
         if reason not in self.failures:
             raise ValueError(f"unknown failure reason {reason!r}; known: {list(FAILURE_REASONS)}")
         self.failures[reason] += n
+        if reason in OUTAGE_REASONS:
+            _this_thread.outages = outages_in_this_thread() + n
 
     def miss(self, reason: str) -> None:
         self.misses += 1
@@ -70,6 +86,12 @@ class StorageCounters:
 
 class StorageBackend(ABC):
     """Pages of bytes by storage key. See the module docstring for the shared contract."""
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> StorageBackend:
+        """Build from the engine's `hicache` settings (a plain dict of every field); each
+        backend reads the ones it needs. The default takes none. Raises StorageError."""
+        return cls()
 
     @abstractmethod
     def exists_prefix(self, keys: Sequence[str]) -> int:

@@ -26,7 +26,7 @@ import re
 import secrets
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,6 +96,11 @@ class FileBackend(StorageBackend):
         self._counters = StorageCounters()
         _prepare_dir(self.root)
         self._rebuild_index()
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> FileBackend:
+        """`hicache.storage_dir` (`~` expanded) and `hicache.storage_max_bytes`."""
+        return cls(os.path.expanduser(str(options["storage_dir"])), int(options["storage_max_bytes"]))
 
     # -- the StorageBackend calls ------------------------------------------------------
 

@@ -52,12 +52,28 @@ def set_policy(engine: AsyncEngine, msg: Message) -> Message:
     return {"type": "set_policy", "ok": True, "kind": kind, "name": name}
 
 
+def storage(engine: AsyncEngine, msg: Message) -> Message:
+    """`{"type": "storage", "enable": bool}`: switch the storage tier back on (after it was
+    switched off for failing) or off; without `enable`, just its state."""
+    enable = msg.get("enable")
+    if enable is not None and not isinstance(enable, bool):
+        raise ProtocolError(f"storage: 'enable' must be true or false, got {enable!r}")
+    try:
+        if enable is not None:
+            engine.set_storage(enable)
+    except PolicyError as exc:
+        raise ProtocolError(f"storage: {exc}") from None
+    tier = engine.storage
+    return {"type": "storage", "ok": True, "enabled": tier.enabled if tier is not None else None}
+
+
 COMMANDS: dict[str, Command] = {
     "snapshot": snapshot,
     "stats": stats,
     "flush": flush,
     "check": check,
     "set_policy": set_policy,
+    "storage": storage,
 }
 
 

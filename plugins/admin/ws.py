@@ -19,7 +19,8 @@ answered with `{"type": "error", "message": "..."}`; the socket stays open.
 - `{"type": "snapshot"}` → `{"type": "snapshot", "page_size", "nodes": [...]}`: one
   object per radix-tree node, root first: `id`, `parent`, `num_tokens`, `num_pages`,
   `lock_ref`, `hit_count`, `last_access` (the tree's logical clock), `priority`, `tier`,
-  `namespace`, `state_slot`. Empty with `cache.prefix: none`.
+  `namespace`, `state_slot`, `stored` (its pages are in the storage tier). Empty with
+  `cache.prefix: none`.
 - `{"type": "stats"}` → `engine.stats()` as it is: `pages` {usable, free, cached,
   evictable, held}, `requests` {waiting, running}, `idle`, `counters` {steps,
   prompt_tokens, generation_tokens}, `cache` (prefix query/hit tokens, cached/evictable
@@ -30,6 +31,9 @@ answered with `{"type": "error", "message": "..."}`; the socket stays open.
 - `{"type": "set_policy", "kind": "evict" | "schedule", "name": "lru"}` → `{"type":
   "set_policy", "ok": true, "kind", "name"}`; takes effect from the next step. Only
   registered names; an unknown one gets an error listing the known ones.
+- `{"type": "storage", "enable": true | false}` → `{"type": "storage", "ok": true,
+  "enabled"}`: switches the storage tier back on after it switched itself off for
+  failing (or off by hand); without `enable` it only reports. An error without one.
 - `{"type": "check"}` → `{"type": "check", "ok": true}` or `{"ok": false, "message"}`:
   runs the engine's integrity check (scheduler and tree) now.
 - `{"type": "subscribe"}` → `{"type": "subscribe", "ok": true}`, then pushes:

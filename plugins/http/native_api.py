@@ -137,6 +137,7 @@ async def server_info(request: web.Request) -> web.Response:
         "pool": pool_summary(stats),
         "cache": stats["cache"],
         "host": stats["host"],  # host tier capacity and traffic (None without hicache)
+        "storage": stats["storage"],  # storage tier capacity and traffic (None without one)
         "counters": stats["counters"],
         "config": config,
     })

@@ -14,7 +14,7 @@ backend never raises for it.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import redis
@@ -37,6 +37,11 @@ class RedisBackend(StorageBackend):
         self._client = redis.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._lock = threading.Lock()
         self._counters = StorageCounters()
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> RedisBackend:
+        """`hicache.redis_url`; a call slower than `hicache.storage_timeout_s` counts as down."""
+        return cls(str(options["redis_url"]), timeout_s=float(options["storage_timeout_s"]))
 
     def _name(self, key: str) -> str:
         return self.prefix + validate_key(key)

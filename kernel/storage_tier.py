@@ -1,0 +1,313 @@
+"""The storage tier as the scheduler sees it (dense models): below the host tier, host
+copies are also written to a storage backend (cache/storage/, registry kind `storage`),
+and a request whose prefix is in storage but not in the tree has it fetched into host
+pages before it is admitted — from there the host tier loads it back like any host hit.
+
+Storage outlives the process and may be shared by servers (redis), so the tree does not
+know what it holds: a request probes it (`exists_prefix` over the chained keys of its
+pages past what the tree matched) once, before admission, and waits — as long as the
+prefetch policy allows and at most `hicache.storage_timeout_s` — while the fetch runs.
+
+NOTE: storage I/O never runs on the event loop or on the copy worker: reads run in a
+small thread pool (a slow read must not hold up others), writes on their own FIFO
+worker. Their completions come back here, on the loop, which owns the tree and the host
+pool. A fetch owns the host pages it fills until `insert_host` takes them (counted by the
+scheduler's integrity check); a write carries bytes taken at copy time, so it holds
+nothing of the tree's. Anything that goes wrong — a missing, truncated, corrupt or late
+page, a full disk, a dead server — only makes the tier serve less: the tokens past what
+was served are computed, so outputs do not change. A backend whose operations keep
+failing (`storage_fail_limit` in a row) is switched off, with a log line, until the
+admin socket switches it back on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+import torch
+
+from cache.copy_worker import CopyWorker
+from cache.host_pool import HostPool
+from cache.prefix_cache import PrefixCache
+from cache.storage import PageFormat, StorageBackend, keys_for_hashes, page_keys
+from cache.storage.base import outages_in_this_thread
+from kernel.request import Request
+from kernel.tier_policy import PrefetchPolicy
+
+log = structlog.get_logger("tierserve")
+
+
+@dataclass(eq=False)
+class Fetch:
+    """One storage fetch in flight: the pages of `tokens` from page `first` on."""
+
+    req: Request | None  # the request waiting for it (None once it stopped waiting)
+    tokens: list[int]  # the request's matchable tokens (whole pages)
+    namespace: str | None
+    first: int  # pages the tree matched when the fetch started
+    keys: list[str]  # storage keys of pages first, first + 1, ...
+    deadline: float
+    host_pages: list[int] = field(default_factory=list)  # filled by the read; the fetch's own
+
+
+@dataclass
+class StorageTierCounters:
+    hit_tokens: int = 0
+    written_pages: int = 0
+    written_bytes: int = 0
+    read_pages: int = 0
+    read_bytes: int = 0
+    switched_off: int = 0
+    prefetch: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("issued", "completed", "revoked", "timed_out", "empty"), 0))
+    failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("timeout", "error", "host_full", "queue_full", "bad_page"), 0))
+
+
+class StorageTier:
+    def __init__(
+        self, backend: StorageBackend, fmt: PageFormat, tree: PrefixCache, host_pool: HostPool,
+        prefetch: PrefetchPolicy, options: Mapping[str, Any],
+    ) -> None:
+        self.backend = backend
+        self.fmt = fmt
+        self.tree = tree
+        self.host_pool = host_pool
+        self.prefetch = prefetch
+        self.page_size = fmt.page_size
+        self.timeout_s = float(options["storage_timeout_s"])
+        self.fail_limit = int(options["storage_fail_limit"])
+        self.queue_limit = int(options["storage_queue_bytes"])
+        self.flush_timeout_s = float(options["storage_flush_timeout_s"])
+        self.reader = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="tierserve-storage-read")
+        self.writer = CopyWorker("tierserve-storage-write")
+        self.enabled = True
+        self.failing = 0  # operations failed in a row
+        self.fetches: list[Fetch] = []
+        self.writes = 0  # writes queued or running
+        self.queued_bytes = 0
+        self.counters = StorageTierCounters()
+        self.wake: Callable[[], None] = lambda: None  # the step loop's, set by the engine
+
+    # ---- writes ---------------------------------------------------------------------
+    def wants(self, node: Any) -> bool:
+        """Whether a node getting a host copy should be written to storage too."""
+        return self.enabled and not node.stored
+
+    def write(self, node: Any, hashes: Sequence[int], payloads: list[bytes]) -> None:
+        """Queue the pages of `node` (their chained hashes and bytes) for storage."""
+        size = sum(len(p) for p in payloads)
+        if not self.enabled:
+            return
+        if self.queued_bytes + size > self.queue_limit:
+            self.counters.failures["queue_full"] += 1  # storage cannot keep up: skip, never block
+            return
+        items = list(zip(keys_for_hashes(hashes, self.fmt), payloads, strict=True))
+        self.queued_bytes += size
+        self.writes += 1
+        fut = self.writer.submit(lambda: self._call(lambda: self.backend.set_pages(items)))
+        fut.add_done_callback(lambda f: self._written(node, set(hashes), len(items), size, f))
+
+    def _written(self, node: Any, hashes: set[int], n: int, size: int, fut: asyncio.Future[Any]) -> None:
+        self.queued_bytes -= size
+        self.writes -= 1
+        stored, ok = self._result(fut, 0)
+        if stored == n and node.parent is not None and set(node.hashes) <= hashes:
+            node.stored = True
+        self.counters.written_pages += stored
+        self.counters.written_bytes += size * stored // max(n, 1)
+        self._outcome(ok and stored == n)
+
+    # ---- fetches --------------------------------------------------------------------
+    def wait(self, req: Request, tokens: Callable[[], list[int]], matched_pages: Callable[[], int]) -> bool:
+        """Before admission: whether `req` waits for a storage fetch of its prefix. The
+        first call for a request probes storage for its pages past `matched_pages()`
+        (what the tree holds on any tier) and starts a fetch if there are some."""
+        fetch = req.storage_fetch
+        if isinstance(fetch, Fetch):
+            if time.monotonic() < fetch.deadline:
+                return True
+            fetch.req, req.storage_fetch = None, None  # it computes; the fetch still lands
+            self.counters.prefetch["timed_out"] += 1
+            return False
+        if req.storage_checked or not self.enabled:
+            return False
+        req.storage_checked = True
+        toks = tokens()
+        first = matched_pages()
+        if len(toks) // self.page_size <= first:
+            return False
+        return self._start(req, toks, first)
+
+    def _start(self, req: Request, tokens: list[int], first: int) -> bool:
+        keys = page_keys(tokens, self.fmt, req.namespace)[first:]
+        budget = min(self.prefetch.budget_s(len(keys) * self.page_size), self.timeout_s)
+        fetch = Fetch(req if budget > 0 else None, tokens, req.namespace, first, keys, time.monotonic() + budget)
+        req.storage_fetch = fetch if budget > 0 else None
+        self.fetches.append(fetch)
+        self.counters.prefetch["issued"] += 1
+        fut = self._read(lambda: self.backend.exists_prefix(keys))
+        fut.add_done_callback(lambda f: self._probed(fetch, f))
+        return fetch.req is not None
+
+    def _read(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        return loop.run_in_executor(self.reader, self._call, fn)
+
+    def _probed(self, fetch: Fetch, fut: asyncio.Future[Any]) -> None:
+        n, ok = self._result(fut, 0)
+        self._outcome(ok)
+        if n == 0 or not self.enabled:
+            self._finish(fetch, "empty")
+            return
+        host = self._host_pages(n)
+        if not host:
+            self.counters.failures["host_full"] += 1
+            self._finish(fetch, "empty")
+            return
+        fetch.host_pages = host
+        keys = fetch.keys[: len(host)]
+        read = self._read(lambda: self._fill(keys, host))
+        read.add_done_callback(lambda f: self._filled(fetch, f))
+
+    def _host_pages(self, n: int) -> list[int]:
+        """Up to `n` host pages, evicting unlocked host copies for them if needed."""
+        pool = self.host_pool
+        if pool.num_free < n:
+            self.tree.evict_host(n - pool.num_free)
+        return pool.allocate(min(n, pool.num_free)) or []
+
+    def _fill(self, keys: list[str], host: list[int]) -> tuple[int, int]:
+        """Reader thread: get the pages and copy the leading good ones into `host`;
+        returns (pages filled, pages that came back but did not fit a host page)."""
+        payloads = self.backend.get_pages(keys)
+        for i, data in enumerate(payloads):
+            if data is None:
+                return i, 0
+            try:
+                self.host_pool.load_bytes(host[i], data)
+            except ValueError:  # verified by its checksum, yet not a page of this format
+                return i, 1
+        return len(payloads), 0
+
+    def _filled(self, fetch: Fetch, fut: asyncio.Future[Any]) -> None:
+        (k, bad), ok = self._result(fut, (0, 0))
+        self._outcome(ok)
+        self.counters.failures["bad_page"] += bad
+        host, fetch.host_pages = fetch.host_pages, []
+        taken = 0
+        if k:
+            end = (fetch.first + k) * self.page_size
+            _, dupes = self.tree.insert_host(fetch.tokens[:end], host[:k], fetch.namespace)
+            taken = k - len(dupes)
+            self.host_pool.free(dupes + host[k:])
+            if fetch.req is not None and taken:
+                fetch.req.storage_span = (end - taken * self.page_size, end)
+            self.counters.read_pages += k
+            self.counters.read_bytes += k * self.host_pool.bytes_per_page
+        else:
+            self.host_pool.free(host)
+        self._finish(fetch, "completed" if taken else ("revoked" if k else "empty"))
+
+    def _finish(self, fetch: Fetch, outcome: str) -> None:
+        self.fetches.remove(fetch)
+        self.counters.prefetch[outcome] += 1
+        req = fetch.req
+        if req is not None and req.storage_fetch is fetch:
+            req.storage_fetch = None
+        self.wake()
+
+    # ---- hit accounting ---------------------------------------------------------------
+    def split_hit(self, req: Request, start: int, num_tokens: int) -> int:
+        """Of the host-hit tokens [start, start + num_tokens) of `req`, how many its own
+        storage fetch brought in (they count as storage hits)."""
+        if req.storage_span is None:
+            return 0
+        lo, hi = req.storage_span
+        served = max(0, min(hi, start + num_tokens) - max(lo, start))
+        self.counters.hit_tokens += served
+        return served
+
+    # ---- health -----------------------------------------------------------------------
+    def _call(self, fn: Callable[[], Any]) -> tuple[Any, bool]:
+        """Worker thread: run one backend call; (its result, whether it met no outage —
+        a dead server, a failed write — as the backend counted it). Exceptions propagate
+        to the future."""
+        before = outages_in_this_thread()
+        result = fn()
+        return result, outages_in_this_thread() == before
+
+    def _result(self, fut: asyncio.Future[Any], default: Any) -> tuple[Any, bool]:
+        if fut.cancelled():
+            return default, False
+        exc = fut.exception()
+        if exc is not None:
+            self.counters.failures["error"] += 1
+            log.warning("storage_call_failed", error=repr(exc))
+            return default, False
+        result, healthy = fut.result()
+        return result, healthy
+
+    def _outcome(self, ok: bool) -> None:
+        """Count an operation; `fail_limit` failures in a row switch the backend off."""
+        self.failing = 0 if ok else self.failing + 1
+        if self.enabled and self.failing >= self.fail_limit:
+            self.enabled = False
+            self.counters.switched_off += 1
+            log.error("storage_switched_off", failures_in_a_row=self.failing,
+                      backend=type(self.backend).__name__, hint="admin socket: {\"type\": \"storage\", \"enable\": true}")
+
+    def set_enabled(self, enabled: bool) -> None:
+        """The admin switch: on again after an outage (or off by hand)."""
+        self.enabled, self.failing = enabled, 0
+        log.info("storage_switched", enabled=enabled)
+
+    # ---- accounting and shutdown ---------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return bool(self.fetches or self.writes)
+
+    def held_host_pages(self) -> list[int]:
+        return [p for fetch in self.fetches for p in fetch.host_pages]
+
+    def stats(self) -> dict[str, Any]:
+        c = self.counters
+        return {
+            "backend": type(self.backend).__name__, "enabled": self.enabled, "backend_stats": self.backend.stats(),
+            "hit_tokens": c.hit_tokens, "written_pages": c.written_pages, "written_bytes": c.written_bytes,
+            "read_pages": c.read_pages, "read_bytes": c.read_bytes, "queued_bytes": self.queued_bytes,
+            "switched_off": c.switched_off, "prefetch": dict(c.prefetch), "failures": dict(c.failures),
+            "max_bytes": getattr(self.backend, "max_bytes", None),
+        }
+
+    def close(self) -> bool:
+        """Finish the writes already queued (within `storage_flush_timeout_s`), drop
+        reads, release the backend. True if every queued write landed. Blocks."""
+        flushed = self.writer.shutdown(wait=True, timeout=self.flush_timeout_s)
+        self.reader.shutdown(wait=False, cancel_futures=True)
+        if not flushed:
+            log.warning("storage_flush_incomplete", timeout_s=self.flush_timeout_s)
+        self.backend.close()
+        return flushed
+
+
+def weights_fingerprint(weights: Mapping[str, torch.Tensor]) -> str:
+    """A short digest naming a model's weights, for storage keys: names, shapes, dtypes
+    and up to 64 KiB from each end of every tensor (cheap, and two different checkpoints
+    essentially never agree on all of it)."""
+    h = hashlib.blake2b(digest_size=12)
+    edge = 1 << 16
+    for name in sorted(weights):
+        t = weights[name]
+        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}".encode())
+        raw = t.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
+        h.update(raw[:edge].numpy().tobytes())
+        h.update(raw[-edge:].numpy().tobytes())
+    return h.hexdigest()

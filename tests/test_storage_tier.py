@@ -1,0 +1,263 @@
+"""The storage tier in the engine (dense models): host copies are written to a storage
+backend too, and a prompt whose prefix is in storage but not in the tree is fetched into
+host pages and loaded back — bit-identical to a cold run in deterministic mode, counted
+as storage hits. Every storage fault (missing, truncated, corrupt, slow page, full disk,
+a dead server) only makes the tier serve less: the output stays identical and counters
+say what happened; a backend that keeps failing is switched off and back on by hand."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kernel import Engine
+from tests import leaks
+from tests.conftest import TINY_OVERRIDES
+
+GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True, "return_logprob": True}
+TIERED = {"cache.prefix": "radix", "cache.num_pages": 41, "hicache.host_pages": 200, "deterministic": True}
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randint(50, 40000) for _ in range(n)]
+
+
+def logprobs(out: dict[str, Any]) -> list[float]:
+    return [lp for lp, _ in out["meta_info"]["output_token_logprobs"]]
+
+
+def make(folder: str, storage_dir: Path, **extra: Any) -> Engine:
+    return Engine(None, {"model.path": folder, **TINY_OVERRIDES, **TIERED, "hicache.storage": "file",
+                         "hicache.storage_dir": str(storage_dir), **extra})
+
+
+def tier(engine: Engine) -> Any:
+    storage = engine.engine.storage
+    assert storage is not None
+    return storage
+
+
+def settle(engine: Engine) -> None:
+    """Copies and storage writes in flight land (flush_cache settles them first)."""
+    assert engine.flush_cache()
+
+
+def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a["output_ids"] == b["output_ids"] and logprobs(a) == logprobs(b)
+
+
+PROMPT = tokens(1, 60) + tokens(2, 7)
+
+
+def cold_then_storage_hit(engine: Engine, prompt: list[int] = PROMPT) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the cold run, which writes the prompt's pages through to storage; the same prompt
+    after the tree was emptied, so whatever it reuses comes from storage)."""
+    ref = engine.generate(prompt, GREEDY)
+    settle(engine)
+    warm = engine.generate(prompt, GREEDY)
+    return ref, warm  # type: ignore[return-value]
+
+
+def test_storage_hit_is_bit_exact_and_counted(tiny_chat_folder: str, tmp_path: Path) -> None:
+    engine = make(tiny_chat_folder, tmp_path)
+    try:
+        ref, warm = cold_then_storage_hit(engine)
+        tiers = warm["meta_info"]["cached_tokens_by_tier"]
+        assert ref["meta_info"]["cached_tokens"] == 0
+        assert tiers["storage"] == 64 and tiers["device"] == tiers["host"] == 0, tiers
+        assert warm["meta_info"]["cached_tokens"] == 64
+        assert same(warm, ref)
+        stats = engine.engine.stats()["storage"]
+        assert stats["written_pages"] >= 16 and stats["read_pages"] == 16 and stats["hit_tokens"] == 64
+        assert stats["prefetch"]["completed"] == 1 and stats["backend_stats"]["pages"] >= 16
+    finally:
+        engine.shutdown()
+
+
+def test_decode_hit_from_storage(tiny_chat_folder: str, tmp_path: Path) -> None:
+    """The second turn reuses tokens the first turn generated, from storage only."""
+    engine = make(tiny_chat_folder, tmp_path)
+    try:
+        first = tokens(3, 30)
+        turn1 = engine.generate(first, {**GREEDY, "max_new_tokens": 24})
+        turn2 = first + turn1["output_ids"] + tokens(4, 5)  # type: ignore[operator]
+        settle(engine)
+        warm = engine.generate(turn2, GREEDY)
+        tiers = warm["meta_info"]["cached_tokens_by_tier"]  # type: ignore[index]
+        assert tiers["storage"] > len(first) and tiers["device"] == 0, tiers
+        tier(engine).backend.clear()
+        settle(engine)
+        cold = engine.generate(turn2, GREEDY)
+        assert cold["meta_info"]["cached_tokens"] == 0  # type: ignore[index]
+        assert same(warm, cold)  # type: ignore[arg-type]
+    finally:
+        engine.shutdown()
+
+
+def test_red_pages_written_under_the_wrong_keys(
+    tiny_chat_folder: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kernel.storage_tier as storage_mod
+
+    real = storage_mod.StorageTier.write
+
+    def swapped(self: Any, node: Any, hashes: list[int], payloads: list[bytes]) -> None:
+        real(self, node, hashes, payloads[::-1])  # planted: each page's bytes under another key
+
+    monkeypatch.setattr(storage_mod.StorageTier, "write", swapped)
+    engine = make(tiny_chat_folder, tmp_path)
+    try:
+        ref, warm = cold_then_storage_hit(engine)
+        assert warm["meta_info"]["cached_tokens_by_tier"]["storage"] > 0
+        assert not same(warm, ref)  # the bit-exact compare goes red
+    finally:
+        leaks.excuse(engine.engine)
+        engine.shutdown()
+
+
+def page_files(root: Path) -> list[Path]:
+    """Stored page files, oldest write first (the prompt's pages in order)."""
+    files = [p for p in root.glob("??/*") if not p.name.startswith(".")]
+    return sorted(files, key=lambda p: p.stat().st_mtime_ns)
+
+
+def damage_and_rerun(engine: Engine, root: Path, damage: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    ref = engine.generate(PROMPT, GREEDY)
+    settle(engine)
+    files = page_files(root)
+    assert len(files) >= 16
+    damage(files[8])  # the ninth page of the prompt (and so everything after it) is unusable
+    warm = engine.generate(PROMPT, GREEDY)
+    return ref, warm  # type: ignore[return-value]
+
+
+def flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def truncate(path: Path) -> None:
+    os.truncate(path, path.stat().st_size // 2)
+
+
+@pytest.mark.parametrize(("damage", "reason"), [(Path.unlink, "missing"), (truncate, "truncated"),
+                                                (flip_a_byte, "corrupt")])
+def test_a_bad_page_is_recomputed(tiny_chat_folder: str, tmp_path: Path, damage: Any, reason: str) -> None:
+    engine = make(tiny_chat_folder, tmp_path)
+    try:
+        ref, warm = damage_and_rerun(engine, tmp_path, damage)
+        assert warm["meta_info"]["cached_tokens_by_tier"]["storage"] == 8 * 4  # the pages before it
+        assert same(warm, ref)
+        assert tier(engine).stats()["backend_stats"]["failures"][reason] == 1
+    finally:
+        engine.shutdown()
+
+
+def test_a_slow_storage_read_times_out_and_computes(
+    tiny_chat_folder: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = make(tiny_chat_folder, tmp_path, **{"hicache.storage_timeout_s": 0.2})
+    backend = tier(engine).backend
+    real = backend.get_pages
+
+    def slow(keys: list[str]) -> list[bytes | None]:
+        time.sleep(1.0)
+        return real(keys)
+
+    try:
+        ref = engine.generate(PROMPT, GREEDY)
+        settle(engine)
+        monkeypatch.setattr(backend, "get_pages", slow)
+        t0 = time.monotonic()
+        warm = engine.generate(PROMPT, GREEDY)
+        assert time.monotonic() - t0 < 0.9  # it did not wait for the slow read
+        assert warm["meta_info"]["cached_tokens"] == 0
+        assert same(warm, ref)  # type: ignore[arg-type]
+        assert tier(engine).counters.prefetch["timed_out"] == 1
+        settle(engine)  # the late read still lands in the tree, for later requests
+        assert tier(engine).counters.prefetch["completed"] + tier(engine).counters.prefetch["revoked"] == 1
+    finally:
+        engine.shutdown()
+
+
+def test_a_full_disk_writes_nothing_and_changes_no_output(
+    tiny_chat_folder: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import cache.storage.file_backend as file_mod
+
+    def no_space(*args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(file_mod, "write_file", no_space)
+    engine = make(tiny_chat_folder, tmp_path, **{"hicache.storage_fail_limit": 1000})
+    try:
+        ref, warm = cold_then_storage_hit(engine)
+        assert warm["meta_info"]["cached_tokens"] == 0 and same(warm, ref)
+        stats = tier(engine).stats()
+        assert stats["backend_stats"]["failures"]["write_error"] > 0 and stats["written_pages"] == 0
+        assert stats["enabled"]
+    finally:
+        engine.shutdown()
+
+
+def test_a_dead_redis_is_a_miss_then_switched_off_then_back_on(tiny_chat_folder: str, tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    engine = make(tiny_chat_folder, tmp_path, **{
+        "hicache.storage": "redis", "hicache.redis_url": f"redis://127.0.0.1:{port}/0",
+        "hicache.storage_timeout_s": 0.3, "hicache.storage_fail_limit": 3})
+    try:
+        outs = [engine.generate(tokens(40 + i, 30), GREEDY) for i in range(4)]
+        settle(engine)
+        stats = tier(engine).stats()
+        failures = stats["backend_stats"]["failures"]
+        assert failures["unavailable"] >= 1 and failures["unavailable"] + failures["write_error"] >= 3
+        assert not stats["enabled"] and stats["switched_off"] == 1  # switched off, with a log line
+        again = engine.generate(tokens(40, 30), GREEDY)
+        assert same(again, outs[0])  # type: ignore[arg-type]
+        assert tier(engine).counters.prefetch["issued"] <= 3 + 1  # no probes while off
+        engine.engine.set_storage(True)
+        assert tier(engine).enabled and tier(engine).failing == 0
+    finally:
+        engine.shutdown()
+
+
+def test_shutdown_finishes_queued_writes(tiny_chat_folder: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import cache.storage.file_backend as file_mod
+
+    real = file_mod.write_file
+
+    def slow_write(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.02)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(file_mod, "write_file", slow_write)
+    engine = make(tiny_chat_folder, tmp_path)
+    engine.generate(PROMPT, GREEDY)
+    engine.shutdown()  # writes still queued land first
+    assert len(page_files(tmp_path)) == (len(PROMPT) + 7) // 4  # prompt + the tokens computed after it
+    again = make(tiny_chat_folder, tmp_path)  # a new process over the same directory
+    try:
+        warm = again.generate(PROMPT, GREEDY)
+        assert warm["meta_info"]["cached_tokens_by_tier"]["storage"] == 64
+    finally:
+        again.shutdown()
+
+
+def test_storage_needs_a_host_tier(tiny_chat_folder: str, tmp_path: Path) -> None:
+    from kernel.config import ConfigError
+
+    with pytest.raises(ConfigError, match="host tier"):
+        Engine(None, {"model.path": tiny_chat_folder, **TINY_OVERRIDES, "cache.prefix": "radix",
+                      "hicache.storage": "file", "hicache.storage_dir": str(tmp_path)})
