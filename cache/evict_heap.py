@@ -61,6 +61,22 @@ class EvictHeap:
                 return node  # its other entries, if any, are stale by version
         return None
 
+    def peek(self, num_pages: int) -> list[TreeNode]:
+        """The candidates `pop` would return first, in that order, until they hold at
+        least `num_pages` device pages. They are pushed back with the same keys: the next
+        `pop`s return the same nodes. O(k log n)."""
+        taken: list[TreeNode] = []
+        held = 0
+        while held < num_pages:
+            node = self.pop()
+            if node is None:
+                break
+            taken.append(node)
+            held += len(node.pages)
+        for node in taken:
+            self.push(node)
+        return taken
+
     def rebuild(self, policy: EvictPolicy, nodes: Iterable[TreeNode]) -> None:
         """Switch policy and re-key every candidate among `nodes`: O(n)."""
         self.policy = policy

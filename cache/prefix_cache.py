@@ -137,6 +137,11 @@ class PrefixCache(ABC):
         free callback); returns the freed ids. Locked entries are never touched. An
         evicted entry's state slot (hybrid) is freed with it."""
 
+    def next_victims(self, num_pages: int) -> list[TreeNode]:
+        """The unlocked entries an `evict(num_pages)` would take now, in order; changes
+        nothing. Caches that cannot say return []."""
+        return []
+
     def evict_states(self, num_slots: int) -> list[int]:
         """Hybrid: free up to `num_slots` state slots of unlocked entries (through the
         state pool's free callback), keeping their pages cached; returns the freed slots.

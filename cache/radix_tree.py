@@ -286,6 +286,11 @@ class RadixTree(HostTierMixin, PrefixCache):
             )
         return freed
 
+    def next_victims(self, num_pages: int) -> list[TreeNode]:
+        """The nodes `evict(num_pages)` would take now, in order (unlocked device-eviction
+        candidates); changes nothing. For write-back: copy them before they go."""
+        return self._heap.peek(num_pages)
+
     def evict_states(self, num_slots: int) -> list[int]:
         """Free the state slots of up to `num_slots` unlocked nodes (leaves or internal),
         smallest policy key first, through `free_states`; returns the freed slots.

@@ -157,7 +157,7 @@ def _host_tier(
     # On CUDA the copy worker owns a copy stream: copies never queue behind forwards.
     streams = (lambda: torch.cuda.Stream(device)) if device.type == "cuda" else None
     worker = CopyWorker(stream_factory=streams)
-    return HostTier(cache, pool, host_pool, worker, write, prefetch, allocator, table)
+    return HostTier(cache, pool, host_pool, worker, write, prefetch, allocator, table, hc.write_back_headroom)
 
 
 def _storage_tier(

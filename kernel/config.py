@@ -133,6 +133,7 @@ class HicacheConfig:
     host_layout: str = "layer_first"
     write_policy: str = "write_through"  # registry kind tier_write
     write_threshold: int = 2  # write_through_selective: hits before a node is copied
+    write_back_headroom: float = 0.125  # write_back: copy the next victims below this fraction of free pages
     prefetch_policy: str = "wait_complete"  # registry kind tier_prefetch
     prefetch_timeout_s: float = 0.02  # timeout: base budget of a load ...
     prefetch_timeout_per_token_s: float = 2e-5  # ... growing with the tokens loaded
@@ -155,6 +156,8 @@ class HicacheConfig:
             raise ConfigError(f"hicache.host_ratio must be in [0, 64], got {self.host_ratio}")
         _choice("hicache.host_layout", self.host_layout, ("layer_first", "page_first"))
         _positive("hicache.write_threshold", self.write_threshold)
+        if not 0.0 < self.write_back_headroom <= 1.0:
+            raise ConfigError(f"hicache.write_back_headroom must be in (0, 1], got {self.write_back_headroom}")
         if self.prefetch_timeout_s < 0 or self.prefetch_timeout_per_token_s < 0:
             raise ConfigError("hicache.prefetch_timeout_s and prefetch_timeout_per_token_s must be >= 0")
         if self.storage != "none" and not self.enabled:

@@ -60,6 +60,7 @@ class HostTier:
     def __init__(
         self, tree: PrefixCache, kv_pool: KVPool, host_pool: HostPool, worker: CopyWorker,
         write: WritePolicy, prefetch: PrefetchPolicy, allocator: PageAllocator, req_table: ReqToTokenTable,
+        headroom: float = 0.125,
     ) -> None:
         self.tree = tree
         self.kv_pool = kv_pool
@@ -75,6 +76,7 @@ class HostTier:
         self.counters = TierCounters()
         self.wake: Callable[[], None] = lambda: None  # the step loop's, set by the engine
         self.storage: StorageTier | None = None  # the tier below, when hicache.storage is set
+        self.headroom = headroom  # write_back: free-page fraction below which victims are copied
 
     # ---- offload ------------------------------------------------------------------
     def after_insert(self, node: Any) -> None:
@@ -84,6 +86,19 @@ class HostTier:
             if fresh and self.write.should_copy(node.hit_count):
                 self._copy(node)
             node = node.parent
+
+    def write_back(self) -> None:
+        """Before planning (write-back policies): when free device pages are short, copy
+        the nodes eviction would take next, so that they move to host instead of being
+        dropped. A node being copied is locked: it is evicted after its copy landed."""
+        if not self.write.on_evict:
+            return
+        want = int(self.headroom * self.allocator.num_usable) - self.allocator.num_free
+        if want <= 0:
+            return
+        for node in self.tree.next_victims(want):
+            if node.host_pages is None and id(node) not in self.copying:
+                self._copy(node)
 
     def _copy(self, node: Any) -> None:
         pages = list(node.pages)

@@ -12,9 +12,14 @@ class WritePolicy(ABC):
     """Whether a cached, device-resident node should get a host copy now.
 
     Contract: `should_copy` is pure and cheap (it runs for the nodes on a request's path
-    after every insert); it sees the node's hit count only. Built with the hicache
+    after every insert); it sees the node's hit count only. A policy with `on_evict`
+    True is asked nothing at insert time: instead, whenever free device pages fall below
+    `hicache.write_back_headroom` of the pool, the nodes eviction would take next are
+    copied first (and so move to host instead of being dropped). Built with the hicache
     config's fields as keyword arguments, which it may ignore.
     """
+
+    on_evict = False
 
     def __init__(self, **config: object) -> None:
         self.config = config

@@ -136,3 +136,22 @@ async def test_metrics_count_host_hits(tiny_chat_folder: str) -> None:
         assert samples[("tierserve_prefix_cache_hits_tokens_total", (("tier", "host"),))] > 0
         assert samples[("tierserve_tier_offloaded_pages_total", ())] > 0
         assert samples[("tierserve_tier_prefetch_total", (("outcome", "completed"),))] >= 1
+
+
+def test_write_back_copies_only_what_is_about_to_be_evicted(tiny_chat_folder: str) -> None:
+    engine = make(tiny_chat_folder, **{"hicache.write_policy": "write_back"})
+    try:
+        engine.generate(tokens(50, 20), GREEDY)  # plenty of free device pages: nothing copied
+        assert engine.engine.stats()["host"]["offloaded_pages"] == 0
+        ref, warm = host_hit(engine)  # the pool fills: the victims move to host first
+        assert warm["meta_info"]["cached_tokens_by_tier"]["host"] > 0
+        assert warm["output_ids"] == ref["output_ids"] and logprobs(warm) == logprobs(ref)
+        offloaded = engine.engine.stats()["host"]["offloaded_pages"]
+    finally:
+        engine.shutdown()
+    through = make(tiny_chat_folder)
+    try:
+        host_hit(through)
+        assert offloaded < through.engine.stats()["host"]["offloaded_pages"]  # less copy traffic
+    finally:
+        through.shutdown()
