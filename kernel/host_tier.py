@@ -249,5 +249,7 @@ class HostTier:
             "host_pages": {"usable": self.host_pool.num_usable, "free": self.host_pool.num_free,
                            "cached": self.tree.total_host_pages, "copying": len(self.held_host_pages())},
             "offloaded_pages": c.offloaded_pages, "loaded_pages": c.loaded_pages,
+            "offloaded_bytes": c.offloaded_pages * self.host_pool.bytes_per_page,
+            "loaded_bytes": c.loaded_pages * self.host_pool.bytes_per_page,
             "host_hit_tokens": c.host_hit_tokens, "prefetch": dict(c.prefetch), "failures": dict(c.failures),
         }

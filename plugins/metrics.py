@@ -138,6 +138,10 @@ def host_tier_metrics(host: dict[str, Any]) -> Iterable[Metric]:
                               host["offloaded_pages"])
     yield CounterMetricFamily("tierserve_tier_loaded_pages", "Pages loaded back from host to device.",
                               host["loaded_pages"])
+    yield CounterMetricFamily("tierserve_tier_offloaded_bytes", "Bytes copied from device to host.",
+                              host["offloaded_bytes"])
+    yield CounterMetricFamily("tierserve_tier_loaded_bytes", "Bytes loaded back from host to device.",
+                              host["loaded_bytes"])
     yield labelled("tierserve_tier_prefetch", "Load-backs by outcome.", "outcome", host["prefetch"])
     yield labelled("tierserve_tier_failures", "Tier copies that failed, by reason.", "reason", host["failures"])
     pages = host["host_pages"]

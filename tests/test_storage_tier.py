@@ -261,3 +261,31 @@ def test_storage_needs_a_host_tier(tiny_chat_folder: str, tmp_path: Path) -> Non
     with pytest.raises(ConfigError, match="host tier"):
         Engine(None, {"model.path": tiny_chat_folder, **TINY_OVERRIDES, "cache.prefix": "radix",
                       "hicache.storage": "file", "hicache.storage_dir": str(tmp_path)})
+
+
+async def test_metrics_and_server_info_report_the_storage_tier(tiny_chat_folder: str, tmp_path: Path) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.inprocess import serve_http
+
+    overrides = {"cache.prefix": "radix", **TIERED, "hicache.storage": "file", "hicache.storage_dir": str(tmp_path)}
+    async with serve_http(tiny_chat_folder, overrides) as (engine, client):
+        await engine.generate(PROMPT, GREEDY)
+        await engine.settle_copies()
+        assert engine.flush_cache()[0]
+        warm = await engine.generate(PROMPT, GREEDY)
+        assert warm["meta_info"]["cached_tokens_by_tier"]["storage"] == 64
+        text = await (await client.get("/metrics")).text()
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for f in text_string_to_metric_families(text) for s in f.samples}
+        assert samples[("tierserve_prefix_cache_hits_tokens_total", (("tier", "storage"),))] == 64
+        assert samples[("tierserve_storage_written_pages_total", ())] >= 16
+        assert samples[("tierserve_storage_read_pages_total", ())] == 16
+        assert samples[("tierserve_storage_prefetch_total", (("outcome", "completed"),))] == 1
+        assert samples[("tierserve_storage_failures_total", (("reason", "corrupt"),))] == 0
+        assert samples[("tierserve_storage_enabled", ())] == 1
+        assert samples[("tierserve_tier_offloaded_bytes_total", ())] > 0
+        info = await (await client.get("/server_info")).json()
+        assert info["storage"]["backend_stats"]["pages"] >= 16 and info["storage"]["max_bytes"] == 8 << 30
+        snapshot = engine.snapshot()
+        assert any(node["stored"] for node in snapshot)  # the inspector sees what is in storage
