@@ -69,22 +69,34 @@ class HostStatePool(PooledIds):
     def state_bytes(self, slot: int) -> bytes:
         """The slot's bytes in canonical order. Reads only."""
         self._check_slot(slot)
-        return b"".join(tensor_bytes(t[slot]) for t in self.tensors())
+        return slot_to_bytes(self.tensors(), slot)
 
     def load_state_bytes(self, slot: int, data: bytes | bytearray | memoryview) -> None:
         """Overwrite one slot from `state_bytes` output; a length mismatch raises first."""
         self._check_slot(slot)
-        raw = tensor_from_bytes(data, self.bytes_per_slot, "a host state slot")
-        offset = 0
-        for t in self.tensors():
-            n = t[slot].nbytes
-            # clone: a segment may start off the alignment its dtype's view needs.
-            t[slot].copy_(raw[offset : offset + n].clone().view(t.dtype).view(t[slot].shape))
-            offset += n
+        slot_from_bytes(self.tensors(), slot, data, self.bytes_per_slot)
 
     def _check_slot(self, slot: int) -> None:
         if not 0 < slot < self.num_slots:
             raise IndexError(f"host state slot {slot} is reserved or out of range [1, {self.num_slots})")
+
+
+def slot_to_bytes(tensors: Sequence[torch.Tensor], slot: int) -> bytes:
+    """One slot of per-slot `tensors` (canonical order: `StatePool.tensors()`,
+    `HostStatePool.tensors()`) as bytes: what the storage tier keeps for a state."""
+    return b"".join(tensor_bytes(t[slot]) for t in tensors)
+
+
+def slot_from_bytes(tensors: Sequence[torch.Tensor], slot: int, data: bytes | bytearray | memoryview, size: int) -> None:
+    """Overwrite one slot from `slot_to_bytes` output; ValueError on a length mismatch,
+    before anything is written."""
+    raw = tensor_from_bytes(data, size, "a state slot")
+    offset = 0
+    for t in tensors:
+        n = t[slot].nbytes
+        # clone: a segment may start off the alignment its dtype's view needs.
+        t[slot].copy_(raw[offset : offset + n].clone().view(t.dtype).view(t[slot].shape))
+        offset += n
 
 
 def _state_pairs(

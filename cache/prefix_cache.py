@@ -162,13 +162,15 @@ class PrefixCache(ABC):
         raise ValueError(f"{type(self).__name__} has no host tier")
 
     def insert_host(
-        self, tokens: Sequence[int], host_pages: Sequence[int], namespace: str | None = None
+        self, tokens: Sequence[int], host_pages: Sequence[int], namespace: str | None = None,
+        state_slot: int | None = None,
     ) -> tuple[TreeNode | None, list[int]]:
         """Tiered: cache `tokens` (whole pages) whose last `len(host_pages)` pages the
         caller filled host pages with (from storage); the cache takes those it has no
         pages for yet and returns (the new host-only entry or None, the caller's host
-        pages it did not take, for the caller to free). Caches without a host tier raise
-        ValueError (the caller still owns `host_pages`)."""
+        pages it did not take, for the caller to free). Hybrid caches take `state_slot`
+        (the state after all of `tokens`) with a new entry, else the caller keeps it.
+        Caches without a host tier raise ValueError (the caller still owns everything)."""
         raise ValueError(f"{type(self).__name__} has no host tier")
 
     def restore(self, host_node: TreeNode, device_pages: Sequence[int]) -> None:

@@ -283,7 +283,8 @@ class HostTierMixin:
         self._require_host().mark(node, host_pages, self.page_size)
 
     def insert_host(
-        self, tokens: Sequence[int], host_pages: Sequence[int], namespace: str | None = None
+        self, tokens: Sequence[int], host_pages: Sequence[int], namespace: str | None = None,
+        state_slot: int | None = None,
     ) -> tuple[TreeNode | None, list[int]]:
         """Tiered trees: cache `tokens` (whole pages) whose last `len(host_pages)` pages
         the engine filled host pages with itself (a storage fetch), in order.
@@ -293,14 +294,19 @@ class HostTierMixin:
         rest, pages the tree already holds keep the tree's copy; the remaining ones become
         one new host-only leaf, marked `stored`, below the deepest node matched (host-only
         under anything keeps the top-subtree invariant). Returns (that leaf or None, the
-        caller's host pages not taken, for the caller to free). Dense trees only (a hybrid
-        leaf needs its state slot). Raises ValueError, changing nothing, unless `tokens`
-        are whole pages and `host_pages` distinct nonzero ids, at most one per page. May
-        change: nodes, host pages owned; emits BlockStored (medium "host").
+        caller's host pages not taken, for the caller to free). Hybrid trees need
+        `state_slot`, the state after all of `tokens` (a host-only leaf a request cannot
+        resume at is useless): the new leaf takes it; without a new leaf the caller keeps
+        it. Raises ValueError, changing nothing, unless `tokens` are whole pages and
+        `host_pages` distinct nonzero ids, at most one per page, and `state_slot` is given
+        exactly on hybrid trees. May change: nodes, host pages and state slots owned; emits
+        BlockStored (medium "host") and StateStored.
         """
         host, ps = self._require_host(), self.page_size
-        if self._states is not None:
-            raise ValueError("insert_host on a hybrid tree: a host-only leaf needs its state slot")
+        if (self._states is None) != (state_slot is None):
+            raise ValueError("insert_host takes a state slot on a hybrid tree, and only there")
+        if self._states is not None and state_slot is not None:
+            self._states.check_slot(state_slot, len(tokens))
         total = len(tokens) // ps
         if len(tokens) % ps or len(host_pages) > total:
             raise ValueError(f"{len(tokens)} tokens and {len(host_pages)} host pages are not whole pages")
@@ -316,6 +322,8 @@ class HostTierMixin:
         leaf = self._new_leaf(parent, toks[have * ps :], [], namespace, 0)
         leaf.stored = True
         host.mark_new(leaf, host_pages[have - first :])
+        if self._states is not None and state_slot is not None:
+            self._states.attach(leaf, state_slot, len(toks))
         hashes, keys, parent_hash = list(leaf.hashes), list(leaf.key), parent.hash
         self._events.emit(lambda: [BlockStored(hashes, parent_hash, keys, ps, medium="host")])
         return leaf, list(host_pages[: have - first])

@@ -103,5 +103,11 @@ class StatePool(PooledIds):
             raise KeyError(f"state layer {layer} is conv-only; it has no recurrent state")
         return t
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every per-slot tensor in canonical order (layer by layer: conv, then recurrent
+        if any), the order of a slot's bytes in storage (cache/host_state_pool.py)."""
+        pairs = zip(self.conv, self.recurrent, strict=True)
+        return [t for conv, rec in pairs for t in (conv, rec) if t is not None]
+
     def _tensors(self) -> list[torch.Tensor]:
         return self.conv + [t for t in self.recurrent if t is not None]

@@ -97,7 +97,7 @@ def build_components(config: Config, device: torch.device) -> Components:
     if host_pool is not None:
         prefix.host = _host_tier(config, cache, pool, host_pool, allocator, table, device)
         if config.hicache.storage != "none":
-            prefix.host.storage = _storage_tier(config, cache, pool, host_pool, prefix.host.prefetch, model_id)
+            prefix.host.storage = _storage_tier(config, cache, pool, host_pool, prefix.host.prefetch, model_id, states)
     return Components(
         runner=ModelRunner(model, pool, attention, states),
         scheduler=Scheduler(
@@ -161,12 +161,11 @@ def _host_tier(
 
 
 def _storage_tier(
-    config: Config, cache: PrefixCache, pool: KVPool, host_pool: HostPool, prefetch: PrefetchPolicy, model_id: str
+    config: Config, cache: PrefixCache, pool: KVPool, host_pool: HostPool, prefetch: PrefetchPolicy, model_id: str,
+    states: StatePool | None,
 ) -> StorageTier:
     """The storage backend below the host tier, and the page format its keys name."""
     hc = config.hicache
-    if cache.hybrid:
-        raise ConfigError("hicache.storage does not hold hybrid models' recurrent states yet: set it to none")
     options = dataclasses.asdict(hc)
     backend = registry.lookup("storage", hc.storage).from_options(options)
     fmt = PageFormat(
@@ -175,7 +174,7 @@ def _storage_tier(
         page_size=pool.page_size, num_kv_layers=len(pool.k), kv_heads=pool.k[0].shape[1], head_dim=pool.k[0].shape[2],
     )
     log.info("storage_tier", backend=hc.storage, model_id=model_id, stats=backend.stats())
-    return StorageTier(backend, fmt, cache, host_pool, prefetch, options)
+    return StorageTier(backend, fmt, cache, host_pool, prefetch, options, states)
 
 
 def _free_slots(states: StatePool) -> Callable[[list[int]], None]:

@@ -111,23 +111,22 @@ class HostTier:
             return
         self.tree.lock(node)  # not evicted, and its pages not reused, while they are read
         self.copying[id(node)] = host
-        hashes = list(node.hashes)
-        # The storage write carries the page bytes, read here while the copy owns the host
-        # pages: a queued write then depends on nothing the tree may evict meanwhile.
-        payloads: list[bytes] | None = [] if self.storage is not None and self.storage.wants(node) else None
+        # The storage write carries the page bytes, read by the copy job while the copy owns
+        # the host pages: a queued write then depends on nothing the tree may evict meanwhile.
+        capture = self.storage.capture(node, host) if self.storage is not None else None
+        items: list[tuple[str, bytes]] = []
 
         def job() -> int:
             copied = offload(self.kv_pool, pages, self.host_pool, host)
-            if payloads is not None:
-                payloads.extend(self.host_pool.page_bytes(p) for p in host)
+            if capture is not None:
+                items.extend(capture())
             return copied
 
         fut = self.worker.submit_copy(job)
-        fut.add_done_callback(lambda f: self._copied(node, pages, host, f, hashes, payloads))
+        fut.add_done_callback(lambda f: self._copied(node, pages, host, f, items))
 
     def _copied(
-        self, node: Any, pages: list[int], host: list[int], fut: asyncio.Future[int],
-        hashes: list[int], payloads: list[bytes] | None,
+        self, node: Any, pages: list[int], host: list[int], fut: asyncio.Future[int], items: list[tuple[str, bytes]],
     ) -> None:
         del self.copying[id(node)]
         ok = not fut.cancelled() and fut.exception() is None
@@ -136,8 +135,8 @@ class HostTier:
         if ok and node.pages == pages and node.host_pages is None:
             self.tree.mark_host(node, host)
             self.counters.offloaded_pages += len(pages)
-            if payloads and self.storage is not None:
-                self.storage.write(node, hashes, payloads)
+            if items and self.storage is not None:
+                self.storage.write(node, items)
         else:
             self.host_pool.free(host)
             self.counters.failures["copy" if not ok else "copy_revoked"] += 1

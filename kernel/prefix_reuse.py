@@ -77,9 +77,8 @@ class PrefixReuse:
         if storage is None:
             return False
 
-        def matched_pages() -> int:
-            found = self.probe(req)
-            return (found.length + found.host_length) // self.page_size
+        def matched_pages() -> int:  # on any tier; hybrid: also KV whose state is not cached
+            return self.probe(req).kv_length // self.page_size
 
         return storage.wait(req, lambda: self._matchable(req), matched_pages)
 

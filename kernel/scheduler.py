@@ -387,6 +387,8 @@ class Scheduler:
             return []
         pool = self.hybrid.pool
         own = self.hybrid.own_slots(self.running)
+        if self.prefix.host is not None and self.prefix.host.storage is not None:
+            own += self.prefix.host.storage.held_states()  # storage fetches fill them
         if len(own) != len(set(own)):
             raise IntegrityError(f"a state slot is owned by two requests: {sorted(own)}")
         cached = self.prefix.cache.total_states

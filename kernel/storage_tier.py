@@ -1,7 +1,12 @@
-"""The storage tier as the scheduler sees it (dense models): below the host tier, host
-copies are also written to a storage backend (cache/storage/, registry kind `storage`),
-and a request whose prefix is in storage but not in the tree has it fetched into host
-pages before it is admitted — from there the host tier loads it back like any host hit.
+"""The storage tier as the scheduler sees it: below the host tier, host copies are also
+written to a storage backend (cache/storage/, registry kind `storage`), and a request
+whose prefix is in storage but not in the tree has it fetched into host pages before it
+is admitted — from there the host tier loads it back like any host hit.
+
+Hybrid models: a node's recurrent state is written with its last page, under that page's
+chained hash in a state format (it is only valid at exactly that position); a fetch
+stops at the deepest page that has one, and the state comes back into a state slot the
+new host-only node takes.
 
 Storage outlives the process and may be shared by servers (redis), so the tree does not
 know what it holds: a request probes it (`exists_prefix` over the chained keys of its
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import hashlib
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -36,7 +42,10 @@ import torch
 from cache.copy_worker import CopyWorker
 from cache.host_pool import HostPool
 from cache.prefix_cache import PrefixCache
-from cache.storage import PageFormat, StorageBackend, keys_for_hashes, page_keys
+from cache.host_state_pool import slot_from_bytes, slot_to_bytes
+from cache.kv_events import page_hashes
+from cache.state_pool import StatePool
+from cache.storage import PageFormat, StorageBackend, keys_for_hashes
 from cache.storage.base import outages_in_this_thread
 from kernel.request import Request
 from kernel.tier_policy import PrefetchPolicy
@@ -53,8 +62,10 @@ class Fetch:
     namespace: str | None
     first: int  # pages the tree matched when the fetch started
     keys: list[str]  # storage keys of pages first, first + 1, ...
+    state_keys: list[str]  # hybrid: keys of the states after those pages ([] for dense models)
     deadline: float
     host_pages: list[int] = field(default_factory=list)  # filled by the read; the fetch's own
+    state_slot: int | None = None  # hybrid: the state slot the read fills; the fetch's own
 
 
 @dataclass
@@ -68,16 +79,18 @@ class StorageTierCounters:
     prefetch: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("issued", "completed", "revoked", "timed_out", "empty"), 0))
     failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
-        ("timeout", "error", "host_full", "queue_full", "bad_page"), 0))
+        ("timeout", "error", "host_full", "states_full", "queue_full", "bad_page"), 0))
 
 
 class StorageTier:
     def __init__(
         self, backend: StorageBackend, fmt: PageFormat, tree: PrefixCache, host_pool: HostPool,
-        prefetch: PrefetchPolicy, options: Mapping[str, Any],
+        prefetch: PrefetchPolicy, options: Mapping[str, Any], states: StatePool | None = None,
     ) -> None:
         self.backend = backend
         self.fmt = fmt
+        self.states = states  # hybrid models: the state pool states are read from and into
+        self.state_fmt = dataclasses.replace(fmt, layout=f"recurrent_state.{len(states.layers)}") if states else None
         self.tree = tree
         self.host_pool = host_pool
         self.prefetch = prefetch
@@ -101,19 +114,39 @@ class StorageTier:
         """Whether a node getting a host copy should be written to storage too."""
         return self.enabled and not node.stored
 
-    def write(self, node: Any, hashes: Sequence[int], payloads: list[bytes]) -> None:
-        """Queue the pages of `node` (their chained hashes and bytes) for storage."""
-        size = sum(len(p) for p in payloads)
+    def capture(self, node: Any, host_pages: list[int]) -> Callable[[], list[tuple[str, bytes]]] | None:
+        """For a host copy of `node` into `host_pages` starting now: None if storage does
+        not want it, else a function for the copy worker to call once the copy is done,
+        while the copy still owns the host pages (and the lock keeps the node's state
+        slot): the (key, bytes) items to `write`. A queued write then holds nothing."""
+        if not self.wants(node):
+            return None
+        keys = keys_for_hashes(node.hashes, self.fmt)
+        slot = node.state_slot if self.states is not None else None
+        state_key = keys_for_hashes([node.hash], self.state_fmt)[0] if slot is not None and self.state_fmt else None
+        states = self.states
+
+        def items() -> list[tuple[str, bytes]]:
+            out = [(key, self.host_pool.page_bytes(page)) for key, page in zip(keys, host_pages, strict=True)]
+            if state_key is not None and states is not None and slot is not None:
+                out.append((state_key, slot_to_bytes(states.tensors(), slot)))  # after its pages
+            return out
+
+        return items
+
+    def write(self, node: Any, items: list[tuple[str, bytes]]) -> None:
+        """Queue `node`'s captured items for storage (from the writer thread)."""
+        size = sum(len(data) for _, data in items)
         if not self.enabled:
             return
         if self.queued_bytes + size > self.queue_limit:
             self.counters.failures["queue_full"] += 1  # storage cannot keep up: skip, never block
             return
-        items = list(zip(keys_for_hashes(hashes, self.fmt), payloads, strict=True))
         self.queued_bytes += size
         self.writes += 1
+        hashes = set(node.hashes)  # now: a split meanwhile changes the node's
         fut = self.writer.submit(lambda: self._call(lambda: self.backend.set_pages(items)))
-        fut.add_done_callback(lambda f: self._written(node, set(hashes), len(items), size, f))
+        fut.add_done_callback(lambda f: self._written(node, hashes, len(items), size, f))
 
     def _written(self, node: Any, hashes: set[int], n: int, size: int, fut: asyncio.Future[Any]) -> None:
         self.queued_bytes -= size
@@ -147,15 +180,28 @@ class StorageTier:
         return self._start(req, toks, first)
 
     def _start(self, req: Request, tokens: list[int], first: int) -> bool:
-        keys = page_keys(tokens, self.fmt, req.namespace)[first:]
+        hashes = page_hashes(tokens, self.page_size, req.namespace)[first:]
+        keys = keys_for_hashes(hashes, self.fmt)
+        state_keys = keys_for_hashes(hashes, self.state_fmt) if self.state_fmt is not None else []
         budget = min(self.prefetch.budget_s(len(keys) * self.page_size), self.timeout_s)
-        fetch = Fetch(req if budget > 0 else None, tokens, req.namespace, first, keys, time.monotonic() + budget)
+        fetch = Fetch(req if budget > 0 else None, tokens, req.namespace, first, keys, state_keys,
+                      time.monotonic() + budget)
         req.storage_fetch = fetch if budget > 0 else None
         self.fetches.append(fetch)
         self.counters.prefetch["issued"] += 1
-        fut = self._read(lambda: self.backend.exists_prefix(keys))
+        fut = self._read(lambda: self._probe(keys, state_keys))
         fut.add_done_callback(lambda f: self._probed(fetch, f))
         return fetch.req is not None
+
+    def _probe(self, keys: list[str], state_keys: list[str]) -> int:
+        """Reader thread: how many of `keys` to fetch — the stored prefix, or for hybrid
+        models the deepest page of it whose state is stored too (0 if none)."""
+        n = self.backend.exists_prefix(keys)
+        if not state_keys:
+            return n
+        while n and not self.backend.exists_prefix([state_keys[n - 1]]):
+            n -= 1
+        return n
 
     def _read(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
         loop = asyncio.get_running_loop()
@@ -174,8 +220,25 @@ class StorageTier:
             return
         fetch.host_pages = host
         keys = fetch.keys[: len(host)]
-        read = self._read(lambda: self._fill(keys, host))
+        state_key = None
+        if fetch.state_keys:
+            if len(host) < n or (slot := self._state_slot()) is None:
+                self.counters.failures["states_full" if len(host) == n else "host_full"] += 1
+                self.host_pool.free(host)
+                fetch.host_pages = []
+                self._finish(fetch, "empty")
+                return
+            fetch.state_slot, state_key = slot, fetch.state_keys[n - 1]
+        read = self._read(lambda: self._fill(keys, host, state_key, fetch.state_slot))
         read.add_done_callback(lambda f: self._filled(fetch, f))
+
+    def _state_slot(self) -> int | None:
+        """A free state slot for a hybrid fetch, evicting an unlocked cached one if needed."""
+        assert self.states is not None
+        slot = self.states.allocate()
+        if slot is None and self.tree.evict_states(1):
+            slot = self.states.allocate()
+        return slot
 
     def _host_pages(self, n: int) -> list[int]:
         """Up to `n` host pages, evicting unlocked host copies for them if needed."""
@@ -184,29 +247,46 @@ class StorageTier:
             self.tree.evict_host(n - pool.num_free)
         return pool.allocate(min(n, pool.num_free)) or []
 
-    def _fill(self, keys: list[str], host: list[int]) -> tuple[int, int]:
-        """Reader thread: get the pages and copy the leading good ones into `host`;
-        returns (pages filled, pages that came back but did not fit a host page)."""
-        payloads = self.backend.get_pages(keys)
-        for i, data in enumerate(payloads):
+    def _fill(self, keys: list[str], host: list[int], state_key: str | None, slot: int | None) -> tuple[int, int]:
+        """Reader thread: get the pages (and the state after the last, hybrid models) and
+        copy the leading good pages into `host` (the state into `slot`); returns (pages
+        filled, pages that came back but did not fit). Hybrid: all or nothing, since the
+        state only fits after the last page."""
+        payloads = self.backend.get_pages([*keys, state_key] if state_key is not None else keys)
+        filled, bad = len(keys), 0
+        for i, data in enumerate(payloads[: len(keys)]):
             if data is None:
-                return i, 0
+                filled = i
+                break
             try:
                 self.host_pool.load_bytes(host[i], data)
             except ValueError:  # verified by its checksum, yet not a page of this format
-                return i, 1
-        return len(payloads), 0
+                filled, bad = i, 1
+                break
+        if state_key is None or slot is None or self.states is None:
+            return filled, bad
+        state = payloads[-1]
+        if filled < len(keys) or state is None:
+            return 0, bad
+        try:
+            slot_from_bytes(self.states.tensors(), slot, state, self.states.bytes_per_slot)
+        except ValueError:
+            return 0, 1
+        return filled, 0
 
     def _filled(self, fetch: Fetch, fut: asyncio.Future[Any]) -> None:
         (k, bad), ok = self._result(fut, (0, 0))
         self._outcome(ok)
         self.counters.failures["bad_page"] += bad
         host, fetch.host_pages = fetch.host_pages, []
+        slot, fetch.state_slot = fetch.state_slot, None
         taken = 0
         if k:
             end = (fetch.first + k) * self.page_size
-            _, dupes = self.tree.insert_host(fetch.tokens[:end], host[:k], fetch.namespace)
+            leaf, dupes = self.tree.insert_host(fetch.tokens[:end], host[:k], fetch.namespace, state_slot=slot)
             taken = k - len(dupes)
+            if leaf is not None:
+                slot = None  # the new node took it
             self.host_pool.free(dupes + host[k:])
             if fetch.req is not None and taken:
                 fetch.req.storage_span = (end - taken * self.page_size, end)
@@ -214,6 +294,8 @@ class StorageTier:
             self.counters.read_bytes += k * self.host_pool.bytes_per_page
         else:
             self.host_pool.free(host)
+        if slot is not None and self.states is not None:
+            self.states.free(slot)
         self._finish(fetch, "completed" if taken else ("revoked" if k else "empty"))
 
     def _finish(self, fetch: Fetch, outcome: str) -> None:
@@ -276,6 +358,10 @@ class StorageTier:
 
     def held_host_pages(self) -> list[int]:
         return [p for fetch in self.fetches for p in fetch.host_pages]
+
+    def held_states(self) -> list[int]:
+        """State slots hybrid fetches in flight fill (theirs until the tree takes them)."""
+        return [fetch.state_slot for fetch in self.fetches if fetch.state_slot is not None]
 
     def stats(self) -> dict[str, Any]:
         c = self.counters

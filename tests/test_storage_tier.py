@@ -108,8 +108,9 @@ def test_red_pages_written_under_the_wrong_keys(
 
     real = storage_mod.StorageTier.write
 
-    def swapped(self: Any, node: Any, hashes: list[int], payloads: list[bytes]) -> None:
-        real(self, node, hashes, payloads[::-1])  # planted: each page's bytes under another key
+    def swapped(self: Any, node: Any, items: list[tuple[str, bytes]]) -> None:
+        keys, payloads = zip(*items, strict=True)
+        real(self, node, list(zip(keys, payloads[::-1], strict=True)))  # planted: bytes under another key
 
     monkeypatch.setattr(storage_mod.StorageTier, "write", swapped)
     engine = make(tiny_chat_folder, tmp_path)
@@ -123,17 +124,23 @@ def test_red_pages_written_under_the_wrong_keys(
 
 
 def page_files(root: Path) -> list[Path]:
-    """Stored page files, oldest write first (the prompt's pages in order)."""
-    files = [p for p in root.glob("??/*") if not p.name.startswith(".")]
-    return sorted(files, key=lambda p: p.stat().st_mtime_ns)
+    """Every stored page file."""
+    return [p for p in root.glob("??/*") if not p.name.startswith(".")]
+
+
+def prompt_page_file(engine: Engine, root: Path, index: int) -> Path:
+    """The file of the prompt's page `index` (named by its storage key)."""
+    from cache.storage import page_keys
+
+    key = page_keys(PROMPT, tier(engine).fmt)[index]
+    return root / key[:2] / key
 
 
 def damage_and_rerun(engine: Engine, root: Path, damage: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     ref = engine.generate(PROMPT, GREEDY)
     settle(engine)
-    files = page_files(root)
-    assert len(files) >= 16
-    damage(files[8])  # the ninth page of the prompt (and so everything after it) is unusable
+    assert len(page_files(root)) >= 16
+    damage(prompt_page_file(engine, root, 8))  # the ninth page (and so all after it) is unusable
     warm = engine.generate(PROMPT, GREEDY)
     return ref, warm  # type: ignore[return-value]
 
