@@ -120,7 +120,8 @@ def write_config(path: Path, model: str, **hicache: Any) -> Path:
     config = {
         "model": {"path": model, "num_threads": 1},
         "cache": {"prefix": "radix", "page_size": PAGE, "num_pages": 64},
-        "hicache": {"host_pages": 128, **hicache},
+        # A generous fetch budget: the machine is small and shared; a late fetch is a miss.
+        "hicache": {"host_pages": 128, "storage_timeout_s": 5.0, **hicache},
         "scheduler": {"chunked_prefill_size": 32, "max_num_batched_tokens": 64, "max_running_requests": 8},
         "deterministic": True,
         "debug": {"check_invariants": True},
@@ -129,6 +130,12 @@ def write_config(path: Path, model: str, **hicache: Any) -> Path:
     }
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+def pages_on_disk(root: Path) -> int:
+    """Page files under a `file` tier directory, counted without opening a backend over
+    it (that would remove a live server's temp files: one process owns a directory)."""
+    return sum(1 for p in root.glob("??/*") if not p.name.startswith("."))
 
 
 def logprobs(out: dict[str, Any]) -> list[float]:
@@ -209,7 +216,7 @@ def test_sigterm_drain_flushes_queued_storage_writes(tiny_chat_folder: str, tmp_
     # The request is done, its pages are not on disk yet: their writes are queued (or
     # their host copies, which queue them, are still in flight).
     assert st["queued_bytes"] > 0 or host["host_pages"]["copying"] > 0, (st, host)
-    assert FileBackend(kv, 1 << 30).stats()["pages"] < 16
+    assert pages_on_disk(kv) < 16
 
     second: dict[str, Any] = {}
     prompt_b = tokens(12, 67)
