@@ -203,13 +203,13 @@ def test_two_servers_share_one_redis(tiny_chat_folder: str, tmp_path: Path, proc
 
 def test_sigterm_drain_flushes_queued_storage_writes(tiny_chat_folder: str, tmp_path: Path,
                                                      procs: list[Served]) -> None:
-    """Writes are slow (0.5 s a call): when SIGTERM comes, one request has just finished
+    """Writes are slow (1 s a call): when SIGTERM comes, one request has just finished
     with its pages' writes still queued and another is generating. The drain lets the
     second finish, then flushes every write before the process exits 0."""
     kv = tmp_path / "kv"
     config = write_config(tmp_path / "serve.yaml", tiny_chat_folder, storage="tests.slow_storage:SlowFileBackend",
                           storage_dir=str(kv), storage_flush_timeout_s=30)
-    server = start(procs, config, env={DELAY_ENV: "0.5"})
+    server = start(procs, config, env={DELAY_ENV: "1.0"})
     ref = server.generate(PROMPT)
     info = server.info()
     st, host = info["storage"], info["host"]
