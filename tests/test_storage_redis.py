@@ -5,6 +5,7 @@ if missing): round trips, prefix probes, bad values never served, a dead Redis i
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -118,3 +119,33 @@ def test_a_dead_redis_is_a_miss_never_an_exception() -> None:
         failures = backend.stats()["failures"]
         assert failures["unavailable"] >= 2 and failures["write_error"] == 1
         backend.close()
+
+
+def test_stats_counts_pages_in_few_round_trips(
+    backend: RedisBackend, server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`/server_info` and every `/metrics` scrape call `stats()` on the event loop, so its
+    SCAN must not cost a round trip per page (it did: one STRLEN each, seconds of a
+    blocked loop for a few ten thousand pages)."""
+    import redis
+
+    n = 3000
+    raw = redis.Redis.from_url(server.url)
+    pipe = raw.pipeline(transaction=False)
+    for i in range(n):
+        pipe.set(f"test:{i:040x}", b"v" * (10 + i % 7))
+    pipe.execute()
+    raw.set("other:key", b"not ours")
+    sends = 0
+    real = redis.connection.Connection.send_packed_command
+
+    def counted(self: Any, *args: Any, **kw: Any) -> None:
+        nonlocal sends
+        sends += 1
+        real(self, *args, **kw)
+
+    monkeypatch.setattr(redis.connection.Connection, "send_packed_command", counted)
+    stats = backend.stats()
+    assert stats["pages"] == n and stats["bytes"] == sum(10 + i % 7 for i in range(n))
+    assert sends <= 4 * (n // 1000 + 2), sends  # a SCAN and a pipeline per batch, not n calls
+    raw.delete("other:key")

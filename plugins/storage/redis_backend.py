@@ -117,12 +117,22 @@ class RedisBackend(StorageBackend):
 
     def stats(self) -> dict[str, Any]:
         """Counters of this process; `pages`/`bytes` are what the server holds under the
-        prefix (a SCAN: an admin action, not for every step)."""
+        prefix (a SCAN: an admin action, not for every step). Each SCAN batch's sizes
+        come in one pipelined round trip: `/server_info` and `/metrics` call this on the
+        event loop."""
         pages = nbytes = 0
         try:
-            for name in self._client.scan_iter(match=self.prefix + "*", count=1000):
-                pages += 1
-                nbytes += int(self._client.strlen(name))
+            cursor = 0
+            while True:
+                cursor, names = self._client.scan(cursor, match=self.prefix + "*", count=1000)
+                if names:
+                    pipe = self._client.pipeline(transaction=False)
+                    for name in names:
+                        pipe.strlen(name)
+                    pages += len(names)
+                    nbytes += sum(int(n) for n in pipe.execute())
+                if not cursor:
+                    break
         except _DOWN:
             pass
         with self._lock:
