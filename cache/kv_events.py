@@ -33,8 +33,10 @@ the copy an event is about: `medium=None` is the device copy (a `BlockStored` wh
 enter the cache, or come back to the device by `restore` / an `insert` over host-only
 nodes) or, on `BlockRemoved`, the block leaving the cache entirely (no copy left: a
 removed node, a host-only leaf dropped by `evict_host`, a device-only node's host-only
-descendants removed with it). `BlockStored(medium="host")` is a host copy landing
-(`mark_host`; a device copy exists). `BlockRemoved(medium="device")` is a device eviction
+descendants removed with it). `BlockStored(medium="host")` is a host copy landing:
+of device pages (`mark_host`; a device copy exists), or of pages new to the cache that a
+storage fetch filled (`insert_host`: a host-only leaf, no device copy, its parent cached
+on either tier or the root). `BlockRemoved(medium="device")` is a device eviction
 of a block that stays matchable from its host copy; `BlockRemoved(medium="host")` a host
 copy evicted while the device copy stays. A `BlockRemoved` then need not be a chain tail:
 a device-evicted block may keep host-only children. Trees without a host tier only

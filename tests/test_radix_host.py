@@ -1,6 +1,7 @@
 """Host-tier residency in the radix tree: write-through copies, device eviction that keeps
 a prefix matchable from host, load-back (`restore`), host eviction, locks, splits of
-host-only nodes, reset, events, and planted bugs the checks must catch.
+host-only nodes, reset, events, pages fetched from storage (`insert_host`), and planted
+bugs the checks must catch.
 
 The harness simulates KV content: every device page and host page records the chained
 hash of the tokens it holds, so a match that lends the wrong page (a host copy on the
@@ -452,6 +453,281 @@ def test_held_host_pages_must_not_be_tree_pages() -> None:
         t.tree.check_integrity(held_host_pages=[host[0]])
     with pytest.raises(TreeIntegrityError, match="twice"):
         t.tree.check_integrity(held_host_pages=[60, 60])
+
+
+# -- insert_host: pages fetched from storage into host pages ----------------------------
+def fetched(t: Tiered, tokens: Sequence[int], first: int, namespace: str | None = None) -> list[int]:
+    """Fresh host pages a storage fetch filled with pages `first`, `first + 1`, ... of
+    `tokens` (the caller's until `insert_host` takes them)."""
+    host = t.host.allocate(len(tokens) // t.ps - first)
+    for h, page_hash in zip(host, page_hashes(tokens, t.ps, namespace)[first:]):
+        t.host_kv[h] = page_hash
+    return host
+
+
+def insert_fetched(
+    t: Tiered, tokens: Sequence[int], first: int, namespace: str | None = None
+) -> tuple[TreeNode | None, list[int], list[int]]:
+    """Fetch pages `first`.. of `tokens` into fresh host pages and `insert_host` them, as
+    the storage tier does; checks the tree while the caller still holds the duplicates,
+    then frees them. Returns (leaf, the host pages fetched, the duplicates)."""
+    host = fetched(t, tokens, first, namespace)
+    leaf, dupes = t.tree.insert_host(tokens, host, namespace)
+    assert len(set(dupes)) == len(dupes) and set(dupes) <= set(host)
+    taken = leaf.host_pages if leaf is not None else []
+    assert sorted([*dupes, *(taken or [])]) == sorted(host), "a host page neither taken nor returned"
+    t.tree.check_integrity(held_host_pages=dupes)
+    t.host.free(dupes)
+    t.check()
+    return leaf, host, dupes
+
+
+def host_stored(events: list[KVEvent]) -> list[BlockStored]:
+    return [e for e in events if isinstance(e, BlockStored) and e.medium == "host"]
+
+
+def test_insert_host_under_the_root_is_a_stored_host_only_leaf() -> None:
+    t = Tiered()
+    tokens = seq(100, 3)
+    leaf, host, dupes = insert_fetched(t, tokens, 0)
+    assert leaf is not None and dupes == []
+    assert leaf.parent is t.tree.root and leaf.key == tuple(tokens) and leaf.tier == "host"
+    assert leaf.host_pages == host and leaf.pages == [] and leaf.stored and leaf.lock_ref == 0
+    assert (t.tree.num_nodes, t.tree.total_pages, t.tree.total_host_pages) == (1, 0, 3)
+    assert t.tree.evictable_host_pages == 3 and t.tree.root.device_children == 0
+    assert leaf.hashes == page_hashes(tokens, 2)
+    hit = t.served(tokens + [7])
+    assert (hit.length, hit.pages, hit.node) == (0, [], t.tree.root)
+    assert (hit.host_length, hit.host_pages, hit.host_node) == (6, host, leaf)
+    assert t.take_events() == [BlockStored(page_hashes(tokens, 2), None, tokens, 2, medium="host")]
+
+
+def test_insert_host_under_a_device_node_then_restore() -> None:
+    t = Tiered()
+    parent = t.put(seq(0, 2)).node
+    tokens = seq(0, 2) + seq(50, 2)
+    t.take_events()
+    leaf, host, dupes = insert_fetched(t, tokens, 2)
+    assert leaf is not None and dupes == [] and leaf.parent is parent and leaf.host_pages == host
+    assert parent.device_children == 0 and parent.is_evictable_leaf, "a host-only child is no device child"
+    assert t.take_events() == [
+        BlockStored(page_hashes(tokens, 2)[2:], parent.hash, seq(50, 2), 2, medium="host")
+    ]
+    hit = t.served(tokens)
+    assert (hit.length, hit.node, hit.pages) == (4, parent, parent.pages)
+    assert (hit.host_length, hit.host_pages, hit.host_node) == (4, host, leaf)
+    loaded = t.load(hit)
+    assert leaf.tier == "device+host" and leaf.pages == loaded and leaf.host_pages == host and leaf.stored
+    assert parent.device_children == 1 and not parent.is_evictable_leaf
+    assert t.take_events() == [BlockStored(leaf.hashes, parent.hash, seq(50, 2), 2)]
+    again = t.served(tokens)
+    assert again.length == 8 and again.host_length == 0 and again.host_node is None
+    t.check()
+    assert t.tree.evict(2) == loaded and leaf.tier == "host"  # the copy keeps it matchable
+    t.check()
+
+
+def test_insert_host_under_a_host_only_node() -> None:
+    t = Tiered()
+    parent = t.put(seq(0, 2)).node
+    parent_host = t.copy(parent)
+    t.tree.evict(1)
+    assert parent.tier == "host" and parent.is_host_candidate
+    tokens = seq(0, 2) + seq(60, 1)
+    leaf, host, dupes = insert_fetched(t, tokens, 2)
+    assert leaf is not None and dupes == [] and leaf.parent is parent and leaf.tier == "host"
+    assert not parent.is_host_candidate, "a host-only node with a child stays until the child goes"
+    hit = t.served(tokens)
+    assert (hit.length, hit.host_length, hit.host_pages) == (0, 6, parent_host + host)
+    assert hit.host_node is leaf
+    loaded = t.load(hit)  # the whole host-only path comes back at once (top subtree)
+    assert parent.pages == loaded[:2] and leaf.pages == loaded[2:]
+    assert (parent.tier, leaf.tier) == ("device+host", "device+host")
+    t.check()
+
+
+def test_insert_host_returns_exactly_the_pages_the_tree_already_holds() -> None:
+    t = Tiered()
+    node = t.put(seq(0, 2)).node
+    tokens = seq(0, 2) + seq(50, 2)
+    leaf, host, dupes = insert_fetched(t, tokens, 0)  # fetched from the start: 2 overlap
+    assert dupes == host[:2] and leaf is not None and leaf.host_pages == host[2:]
+    assert leaf.parent is node and node.host_pages is None, "the tree keeps its own copy"
+    assert t.served(tokens).host_pages == host[2:]
+    assert all(h in t.host.free_list for h in dupes)
+
+
+def test_insert_host_overlapping_into_a_node_splits_it() -> None:
+    t = Tiered()
+    node = t.put(seq(0, 3)).node  # pages [0 1] [2 3] [4 5]
+    tokens = seq(0, 2) + seq(50, 2)  # shares two pages, then diverges
+    t.take_events()
+    leaf, host, dupes = insert_fetched(t, tokens, 1)  # host pages for pages 1, 2, 3
+    upper = node.parent
+    assert upper is not None and upper is not t.tree.root and upper.key == tuple(seq(0, 2))
+    assert dupes == host[:1] and leaf is not None and leaf.host_pages == host[1:] and leaf.parent is upper
+    assert not upper.stored and not node.stored  # only the fetched leaf is known to be stored
+    assert host_stored(t.take_events()) == [
+        BlockStored(page_hashes(tokens, 2)[2:], upper.hash, seq(50, 2), 2, medium="host")
+    ]
+    assert t.served(tokens).host_pages == host[1:]
+
+
+def test_insert_host_with_a_gap_takes_nothing() -> None:
+    t = Tiered()
+    t.put(seq(0, 1))
+    tokens = seq(0, 1) + seq(50, 3)
+    before = (t.tree.snapshot(), t.tree.total_host_pages, t.tree.num_nodes)
+    t.take_events()
+    leaf, host, dupes = insert_fetched(t, tokens, 2)  # page 1 is nowhere in the tree
+    assert leaf is None and dupes == host
+    assert (t.tree.total_host_pages, t.tree.num_nodes) == before[1:] and t.take_events() == []
+    assert t.tree.snapshot() == before[0]
+    assert t.served(tokens).host_length == 0
+
+    # A gap inside a node: the walk still splits it (like a match), nothing is taken.
+    t2 = Tiered()
+    node = t2.put(seq(0, 3)).node
+    tokens = seq(0, 1) + seq(50, 3)
+    leaf, host, dupes = insert_fetched(t2, tokens, 2)
+    assert leaf is None and dupes == host and t2.tree.total_host_pages == 0
+    assert node.parent is not None and t2.served(seq(0, 3)).length == 6
+
+
+def test_insert_host_of_pages_all_present_takes_nothing() -> None:
+    t = Tiered()
+    node = t.put(seq(0, 3)).node
+    t.take_events()
+    leaf, host, dupes = insert_fetched(t, seq(0, 3), 1)
+    assert leaf is None and dupes == host and t.tree.num_nodes == 1 and t.take_events() == []
+    leaf, host, dupes = insert_fetched(t, seq(0, 2), 0)  # a prefix of a node: split, all present
+    assert leaf is None and dupes == host
+    upper = node.parent
+    assert upper is not None and upper.parent is t.tree.root
+    t.copy(upper)
+    t.copy(node)
+    t.tree.evict(10)  # present on host only counts as present too
+    assert t.tree.total_pages == 0 and (upper.tier, node.tier) == ("host", "host")
+    leaf, host, dupes = insert_fetched(t, seq(0, 3), 0)
+    assert leaf is None and dupes == host and t.tree.total_host_pages == 3
+    leaf, dupes = t.tree.insert_host(seq(0, 3), [])  # nothing fetched at all
+    assert (leaf, dupes) == (None, [])
+    t.check()
+
+
+def test_an_inserted_host_leaf_is_a_host_eviction_candidate() -> None:
+    t = Tiered()
+    device = t.put(seq(0, 2)).node
+    tokens = seq(0, 2) + seq(30, 2)
+    leaf, host, _ = insert_fetched(t, tokens, 2)
+    assert leaf is not None and leaf.is_host_candidate and t.tree.evictable_host_pages == 2
+    t.tree.lock(leaf)  # a load-back in flight keeps it
+    assert t.tree.evictable_host_pages == 0 and t.tree.evict_host(5) == [] and leaf.parent is device
+    t.tree.unlock(leaf)
+    hashes = list(leaf.hashes)
+    t.take_events()
+    assert t.tree.evict_host(1) == host
+    assert leaf.parent is None and device.children == {} and t.tree.num_nodes == 1
+    assert t.take_events() == [BlockRemoved(hashes)]  # its last copy: gone from the cache
+    assert t.tree.total_host_pages == 0 and t.host.num_free == t.host.num_usable
+    assert t.served(tokens).host_length == 0
+    t.check()
+
+
+def test_a_device_only_parent_evicted_takes_the_inserted_host_leaf_along() -> None:
+    t = Tiered()
+    parent = t.put(seq(0, 2)).node
+    leaf, host, _ = insert_fetched(t, seq(0, 2) + seq(30, 2), 2)
+    assert leaf is not None
+    t.take_events()
+    assert t.tree.evict(1) == parent.pages
+    assert leaf.parent is None and t.tree.num_nodes == 0 and all(h in t.host.free_list for h in host)
+    assert t.take_events() == [BlockRemoved(parent.hashes + leaf.hashes)]
+    t.check()
+
+
+def test_insert_host_hashes_are_the_storage_keys_in_a_namespace() -> None:
+    t = Tiered()
+    tokens = seq(0, 2) + seq(40, 2)
+    t.put(seq(0, 2), namespace="a")
+    t.take_events()
+    # Another namespace holds nothing of it: a fetch from page 2 has a gap there.
+    leaf, _, dupes = insert_fetched(t, tokens, 2, namespace="b")
+    assert leaf is None and len(dupes) == 2
+    leaf, host, dupes = insert_fetched(t, tokens, 2, namespace="a")
+    assert leaf is not None and dupes == [] and leaf.namespace == "a"
+    assert leaf.hashes == page_hashes(tokens, 2, "a")[2:] != page_hashes(tokens, 2)[2:]
+    (event,) = host_stored(t.take_events())
+    assert event.block_hashes == page_hashes(tokens, 2, "a")[2:]
+    assert event.parent_block_hash == page_hashes(tokens, 2, "a")[1] and event.token_ids == seq(40, 2)
+    assert t.served(tokens, "a").host_pages == host
+    assert t.served(tokens).host_length == 0 and t.served(tokens, "b").host_length == 0
+
+    # Under the root of a namespace: the first page chains from the namespace seed.
+    leaf, host, _ = insert_fetched(t, seq(90, 2), 0, namespace="b")
+    assert leaf is not None and leaf.parent is t.tree.root and leaf.namespace == "b"
+    (event,) = host_stored(t.take_events())
+    assert event.parent_block_hash is None and event.block_hashes == page_hashes(seq(90, 2), 2, "b")
+    assert t.served(seq(90, 2), "b").host_pages == host and t.served(seq(90, 2)).host_length == 0
+
+
+def test_insert_host_refuses_callers_bugs_changing_nothing() -> None:
+    t = Tiered()
+    t.put(seq(0, 2))
+    t.take_events()
+    before = (t.tree.snapshot(), t.tree.total_host_pages, t.tree.num_nodes, t.tree._clock)
+    cases = [
+        (seq(0, 2) + [9], [5], "whole pages"),  # 5 tokens: not whole pages
+        (seq(0, 2), [5, 6, 7], "whole pages"),  # more host pages than pages
+        (seq(0, 2) + seq(20, 2), [0, 5], "reserved"),
+        (seq(0, 2) + seq(20, 2), [5, 5], "distinct"),
+    ]
+    for tokens, host, message in cases:
+        with pytest.raises(ValueError, match=message):
+            t.tree.insert_host(tokens, host)
+        assert (t.tree.snapshot(), t.tree.total_host_pages, t.tree.num_nodes, t.tree._clock) == before
+        assert t.take_events() == []
+        t.tree.check_integrity(held_host_pages=sorted(set(host) - {0}))
+
+    hybrid = Tiered(hybrid=True)
+    hybrid.put(seq(0, 2), state=True)
+    rows = hybrid.tree.snapshot()
+    with pytest.raises(ValueError, match="hybrid"):
+        hybrid.tree.insert_host(seq(0, 2) + seq(20, 1), [5])
+    assert hybrid.tree.snapshot() == rows and hybrid.tree.total_host_pages == 0
+    hybrid.tree.check_integrity(held_host_pages=[5])
+
+    alloc = PageAllocator(8)
+    dense = RadixTree(2, alloc.free, LRU())
+    dense.insert(seq(0, 2), alloc.allocate(2) or [])
+    rows = dense.snapshot()
+    with pytest.raises(ValueError, match="host tier"):
+        dense.insert_host(seq(0, 2) + seq(20, 1), [5])
+    assert dense.snapshot() == rows
+    dense.check_integrity(held_host_pages=[5])
+    with pytest.raises(ValueError, match="host tier"):
+        NoPrefixCache(2).insert_host(seq(0, 1), [5])
+
+
+def test_stored_survives_a_split_and_shows_in_describe() -> None:
+    t = Tiered()
+    leaf, host, _ = insert_fetched(t, seq(0, 4), 0)
+    assert leaf is not None and leaf.describe()["stored"] is True
+    hit = t.served(seq(0, 2))  # ends inside the leaf: split after 2 pages
+    upper = hit.host_node
+    assert upper is not None and upper is leaf.parent and upper is not leaf
+    assert upper.stored and leaf.stored and upper.host_pages == host[:2] and leaf.host_pages == host[2:]
+    rows = {row["id"]: row for row in t.tree.snapshot()}
+    assert rows[upper.id]["stored"] is True and rows[leaf.id]["stored"] is True
+    assert rows[t.tree.root.id]["stored"] is False
+    other = t.put(seq(90, 1)).node
+    assert rows.get(other.id) is None and other.describe()["stored"] is False
+    t.check()
+    # A request that computes the same tokens itself makes the stored leaf device+host.
+    inserted = t.put(seq(0, 4))
+    assert inserted.prefix_len == 0 and (upper.tier, leaf.tier) == ("device+host", "device+host")
+    assert upper.stored and leaf.stored
+    t.check()
 
 
 # -- planted bugs ------------------------------------------------------------------------

@@ -16,8 +16,10 @@ covers exactly its node's key length (invariant 2), and locked slots are still c
 content (each device and host page records the hash of the tokens it holds): copies to
 host land in flight (locked while copying, refused if a split changed the node), device
 and host eviction, and requests that load a matched host part back (lock `host_node`,
-allocate, restore). After every step every device page and host page has exactly one
-owner, every page holds its node's tokens, and matches are device-then-host prefixes.
+allocate, restore), and storage fetches that hand host pages to `insert_host` (from
+before, at or after where a match ended: duplicates, a new stored host-only leaf, or a
+gap that takes nothing). After every step every device page and host page has exactly
+one owner, every page holds its node's tokens, and matches are device-then-host prefixes.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+from hypothesis import event as tally
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -115,8 +118,13 @@ class RadixMachine(RuleBasedStateMachine):
         self.unchecked.clear()
         for event in events:
             if isinstance(event, BlockStored) and event.medium == "host":
-                assert self.HOST and self.cached_hashes.issuperset(event.block_hashes)
-                assert self.host_hashes.isdisjoint(event.block_hashes)
+                assert self.HOST and self.host_hashes.isdisjoint(event.block_hashes)
+                if self.cached_hashes.isdisjoint(event.block_hashes):  # insert_host: a new host-only leaf
+                    parent = event.parent_block_hash
+                    assert parent is None or parent in self.cached_hashes | self.host_hashes
+                    assert len(event.token_ids) == len(event.block_hashes) * event.block_size
+                else:  # mark_host: a copy of device pages
+                    assert self.cached_hashes.issuperset(event.block_hashes)
                 self.host_hashes.update(event.block_hashes)
             elif isinstance(event, BlockStored):
                 assert event.medium is None
@@ -616,6 +624,74 @@ class HostRadixMachine(RadixMachine):
     @rule(num_pages=st.integers(0, 12))
     def evict_host(self, num_pages: int) -> None:
         self.checked_evict_host(num_pages)
+
+    @rule(
+        num_pages=page_counts,
+        pool=token_pools,
+        namespace=namespaces,
+        pick=picks,
+        from_node=st.booleans(),
+        shift=st.integers(-3, 2),
+    )
+    def fetch_from_storage(
+        self, num_pages: int, pool: list[int], namespace: str | None, pick: int, from_node: bool, shift: int
+    ) -> None:
+        """A storage fetch: a match ends, the pages from `shift` pages past its end (before
+        it: overlapping what the tree has; after it: a gap) land in fresh host pages (host
+        copies evicted for them if needed, which may cut the match short), and
+        `insert_host` takes those the tree lacks as one stored host-only leaf; the
+        duplicates go back to the free list. Tokens extend a random node's path or are
+        fresh (sharing prefixes by the tiny alphabet)."""
+        nodes = sorted(self.tree.nodes(), key=lambda n: n.id)
+        tokens = self.tokens(num_pages, pool)
+        if from_node and nodes:
+            walk: TreeNode | None = nodes[pick % len(nodes)]
+            namespace = walk.namespace if walk is not None else None
+            path: list[int] = []
+            while walk is not None and walk.parent is not None:
+                path[:0] = walk.key
+                walk = walk.parent
+            tokens = path + tokens[: (pick % 3) * self.ps]  # 0-2 pages past it (0: all present)
+        total = len(tokens) // self.ps
+        hit = self.tree.match(tokens, namespace)  # where the scheduler saw the prefix end
+        self.served(hit, tokens, namespace)
+        first = min(max(hit.kv_length // self.ps + shift, 0), total)
+        need = total - first
+        if len(self.host_pool) < need:
+            self.checked_evict_host(need - len(self.host_pool))
+        if len(self.host_pool) < need:
+            return  # locked copies hold the host pool: no fetch now
+        host = [self.host_pool.pop() for _ in range(need)]
+        hashes = page_hashes(tokens, self.ps, namespace)
+        for h, page_hash in zip(host, hashes[first:]):
+            self.host_kv[h] = page_hash
+        have = self.tree.match(tokens, namespace, touch=False).kv_length // self.ps
+        nodes_before, host_before = self.tree.num_nodes, self.tree.total_host_pages
+        leaf, dupes = self.tree.insert_host(tokens, host, namespace)
+        tally(f"insert_host: {'gap' if have < first else 'all present' if have == total else 'taken'}")
+        if leaf is not None and dupes:
+            tally("insert_host: taken, with duplicates")
+        if leaf is not None and leaf.parent is not None and leaf.parent.parent is not None:
+            tally(f"insert_host: taken under a {leaf.parent.tier} node")
+        if have < first or have == total:  # a gap, or nothing new
+            assert leaf is None and dupes == host
+            assert (self.tree.num_nodes, self.tree.total_host_pages) == (nodes_before, host_before)
+        else:
+            assert leaf is not None and dupes == host[: have - first]
+            assert leaf.host_pages == host[have - first :] and leaf.pages == [] and leaf.stored
+            assert leaf.key == tuple(tokens[have * self.ps :]) and leaf.hashes == hashes[have:]
+            assert leaf.namespace == namespace and not leaf.children and leaf.lock_ref == 0
+            assert self.tree.num_nodes == nodes_before + 1
+            assert self.tree.total_host_pages == host_before + total - have
+        in_flight = [h for c in self.copies for h in c.host]
+        self.tree.check_integrity(
+            held_pages=[p for r in self.requests for p in r.owned], held_host_pages=in_flight + dupes
+        )
+        self.host_free(dupes)
+        after = self.tree.match(tokens, namespace, touch=False)
+        self.served(after, tokens, namespace)
+        if leaf is not None:
+            assert after.kv_length == len(tokens) and after.host_node is leaf
 
     @rule(num_pages=page_counts, pool=token_pools, namespace=namespaces, touch=st.booleans())
     def probe(self, num_pages: int, pool: list[int], namespace: str | None, touch: bool) -> None:
