@@ -322,9 +322,11 @@ class AsyncEngine:
         deadline = loop.time() + self.config.hicache.storage_flush_timeout_s
         while self.host.copying and loop.time() < deadline:
             await asyncio.sleep(0.002)
-        self.host.worker.shutdown(wait=True, timeout=max(deadline - loop.time(), 0.1))
+        worker = self.host.worker
+        await loop.run_in_executor(None, lambda: worker.shutdown(wait=True, timeout=max(deadline - loop.time(), 0.1)))
         if self.storage is not None:
-            flushed = await loop.run_in_executor(None, self.storage.close)
+            storage, left = self.storage, max(deadline - loop.time(), 0.1)  # one budget for both
+            flushed = await loop.run_in_executor(None, lambda: storage.close(left))
             log.info("storage_flushed", complete=flushed, pages_written=self.storage.counters.written_pages)
 
     def _halt(self, exc: BaseException) -> None:

@@ -52,6 +52,8 @@ from kernel.tier_policy import PrefetchPolicy
 
 log = structlog.get_logger("tierserve")
 
+STATS_MAX_AGE_S = 1.0
+
 
 @dataclass(eq=False)
 class Fetch:
@@ -108,6 +110,12 @@ class StorageTier:
         self.queued_bytes = 0
         self.counters = StorageTierCounters()
         self.wake: Callable[[], None] = lambda: None  # the step loop's, set by the engine
+        # NOTE: a backend's stats() may be slow (redis: a SCAN), and stats() runs on the
+        # loop for every /metrics scrape: unless it is cheap, it is refreshed on a reader
+        # thread, at most every STATS_MAX_AGE_S, and served from here.
+        self.backend_stats: dict[str, Any] = backend.stats()
+        self._stats_refreshing = False
+        self._stats_time = time.monotonic()
 
     # ---- writes ---------------------------------------------------------------------
     def wants(self, node: Any) -> bool:
@@ -364,22 +372,47 @@ class StorageTier:
         return [fetch.state_slot for fetch in self.fetches if fetch.state_slot is not None]
 
     def stats(self) -> dict[str, Any]:
+        """The tier's counters and the backend's stats (a slow backend's: the last ones,
+        at most STATS_MAX_AGE_S old plus one refresh, never fetched on the calling
+        thread). Changes nothing else."""
+        self._refresh_backend_stats()
         c = self.counters
         return {
-            "backend": type(self.backend).__name__, "enabled": self.enabled, "backend_stats": self.backend.stats(),
+            "backend": type(self.backend).__name__, "enabled": self.enabled, "backend_stats": self.backend_stats,
             "hit_tokens": c.hit_tokens, "written_pages": c.written_pages, "written_bytes": c.written_bytes,
             "read_pages": c.read_pages, "read_bytes": c.read_bytes, "queued_bytes": self.queued_bytes,
             "switched_off": c.switched_off, "prefetch": dict(c.prefetch), "failures": dict(c.failures),
             "max_bytes": getattr(self.backend, "max_bytes", None),
         }
 
-    def close(self) -> bool:
-        """Finish the writes already queued (within `storage_flush_timeout_s`), drop
-        reads, release the backend. True if every queued write landed. Blocks."""
-        flushed = self.writer.shutdown(wait=True, timeout=self.flush_timeout_s)
+    def _refresh_backend_stats(self) -> None:
+        if self.backend.cheap_stats:
+            self.backend_stats = self.backend.stats()
+            return
+        if self._stats_refreshing or time.monotonic() - self._stats_time < STATS_MAX_AGE_S:
+            return
+        self._stats_refreshing = True
+
+        def refresh() -> None:
+            try:
+                self.backend_stats = self.backend.stats()  # one reference swap: atomic
+            finally:
+                self._stats_time, self._stats_refreshing = time.monotonic(), False
+
+        try:
+            self.reader.submit(refresh)
+        except RuntimeError:  # shut down
+            self._stats_refreshing = False
+
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Finish the writes already queued (within `timeout_s`, default
+        `storage_flush_timeout_s`), drop reads, release the backend. True if every queued
+        write landed. Blocks: call it off the loop."""
+        timeout = self.flush_timeout_s if timeout_s is None else timeout_s
+        flushed = self.writer.shutdown(wait=True, timeout=timeout)
         self.reader.shutdown(wait=False, cancel_futures=True)
         if not flushed:
-            log.warning("storage_flush_incomplete", timeout_s=self.flush_timeout_s)
+            log.warning("storage_flush_incomplete", timeout_s=timeout)
         self.backend.close()
         return flushed
 

@@ -190,7 +190,11 @@ def test_two_servers_share_one_redis(tiny_chat_folder: str, tmp_path: Path, proc
         ref = a.generate(PROMPT)
         assert ref["meta_info"]["cached_tokens"] == 0
         a.wait_stored()
-        assert b.storage()["backend_stats"]["pages"] >= 16  # B sees what A wrote
+        # B sees what A wrote (redis stats are refreshed in the background: poll).
+        deadline = time.monotonic() + 10
+        while b.storage()["backend_stats"]["pages"] < 16 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert b.storage()["backend_stats"]["pages"] >= 16
 
         out = b.generate(PROMPT)
         tiers = out["meta_info"]["cached_tokens_by_tier"]

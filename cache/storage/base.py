@@ -22,7 +22,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 # Why a page was not served, or not kept. `missing`: not stored (or vanished);
 # `truncated`: shorter than its header says; `corrupt`: bad magic/version/key/checksum;
@@ -86,6 +86,11 @@ class StorageCounters:
 
 class StorageBackend(ABC):
     """Pages of bytes by storage key. See the module docstring for the shared contract."""
+
+    # Whether `stats()` is cheap enough to call on the event loop for every metrics
+    # scrape (an in-memory index); False (a server round trip) makes the engine refresh
+    # it in the background instead.
+    cheap_stats: ClassVar[bool] = True
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> StorageBackend:

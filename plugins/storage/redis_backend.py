@@ -29,6 +29,7 @@ _DOWN = (redis.ConnectionError, redis.TimeoutError)
 
 @register("storage", "redis")
 class RedisBackend(StorageBackend):
+    cheap_stats = False  # pages/bytes come from a SCAN of the server
     def __init__(self, redis_url: str, prefix: str = "tierserve:kv:", timeout_s: float = 1.0) -> None:
         if not redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise StorageError(f"redis_url must be redis://, rediss:// or unix://, got {redis_url!r}")
