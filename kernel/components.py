@@ -174,7 +174,8 @@ def _storage_tier(
         page_size=pool.page_size, num_kv_layers=len(pool.k), kv_heads=pool.k[0].shape[1], head_dim=pool.k[0].shape[2],
     )
     log.info("storage_tier", backend=hc.storage, model_id=model_id, stats=backend.stats())
-    return StorageTier(backend, fmt, cache, host_pool, prefetch, options, states)
+    grid = config.cache.state_track_interval // config.cache.page_size if states is not None else 1
+    return StorageTier(backend, fmt, cache, host_pool, prefetch, options, states, grid)
 
 
 def _free_slots(states: StatePool) -> Callable[[list[int]], None]:

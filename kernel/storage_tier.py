@@ -88,10 +88,12 @@ class StorageTier:
     def __init__(
         self, backend: StorageBackend, fmt: PageFormat, tree: PrefixCache, host_pool: HostPool,
         prefetch: PrefetchPolicy, options: Mapping[str, Any], states: StatePool | None = None,
+        grid_pages: int = 1,
     ) -> None:
         self.backend = backend
         self.fmt = fmt
         self.states = states  # hybrid models: the state pool states are read from and into
+        self.grid_pages = grid_pages  # hybrid models: states exist only every this many pages
         self.state_fmt = dataclasses.replace(fmt, layout=f"recurrent_state.{len(states.layers)}") if states else None
         self.tree = tree
         self.host_pool = host_pool
@@ -197,19 +199,21 @@ class StorageTier:
         req.storage_fetch = fetch if budget > 0 else None
         self.fetches.append(fetch)
         self.counters.prefetch["issued"] += 1
-        fut = self._read(lambda: self._probe(keys, state_keys))
+        fut = self._read(lambda: self._probe(keys, state_keys, first))
         fut.add_done_callback(lambda f: self._probed(fetch, f))
         return fetch.req is not None
 
-    def _probe(self, keys: list[str], state_keys: list[str]) -> int:
-        """Reader thread: how many of `keys` to fetch — the stored prefix, or for hybrid
-        models the deepest page of it whose state is stored too (0 if none)."""
+    def _probe(self, keys: list[str], state_keys: list[str], first: int) -> int:
+        """Reader thread: how many of `keys` (pages `first`, `first + 1`, ...) to fetch —
+        the stored prefix, or for hybrid models the deepest page of it on the checkpoint
+        grid whose state is stored too (0 if none)."""
         n = self.backend.exists_prefix(keys)
         if not state_keys:
             return n
-        while n and not self.backend.exists_prefix([state_keys[n - 1]]):
-            n -= 1
-        return n
+        n -= (first + n) % self.grid_pages
+        while n > 0 and not self.backend.exists_prefix([state_keys[n - 1]]):
+            n -= self.grid_pages
+        return max(n, 0)
 
     def _read(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
         loop = asyncio.get_running_loop()
