@@ -1,6 +1,8 @@
-"""The host tier as the scheduler sees it (dense models): cached device pages get host
-copies in the background (a write policy decides which), and a request whose prefix is
-on host waits — as its prefetch policy allows — while a copy job loads it back.
+"""The host tier as the scheduler sees it (dense and hybrid models): cached device pages
+get host copies in the background (a write policy decides which), and a request whose
+prefix is on host waits — as its prefetch policy allows — while a copy job loads it back.
+Hybrid models' state slots never move: they stay in the state pool with their node, so
+a request attached to a loaded host part resumes from the host node's slot (`_attach`).
 
 Copies run on the copy worker (cache/copy_worker.py), never on the event loop and never
 queued behind forwards; their completions come back here, on the loop, which owns the
@@ -188,6 +190,12 @@ class HostTier:
         if req.cache_handle is not None:
             self.tree.unlock(req.cache_handle)
         req.cache_handle = load.host_node
+        # NOTE: invariant 2 across tiers. A hybrid request resumes from the state after
+        # exactly the loaded prefix: the host part ends at a node holding that slot
+        # (cache/radix_tree.py `match`), lent like its pages and kept by the lock just
+        # taken. Until here (a load that failed, was revoked or outlived the request's
+        # budget) it resumes from its device part's slot. Dense trees: None, unread.
+        req.resume_slot = load.host_node.state_slot
         req.cached_by_tier["host"] = min(load.host_tokens, max(len(req.prompt_ids) - req.cached_tokens, 0))
         req.cached_tokens += req.cached_by_tier["host"]
         self.counters.host_hit_tokens += load.host_tokens
