@@ -218,6 +218,84 @@ def test_revoked_load_of_a_waiting_request(hybrid_folders: dict[str, str], strat
         engine.shutdown()
 
 
+def evict_states_when_a_load_starts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[int], int | None]]:
+    """Each time a load starts, evict every unlocked state slot (what `HybridState`
+    does, one at a time, when the state pool runs out). Records (host-only nodes'
+    slots that were evictable, the loading node's slot after the eviction)."""
+    real = HostTier.start_load
+    seen: list[tuple[list[int], int | None]] = []
+
+    def squeezed(self: HostTier, req: Request, match: Any) -> bool:
+        started = real(self, req, match)
+        if started and match.host_node is not None:
+            tree = self.tree
+            host_only = [n.state_slot for n in tree.nodes()  # type: ignore[attr-defined]
+                         if not n.pages and n.state_slot is not None and n.lock_ref == 0]
+            tree.evict_states(1 << 30)
+            seen.append((host_only, match.host_node.state_slot))
+        return started
+
+    monkeypatch.setattr(HostTier, "start_load", squeezed)
+    return seen
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_state_eviction_spares_a_node_being_loaded(
+    hybrid_folders: dict[str, str], monkeypatch: pytest.MonkeyPatch, strategy: str
+) -> None:
+    """Every unlocked slot goes the moment PROMPT's load starts, host-only nodes' too
+    (tombstones; SHARED's decode checkpoint at 64 among them): the node being loaded
+    is locked and keeps its slot, the hit is bit-exact, the tree consistent after every
+    step and nothing leaks. A later branch of SHARED resumes from the deepest slot that
+    was on the locked path (48; no_buffer's 32-token chunks cache none between 32 and 56)."""
+    branch = SHARED[: 6 * INTERVAL + 2] + tokens(5, 9)  # leaves PROMPT's path at 50
+    resumes_at = 4 * INTERVAL if strategy == "no_buffer" else 6 * INTERVAL
+    engine = make(hybrid_folders["qwen3_5_text"], strategy)
+    try:
+        refs = [cold(engine, PROMPT), cold(engine, branch)]
+        assert engine.flush_cache()
+        split_prefix(engine)
+        seen = evict_states_when_a_load_starts(monkeypatch)
+        warm = run(engine, PROMPT)
+        assert tiers(warm) == {"device": 4 * INTERVAL, "host": 3 * INTERVAL, "storage": 0}, tiers(warm)
+        assert same(warm, refs[0]), "bit-exact guard: the loading node lost its state"
+        (host_only, loading_slot), = seen
+        assert host_only and loading_slot is not None and loading_slot not in host_only, seen
+        out = run(engine, branch)
+        assert same(out, refs[1]) and out["meta_info"]["cached_tokens"] == resumes_at, tiers(out)
+        assert_accounted(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_tree_a_host_only_tombstone_trims_the_host_part() -> None:
+    """Tree level: evict_states of a host-only node leaves a tombstone; the host part
+    then ends at the deepest host-only node still holding a slot, and a node being
+    loaded (locked) keeps the slots on its path."""
+    from tests.test_radix_host import Tiered, seq
+
+    t = Tiered(hybrid=True)
+    a, b, c = (t.put(seq(0, 2) + seq(30, k), state=True).node for k in range(3))
+    for node in (a, b, c):
+        t.copy(node)
+    t.tree.evict(2)  # c then b lose their device pages: host-only, with their slots
+    assert (a.tier, b.tier, c.tier) == ("device+host", "host", "host")
+    full = seq(0, 2) + seq(30, 2) + [99, 99]
+    hit = t.served(full)
+    assert (hit.length, hit.host_length, hit.host_node) == (4, 4, c)
+
+    t.tree.lock(c)  # a load of c's host part in flight
+    assert t.tree.evict_states(10) == [] and c.state_slot is not None
+    t.tree.unlock(c)
+    t.tree.match(seq(0, 2) + seq(30, 1))  # touch a and b: c's slot is the oldest
+    c_slot = c.state_slot
+    assert t.tree.evict_states(1) == [c_slot] and c.state_slot is None and c.tier == "host"
+    t.check()
+    hit = t.served(full)
+    assert (hit.length, hit.host_length, hit.host_node, hit.state_slot) == (4, 2, b, a.state_slot)
+    assert hit.host_node.state_slot == b.state_slot and hit.lost_tokens == 2
+
+
 # ---- revert-then-red ------------------------------------------------------------
 def _state_before(node: Any) -> int | None:
     """The state slot of the nearest ancestor of `node` holding one (None: the root)."""
