@@ -123,8 +123,9 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class HicacheConfig:
-    """The host tier below the device KV pool (dense models): cached pages are copied to
-    host memory by a write policy and loaded back on a hit by a prefetch policy."""
+    """The host tier below the device KV pool (dense and hybrid models): cached pages are
+    copied to host memory by a write policy and loaded back on a hit by a prefetch
+    policy. Hybrid models' state slots stay in the state pool (cache.state_slots)."""
 
     host_pages: int | None = None  # host pool size in pages; None: host_ratio x device pages
     host_ratio: float = 0.0  # 0 (and no host_pages): no host tier

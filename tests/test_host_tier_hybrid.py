@@ -17,7 +17,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -29,7 +29,7 @@ from tests.conftest import HYBRID_FAMILIES, HYBRID_OVERRIDES
 from tests.tiny_hybrid import VOCAB
 
 STRATEGIES = ("no_buffer", "extra_buffer", "extra_buffer_lazy")
-INTERVAL = HYBRID_OVERRIDES["cache.state_track_interval"]  # 8 tokens, 2 pages
+INTERVAL = cast(int, HYBRID_OVERRIDES["cache.state_track_interval"])  # 8 tokens, 2 pages
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True, "return_logprob": True}
 # 40 usable device pages of 4 tokens (about two 60-token requests); 200 host pages.
 TIERED = {"cache.num_pages": 41, "hicache.host_pages": 200, "deterministic": True,
