@@ -185,17 +185,17 @@ class HostTier:
         req.pages.extend(load.device_pages)
         req.shared_pages = len(req.pages)
         req.kv_len += load.host_tokens
+        # NOTE: invariant 2 across tiers. A hybrid request resumes from the state after
+        # exactly the loaded prefix: the host part ends at a node holding that slot
+        # (cache/radix_tree.py `match`), lent like its pages and kept by the lock taken
+        # below. Until here (a load that failed, was revoked or outlived the request's
+        # budget) it resumes from its device part's slot. Dense trees: None, unread.
+        req.resume_slot = load.host_node.state_slot
         self.req_table.write_pages(req.row, start, load.device_pages, self.page_size)
         self.tree.lock(load.host_node)
         if req.cache_handle is not None:
             self.tree.unlock(req.cache_handle)
         req.cache_handle = load.host_node
-        # NOTE: invariant 2 across tiers. A hybrid request resumes from the state after
-        # exactly the loaded prefix: the host part ends at a node holding that slot
-        # (cache/radix_tree.py `match`), lent like its pages and kept by the lock just
-        # taken. Until here (a load that failed, was revoked or outlived the request's
-        # budget) it resumes from its device part's slot. Dense trees: None, unread.
-        req.resume_slot = load.host_node.state_slot
         req.cached_by_tier["host"] = min(load.host_tokens, max(len(req.prompt_ids) - req.cached_tokens, 0))
         req.cached_tokens += req.cached_by_tier["host"]
         self.counters.host_hit_tokens += load.host_tokens
