@@ -3,7 +3,8 @@ device pool to host is loaded back and the request resumes from the recurrent st
 cached at the host part's end — tokens and logprobs `==` a cold run, for every state
 strategy, prefill and decode hits, a match split between device and host, a load that
 outlives its budget or is revoked (the request then computes from its device part's
-state), and state slots so short that host-only nodes lose theirs.
+state), and every unlocked state slot evicted the moment a load starts (host-only nodes
+become tombstones; the node being loaded keeps its slot).
 
 Revert-then-red: the fix reverted (the request keeps its device part's state), a state
 one checkpoint short, and a KV page copied to the wrong host page are each caught by the
