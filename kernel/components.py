@@ -75,7 +75,7 @@ def build_components(config: Config, device: torch.device) -> Components:
     )
     allocator = PageAllocator(num_pages)
     states = _state_pool(config, model, dtype, device)
-    host_pool = _host_pool(config, pool, num_pages, states)
+    host_pool = _host_pool(config, pool, num_pages)
     cache: PrefixCache
     if config.cache.prefix == "radix":
         evict = registry.lookup("evict", config.cache.evict_policy)()
@@ -131,15 +131,15 @@ def _state_pool(config: Config, model: Any, dtype: torch.dtype, device: torch.de
     return pool
 
 
-def _host_pool(config: Config, pool: KVPool, num_pages: int, states: StatePool | None) -> HostPool | None:
-    """The host tier's pages (hicache.host_pages, or host_ratio x the device pool)."""
+def _host_pool(config: Config, pool: KVPool, num_pages: int) -> HostPool | None:
+    """The host tier's pages (hicache.host_pages, or host_ratio x the device pool). Hybrid
+    models need nothing more: their state slots stay in the state pool, also for prefixes
+    whose pages went to host (cache/radix_host.py)."""
     hc = config.hicache
     if not hc.enabled:
         return None
     if config.cache.prefix != "radix":
         raise ConfigError("hicache needs cache.prefix: radix (the tiers hold the radix tree's pages)")
-    if states is not None:
-        raise ConfigError("hicache does not hold hybrid models' recurrent states yet: turn it off for this model")
     pages = hc.host_pages or max(2, int(hc.host_ratio * num_pages))
     host = HostPool.like(pool, pages, layout=hc.host_layout)  # type: ignore[arg-type]
     log.info("host_pool_sized", pages=pages, bytes_per_page=host.bytes_per_page, pinned=host.pinned)

@@ -123,10 +123,12 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class HicacheConfig:
-    """The tiers below the device KV pool: cached pages are copied to host memory by a
-    write policy and loaded back on a hit by a prefetch policy; with `storage` set, host
-    copies are also written to a storage backend (registry kind `storage`) below it,
-    which outlives the process and may be shared between servers (redis)."""
+    """The tiers below the device KV pool (dense and hybrid models): cached pages are
+    copied to host memory by a write policy and loaded back on a hit by a prefetch policy
+    (hybrid models' state slots stay in the state pool); with `storage` set, host copies
+    are also written to a storage backend (registry kind `storage`) below it, which
+    outlives the process and may be shared between servers (redis), hybrid states with
+    their last page."""
 
     host_pages: int | None = None  # host pool size in pages; None: host_ratio x device pages
     host_ratio: float = 0.0  # 0 (and no host_pages): no host tier

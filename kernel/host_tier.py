@@ -1,6 +1,8 @@
-"""The host tier as the scheduler sees it (dense models): cached device pages get host
-copies in the background (a write policy decides which), and a request whose prefix is
-on host waits — as its prefetch policy allows — while a copy job loads it back.
+"""The host tier as the scheduler sees it (dense and hybrid models): cached device pages
+get host copies in the background (a write policy decides which), and a request whose
+prefix is on host waits — as its prefetch policy allows — while a copy job loads it back.
+Hybrid models' state slots never move: they stay in the state pool with their node, so
+a request attached to a loaded host part resumes from the host node's slot (`_attach`).
 
 Copies run on the copy worker (cache/copy_worker.py), never on the event loop and never
 queued behind forwards; their completions come back here, on the loop, which owns the
@@ -215,6 +217,12 @@ class HostTier:
         req.pages.extend(load.device_pages)
         req.shared_pages = len(req.pages)
         req.kv_len += load.host_tokens
+        # NOTE: invariant 2 across tiers. A hybrid request resumes from the state after
+        # exactly the loaded prefix: the host part ends at a node holding that slot
+        # (cache/radix_tree.py `match`), lent like its pages and kept by the lock taken
+        # below. Until here (a load that failed, was revoked or outlived the request's
+        # budget) it resumes from its device part's slot. Dense trees: None, unread.
+        req.resume_slot = load.host_node.state_slot
         self.req_table.write_pages(req.row, start, load.device_pages, self.page_size)
         self.tree.lock(load.host_node)
         if req.cache_handle is not None:
