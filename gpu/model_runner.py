@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from typing import Any
 
 import torch
@@ -41,6 +43,13 @@ class ModelRunner:
             return []
         return self.sample(logits, batch)
 
+    def copy_states(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Run queued state copies (src, dst) in order: before a forward, or on their own
+        when the engine goes idle (so a cached state is complete without a next step)."""
+        assert self.states is not None
+        for src, dst in copies:
+            self.states.copy(src, dst)
+
     def hybrid_step(self, batch: ForwardBatch) -> HybridStep:
         """Copy the states the batch asks for, then say where each request reads and writes."""
         assert self.states is not None
@@ -49,8 +58,7 @@ class ModelRunner:
             raise ValueError("a hybrid model's batch lacks state slots for some request")
         if batch.state_track and len(batch.state_track) != len(batch.rows):
             raise ValueError("a hybrid model's batch has tracked states for only some requests")
-        for src, dst in batch.state_copies:
-            self.states.copy(src, dst)
+        self.copy_states(batch.state_copies)
         return HybridStep.build(
             batch.extend_lens,
             batch.prefix_lens,

@@ -98,6 +98,8 @@ def build_components(config: Config, device: torch.device) -> Components:
         prefix.host = _host_tier(config, cache, pool, host_pool, allocator, table, device)
         if config.hicache.storage != "none":
             prefix.host.storage = _storage_tier(config, cache, pool, host_pool, prefix.host.prefetch, model_id, states)
+            if hybrid is not None:
+                prefix.host.state_pending = lambda slot: any(dst == slot for _, dst in hybrid.copies)
     return Components(
         runner=ModelRunner(model, pool, attention, states),
         scheduler=Scheduler(

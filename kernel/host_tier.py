@@ -79,28 +79,56 @@ class HostTier:
         self.wake: Callable[[], None] = lambda: None  # the step loop's, set by the engine
         self.storage: StorageTier | None = None  # the tier below, when hicache.storage is set
         self.headroom = headroom  # write_back: free-page fraction below which victims are copied
+        # Hybrid models with storage: whether a state slot still waits for a queued copy
+        # (set by the engine); nodes deferred for that, by id.
+        self.state_pending: Callable[[int], bool] = lambda slot: False
+        self.deferred: dict[int, Any] = {}
 
     # ---- offload ------------------------------------------------------------------
     def after_insert(self, node: Any) -> None:
         """A request cached up to `node`: copy what the write policy wants on its path."""
         while node is not None and node.parent is not None:
-            fresh = node.pages and node.host_pages is None and id(node) not in self.copying
-            if fresh and self.write.should_copy(node.hit_count):
-                self._copy(node)
+            if self._fresh(node) and self.write.should_copy(node.hit_count):
+                self._copy_when_ready(node)
             node = node.parent
 
+    def _fresh(self, node: Any) -> bool:
+        return bool(node.parent is not None and node.pages and node.host_pages is None and id(node) not in self.copying)
+
+    def _copy_when_ready(self, node: Any) -> None:
+        # NOTE: a hybrid node's state slot may still wait for its copy from the live state
+        # (queued for the device thread: HybridState.copies). Storage would read it stale,
+        # so its copy waits until that ran (`copy_deferred`, before the next plan).
+        if self.storage is not None and node.state_slot is not None and self.state_pending(node.state_slot):
+            self.deferred[id(node)] = node
+        else:
+            self._copy(node)
+
+    def copy_deferred(self) -> None:
+        """Copy the nodes that waited for their state slot (still cached and uncopied)."""
+        waiting, self.deferred = list(self.deferred.values()), {}
+        for node in waiting:
+            if self._fresh(node) and node.state_slot is not None:
+                self._copy_when_ready(node)
+
+    def before_plan(self) -> None:
+        """Before each plan: deferred copies whose states have landed, then write-back."""
+        if self.deferred:
+            self.copy_deferred()
+        self.write_back()
+
     def write_back(self) -> None:
-        """Before planning (write-back policies): when free device pages are short, copy
-        the nodes eviction would take next, so that they move to host instead of being
-        dropped. A node being copied is locked: it is evicted after its copy landed."""
+        """Write-back policies: when free device pages are short, copy the nodes eviction
+        would take next, so that they move to host instead of being dropped. A node being
+        copied is locked: it is evicted after its copy landed."""
         if not self.write.on_evict:
             return
         want = int(self.headroom * self.allocator.num_usable) - self.allocator.num_free
         if want <= 0:
             return
         for node in self.tree.next_victims(want):
-            if node.host_pages is None and id(node) not in self.copying:
-                self._copy(node)
+            if self._fresh(node):
+                self._copy_when_ready(node)
 
     def _copy(self, node: Any) -> None:
         pages = list(node.pages)

@@ -107,7 +107,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         retracted: list[Request] = []
         if self.prefix.host is not None:
-            self.prefix.host.write_back()  # write-back: copy the next victims while there is time
+            self.prefix.host.before_plan()  # deferred copies, write-back victims
         while True:
             chunks = self._plan(retracted)
             # A request waiting for its prefix to load is not blocked: do not retract it.

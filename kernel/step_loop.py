@@ -59,6 +59,7 @@ class StepLoop:
             self.output.emit(emit_next)  # overlaps with the step in flight
             emit_next = []
             if step is None:
+                await self.flush_state_copies()
                 await self.idle(plan)
                 continue
             assert plan is not None
@@ -84,6 +85,18 @@ class StepLoop:
         hybrid = self.scheduler.hybrid
         batch = build_forward_batch(plan, hybrid.take_copies() if hybrid is not None else ())
         return self.device_thread.submit(lambda: self.runner.run(batch))
+
+    async def flush_state_copies(self) -> None:
+        """No step to carry them: run queued state copies on the device thread now, so
+        cached states are complete (the storage tier reads them), then let the host tier
+        copy what waited for them."""
+        hybrid = self.scheduler.hybrid
+        if hybrid is None or not hybrid.copies:
+            return
+        copies = hybrid.take_copies()
+        await self.device_thread.submit(lambda: self.runner.copy_states(copies))
+        if self.scheduler.prefix.host is not None:
+            self.scheduler.prefix.host.copy_deferred()
 
     async def idle(self, plan: StepPlan | None) -> None:
         if plan is not None and self.scheduler.has_work():

@@ -147,3 +147,23 @@ def test_red_a_state_written_at_the_wrong_position(
     finally:
         leaks.excuse(engine.engine)
         engine.shutdown()
+
+
+def test_red_a_state_read_before_its_queued_copy_landed(
+    hybrid_folders: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """no_buffer caches a state by a copy from the live slot that runs before the next
+    forward; reverting the wait (the copy to host and storage reads the slot at once)
+    stores a stale state, and the bit-exact compare catches it."""
+    engine = make(hybrid_folders["qwen3_5_text"], "no_buffer", tmp_path)
+    host = engine.engine.host
+    assert host is not None
+    monkeypatch.setattr(host, "state_pending", lambda slot: False)  # planted: the fix reverted
+    try:
+        ref = run(engine, PROMPT)
+        warm = from_storage(engine, PROMPT)
+        assert tiers(warm)["storage"] > 0
+        assert not same(warm, ref)
+    finally:
+        leaks.excuse(engine.engine)
+        engine.shutdown()
