@@ -59,8 +59,10 @@ class StepLoop:
             self.output.emit(emit_next)  # overlaps with the step in flight
             emit_next = []
             if step is None:
-                await self.flush_state_copies()
-                await self.idle(plan)
+                # NOTE: after an await here, plan again before idling: a request that
+                # arrived meanwhile set `wake` already, and idle would clear it.
+                if not await self.flush_state_copies():
+                    await self.idle(plan)
                 continue
             assert plan is not None
             sampled = await self.await_step(plan, step)
@@ -86,17 +88,18 @@ class StepLoop:
         batch = build_forward_batch(plan, hybrid.take_copies() if hybrid is not None else ())
         return self.device_thread.submit(lambda: self.runner.run(batch))
 
-    async def flush_state_copies(self) -> None:
+    async def flush_state_copies(self) -> bool:
         """No step to carry them: run queued state copies on the device thread now, so
         cached states are complete (the storage tier reads them), then let the host tier
-        copy what waited for them."""
+        copy what waited for them. False if there were none."""
         hybrid = self.scheduler.hybrid
         if hybrid is None or not hybrid.copies:
-            return
+            return False
         copies = hybrid.take_copies()
         await self.device_thread.submit(lambda: self.runner.copy_states(copies))
         if self.scheduler.prefix.host is not None:
             self.scheduler.prefix.host.copy_deferred()
+        return True
 
     async def idle(self, plan: StepPlan | None) -> None:
         if plan is not None and self.scheduler.has_work():
