@@ -13,23 +13,24 @@ import torch
 from cache.allocator import PageAllocator, pages_for
 from cache.copy_worker import CopyWorker
 from cache.host_pool import HostPool
-from cache.storage import PageFormat
 from cache.kv_pool import KVPool
 from cache.prefix_cache import NoPrefixCache, PrefixCache
 from cache.radix_tree import RadixTree
 from cache.req_table import ReqToTokenTable
 from cache.state_pool import StatePool
+from cache.storage import PageFormat
 from gpu.loader import load_checkpoint
 from gpu.model_runner import ModelRunner
 from gpu.tokenizer import Tokenizer
 from kernel import registry
 from kernel.config import Config, ConfigError
 from kernel.host_tier import HostTier
-from kernel.storage_tier import StorageTier, weights_fingerprint
-from kernel.tier_policy import PrefetchPolicy
 from kernel.hybrid_state import HybridState
 from kernel.prefix_reuse import PrefixReuse
 from kernel.scheduler import Scheduler
+from kernel.storage_io import weights_fingerprint
+from kernel.storage_tier import StorageTier
+from kernel.tier_policy import PrefetchPolicy
 
 log = structlog.get_logger("tierserve")
 

@@ -30,24 +30,22 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import hashlib
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
-import torch
 
 from cache.copy_worker import CopyWorker
 from cache.host_pool import HostPool
-from cache.prefix_cache import PrefixCache
-from cache.host_state_pool import slot_from_bytes, slot_to_bytes
+from cache.host_state_pool import slot_to_bytes
 from cache.kv_events import page_hashes
+from cache.prefix_cache import PrefixCache
 from cache.state_pool import StatePool
 from cache.storage import PageFormat, StorageBackend, keys_for_hashes
-from cache.storage.base import outages_in_this_thread
 from kernel.request import Request
+from kernel.storage_io import checked_call, fill, probe
 from kernel.tier_policy import PrefetchPolicy
 
 log = structlog.get_logger("tierserve")
@@ -155,7 +153,7 @@ class StorageTier:
         self.queued_bytes += size
         self.writes += 1
         hashes = set(node.hashes)  # now: a split meanwhile changes the node's
-        fut = self.writer.submit(lambda: self._call(lambda: self.backend.set_pages(items)))
+        fut = self.writer.submit(lambda: checked_call(lambda: self.backend.set_pages(items)))
         fut.add_done_callback(lambda f: self._written(node, hashes, len(items), size, f))
 
     def _written(self, node: Any, hashes: set[int], n: int, size: int, fut: asyncio.Future[Any]) -> None:
@@ -199,25 +197,13 @@ class StorageTier:
         req.storage_fetch = fetch if budget > 0 else None
         self.fetches.append(fetch)
         self.counters.prefetch["issued"] += 1
-        fut = self._read(lambda: self._probe(keys, state_keys, first))
+        fut = self._read(lambda: probe(self.backend, keys, state_keys, first, self.grid_pages))
         fut.add_done_callback(lambda f: self._probed(fetch, f))
         return fetch.req is not None
 
-    def _probe(self, keys: list[str], state_keys: list[str], first: int) -> int:
-        """Reader thread: how many of `keys` (pages `first`, `first + 1`, ...) to fetch —
-        the stored prefix, or for hybrid models the deepest page of it on the checkpoint
-        grid whose state is stored too (0 if none)."""
-        n = self.backend.exists_prefix(keys)
-        if not state_keys:
-            return n
-        n -= (first + n) % self.grid_pages
-        while n > 0 and not self.backend.exists_prefix([state_keys[n - 1]]):
-            n -= self.grid_pages
-        return max(n, 0)
-
     def _read(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
         loop = asyncio.get_running_loop()
-        return loop.run_in_executor(self.reader, self._call, fn)
+        return loop.run_in_executor(self.reader, checked_call, fn)
 
     def _probed(self, fetch: Fetch, fut: asyncio.Future[Any]) -> None:
         n, ok = self._result(fut, 0)
@@ -241,7 +227,8 @@ class StorageTier:
                 self._finish(fetch, "empty")
                 return
             fetch.state_slot, state_key = slot, fetch.state_keys[n - 1]
-        read = self._read(lambda: self._fill(keys, host, state_key, fetch.state_slot))
+        slot = fetch.state_slot
+        read = self._read(lambda: fill(self.backend, self.host_pool, self.states, keys, host, state_key, slot))
         read.add_done_callback(lambda f: self._filled(fetch, f))
 
     def _state_slot(self) -> int | None:
@@ -258,33 +245,6 @@ class StorageTier:
         if pool.num_free < n:
             self.tree.evict_host(n - pool.num_free)
         return pool.allocate(min(n, pool.num_free)) or []
-
-    def _fill(self, keys: list[str], host: list[int], state_key: str | None, slot: int | None) -> tuple[int, int]:
-        """Reader thread: get the pages (and the state after the last, hybrid models) and
-        copy the leading good pages into `host` (the state into `slot`); returns (pages
-        filled, pages that came back but did not fit). Hybrid: all or nothing, since the
-        state only fits after the last page."""
-        payloads = self.backend.get_pages([*keys, state_key] if state_key is not None else keys)
-        filled, bad = len(keys), 0
-        for i, data in enumerate(payloads[: len(keys)]):
-            if data is None:
-                filled = i
-                break
-            try:
-                self.host_pool.load_bytes(host[i], data)
-            except ValueError:  # verified by its checksum, yet not a page of this format
-                filled, bad = i, 1
-                break
-        if state_key is None or slot is None or self.states is None:
-            return filled, bad
-        state = payloads[-1]
-        if filled < len(keys) or state is None:
-            return 0, bad
-        try:
-            slot_from_bytes(self.states.tensors(), slot, state, self.states.bytes_per_slot)
-        except ValueError:
-            return 0, 1
-        return filled, 0
 
     def _filled(self, fetch: Fetch, fut: asyncio.Future[Any]) -> None:
         (k, bad), ok = self._result(fut, (0, 0))
@@ -330,14 +290,6 @@ class StorageTier:
         return served
 
     # ---- health -----------------------------------------------------------------------
-    def _call(self, fn: Callable[[], Any]) -> tuple[Any, bool]:
-        """Worker thread: run one backend call; (its result, whether it met no outage —
-        a dead server, a failed write — as the backend counted it). Exceptions propagate
-        to the future."""
-        before = outages_in_this_thread()
-        result = fn()
-        return result, outages_in_this_thread() == before
-
     def _result(self, fut: asyncio.Future[Any], default: Any) -> tuple[Any, bool]:
         if fut.cancelled():
             return default, False
@@ -419,18 +371,3 @@ class StorageTier:
             log.warning("storage_flush_incomplete", timeout_s=timeout)
         self.backend.close()
         return flushed
-
-
-def weights_fingerprint(weights: Mapping[str, torch.Tensor]) -> str:
-    """A short digest naming a model's weights, for storage keys: names, shapes, dtypes
-    and up to 64 KiB from each end of every tensor (cheap, and two different checkpoints
-    essentially never agree on all of it)."""
-    h = hashlib.blake2b(digest_size=12)
-    edge = 1 << 16
-    for name in sorted(weights):
-        t = weights[name]
-        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}".encode())
-        raw = t.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
-        h.update(raw[:edge].numpy().tobytes())
-        h.update(raw[-edge:].numpy().tobytes())
-    return h.hexdigest()
