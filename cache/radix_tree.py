@@ -23,6 +23,8 @@ Hybrid trees (`free_states` given) also own state slots, at most one per node fo
 exact end position; a match resumes only at a node holding one. Ownership, locks and
 the second eviction order of slots: cache/radix_states.py.
 
+Walking a key down the tree, splitting, adding and detaching nodes: cache/radix_shape.py.
+
 Tiered trees (`free_host_pages` given) also own host copies: a node may keep its KV in
 host memory and stay matchable without device pages. Residency, the top-subtree
 invariant, ownership, locks and the third eviction order: cache/radix_host.py.
@@ -39,33 +41,25 @@ from cache.evict_heap import EvictHeap
 from cache.evict_policy import EvictPolicy
 from cache.kv_events import (
     AllBlocksCleared,
-    BlockStored,
     EventHub,
     Subscriber,
-    chain_hashes,
-    namespace_seed,
 )
 from cache.prefix_cache import PrefixCache
 from cache.radix_check import TreeIntegrityError, check_tree
 from cache.radix_host import FreeHostPages, HostTierMixin, TreeHost, removed_events
-from cache.radix_node import ChildKey, InsertResult, MatchResult, PageKey, TreeNode
+from cache.radix_node import InsertResult, MatchResult, PageKey, TreeNode
+from cache.radix_shape import TreeShape
 from cache.radix_states import FreeStates, TreeStates
 
 __all__ = ["InsertResult", "MatchResult", "RadixTree", "TreeIntegrityError", "TreeLockedError", "TreeNode"]
 
 FreePages = Callable[[list[int]], None]
 
-# What the upper half of a split inherits. NOTE: invariant 2: state_slot / state_len stay
-# with the lower half, which keeps the end position they cover; the upper is a tombstone.
-# Residency is split, not copied: each half keeps its share of `pages` and `host_pages`.
-_SPLIT_COPIES = ("lock_ref", "last_access", "last_access_wall", "hit_count", "created", "priority", "stored")
-
-
 class TreeLockedError(RuntimeError):
     """`reset` while a node is locked, or a lock on a node that is no longer in the tree."""
 
 
-class RadixTree(HostTierMixin, PrefixCache):
+class RadixTree(TreeShape, HostTierMixin, PrefixCache):
     """`cache.prefix: radix`; the PrefixCache contract, with the rules in the docstring above."""
 
     def __init__(
@@ -374,23 +368,6 @@ class RadixTree(HostTierMixin, PrefixCache):
     def _whole_pages(self, tokens: Sequence[int]) -> PageKey:
         return tuple(tokens[: len(tokens) // self.page_size * self.page_size])
 
-    def _child_key(self, parent: TreeNode, toks: PageKey, pos: int, namespace: str | None) -> ChildKey:
-        page = toks[pos : pos + self.page_size]
-        return (namespace, page) if parent is self.root else page
-
-    def _walk(self, toks: PageKey, namespace: str | None) -> list[TreeNode]:
-        """The nodes along `toks` as far as whole pages match, root excluded, splitting
-        the last one if needed so it ends inside `toks`. Changes no stats."""
-        node, pos, path = self.root, 0, []
-        while pos < len(toks):
-            child = self._matching_child(node, toks, pos, namespace)
-            if child is None:
-                break
-            path.append(child)
-            pos += len(child.key)
-            node = child
-        return path
-
     def _check_insert(self, toks: PageKey, pages: Sequence[int], state_slot: int | None) -> None:
         ps = self.page_size
         if len(toks) % ps or len(pages) != len(toks) // ps:
@@ -401,87 +378,6 @@ class RadixTree(HostTierMixin, PrefixCache):
             if self._states is None:
                 raise ValueError("a dense tree (no free_states) holds no state slots")
             self._states.check_slot(state_slot, len(toks))
-
-    def _matching_child(
-        self, node: TreeNode, toks: PageKey, pos: int, namespace: str | None
-    ) -> TreeNode | None:
-        """The child sharing at least the page at `pos`, split so it ends inside `toks`."""
-        child = node.children.get(self._child_key(node, toks, pos, namespace))
-        if child is None:
-            return None
-        key, ps = child.key, self.page_size
-        if toks[pos : pos + len(key)] == key:
-            return child
-        k = 1  # the first page matched: it is the dict key
-        while k < len(key) // ps and key[k * ps : (k + 1) * ps] == toks[pos + k * ps : pos + (k + 1) * ps]:
-            k += 1
-        return self._split(child, k)
-
-    def _split(self, child: TreeNode, k: int) -> TreeNode:
-        """Cut `child` after `k` pages; returns the new upper node.
-
-        `child` keeps its identity as the lower part: a lock or state slot refers to its
-        end position, which does not move. The upper node inherits locks and stats (every
-        lock on `child` also counted on it), so counters and the heap stay valid. NOTE:
-        both halves keep `child`'s residency: device pages and host copy split alike.
-        """
-        parent, ps = child.parent, self.page_size
-        assert parent is not None
-        upper = TreeNode(
-            next(self._ids), child.key[: k * ps], child.pages[:k], child.hashes[:k], parent, child.namespace
-        )
-        for stat in _SPLIT_COPIES:
-            setattr(upper, stat, getattr(child, stat))
-        child.key, child.pages, child.hashes = child.key[k * ps :], child.pages[k:], child.hashes[k:]
-        if child.host_pages is not None:
-            upper.host_pages, child.host_pages = child.host_pages[:k], child.host_pages[k:]
-        upper.device_children = 1 if child.pages else 0
-        parent.children[self._child_key(parent, upper.key, 0, upper.namespace)] = upper
-        upper.children[child.key[:ps]] = child
-        child.parent = upper
-        self._num_nodes += 1
-        if self._host is not None:
-            self._host.on_candidate(upper)  # a device+host upper is a host candidate
-        return upper
-
-    def _add_leaf(
-        self, parent: TreeNode, toks: PageKey, pages: list[int], namespace: str | None, priority: int
-    ) -> TreeNode:
-        leaf = self._new_leaf(parent, toks, pages, namespace, priority)
-        parent.device_children += 1
-        self._total += len(pages)
-        self._evictable += len(pages)
-        self._heap.push(leaf)
-        parent_hash = parent.hash
-        self._events.emit(lambda: [BlockStored(list(leaf.hashes), parent_hash, list(toks), self.page_size)])
-        return leaf
-
-    def _new_leaf(
-        self, parent: TreeNode, toks: PageKey, pages: list[int], namespace: str | None, priority: int
-    ) -> TreeNode:
-        """A new child of `parent` holding `toks` (no accounting, no events)."""
-        parent_hash = parent.hash
-        seed = parent_hash if parent_hash is not None else namespace_seed(namespace)
-        leaf = TreeNode(
-            next(self._ids), toks, pages, chain_hashes(seed, toks, self.page_size), parent, namespace
-        )
-        leaf.created = leaf.last_access = self._clock
-        leaf.last_access_wall = self._wall
-        leaf.priority = priority
-        parent.children[self._child_key(parent, toks, 0, namespace)] = leaf
-        self._num_nodes += 1
-        return leaf
-
-    def _detach(self, node: TreeNode) -> TreeNode:
-        parent = node.parent
-        assert parent is not None and node.lock_ref == 0
-        del parent.children[self._child_key(parent, node.key, 0, node.namespace)]
-        parent.device_children -= 1 if node.pages else 0
-        node.parent = None
-        self._total -= len(node.pages)
-        self._evictable -= len(node.pages)
-        self._num_nodes -= 1
-        return parent
 
     def _tick(self) -> None:
         self._clock += 1
