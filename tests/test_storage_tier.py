@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import os
-import random
 import time
 from pathlib import Path
 from typing import Any
@@ -19,18 +18,7 @@ import pytest
 from kernel import Engine
 from tests import leaks
 from tests.conftest import TINY_OVERRIDES
-
-GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True, "return_logprob": True}
-TIERED = {"cache.prefix": "radix", "cache.num_pages": 41, "hicache.host_pages": 200, "deterministic": True}
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randint(50, 40000) for _ in range(n)]
-
-
-def logprobs(out: dict[str, Any]) -> list[float]:
-    return [lp for lp, _ in out["meta_info"]["output_token_logprobs"]]
+from tests.test_host_tier import GREEDY, TIERED, logprobs, tokens
 
 
 def make(folder: str, storage_dir: Path, **extra: Any) -> Engine:
