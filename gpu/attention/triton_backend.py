@@ -82,7 +82,8 @@ class TritonAttention(AttentionBackend):
         device = self.req_to_token.device
         dec: tuple[list[int], list[int], list[int]] = ([], [], [])
         ext: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
-        tok_rows, tok_pos = [], []
+        tok_rows: list[int] = []
+        tok_pos: list[int] = []
         tok = 0
         for row, prefix, num in zip(rows, prefix_lens, extend_lens):
             tok_rows += [row] * num

@@ -59,7 +59,9 @@ def _store_kv_kernel(
     tl.store(v_cache + slot * ROW + offs, v, mask=mask)
 
 
-def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, locs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def store_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, locs: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
     """Write k/v [T, Hkv, D] at slots `locs` [T] of the pool tensors [num_slots, Hkv, D]."""
     num = locs.numel()
     if num == 0:
@@ -67,7 +69,15 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, locs: torch.Tensor, k
     k, v = k.contiguous(), v.contiguous()
     row = k_cache.shape[1] * k_cache.shape[2]
     _store_kv_kernel[(num,)](
-        k, v, k_cache, v_cache, locs, k_cache.shape[0], k.stride(0), ROW=row, BLOCK=triton.next_power_of_2(row)
+        k,
+        v,
+        k_cache,
+        v_cache,
+        locs,
+        k_cache.shape[0],
+        k.stride(0),
+        ROW=row,
+        BLOCK=triton.next_power_of_2(row),
     )
 
 
@@ -93,7 +103,8 @@ def _decode_split_kernel(
         heads = kvh * GROUP + offs_h
         qb = tl.load(
             q + tok * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-            mask=h_mask[:, None] & d_mask[None, :], other=0.0,
+            mask=h_mask[:, None] & d_mask[None, :],
+            other=0.0,
         )
         m = tl.full([BLOCK_H], _NEG, tl.float32)
         l = tl.zeros([BLOCK_H], tl.float32)
@@ -105,7 +116,8 @@ def _decode_split_kernel(
             slots = tl.load(table + row * stride_table + offs_n, mask=n_mask, other=0)
             kb = tl.load(
                 k_cache + slots[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
-                mask=d_mask[:, None] & n_mask[None, :], other=0.0,
+                mask=d_mask[:, None] & n_mask[None, :],
+                other=0.0,
             )
             s = tl.dot(qb, kb, input_precision=_PRECISION) * sm_scale
             s = tl.where(n_mask[None, :], s, float("-inf"))
@@ -114,7 +126,8 @@ def _decode_split_kernel(
             alpha = tl.exp(m - m_new)
             vb = tl.load(
                 v_cache + slots[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
-                mask=n_mask[:, None] & d_mask[None, :], other=0.0,
+                mask=n_mask[:, None] & d_mask[None, :],
+                other=0.0,
             )
             l = l * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=_PRECISION)
@@ -216,7 +229,8 @@ def _extend_kernel(
         d_mask = offs_d < HEAD_DIM
         qb = tl.load(
             q + (tok0 + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-            mask=m_mask[:, None] & d_mask[None, :], other=0.0,
+            mask=m_mask[:, None] & d_mask[None, :],
+            other=0.0,
         )
         q_pos = prefix + offs_m
         m = tl.full([BLOCK_M], _NEG, tl.float32)
@@ -229,7 +243,8 @@ def _extend_kernel(
             slots = tl.load(table + row * stride_table + offs_n, mask=n_mask, other=0)
             kb = tl.load(
                 k_cache + slots[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
-                mask=d_mask[:, None] & n_mask[None, :], other=0.0,
+                mask=d_mask[:, None] & n_mask[None, :],
+                other=0.0,
             )
             s = tl.dot(qb, kb, input_precision=_PRECISION) * sm_scale
             visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
@@ -239,7 +254,8 @@ def _extend_kernel(
             alpha = tl.exp(m - m_new)
             vb = tl.load(
                 v_cache + slots[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
-                mask=n_mask[:, None] & d_mask[None, :], other=0.0,
+                mask=n_mask[:, None] & d_mask[None, :],
+                other=0.0,
             )
             l = l * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=_PRECISION)
@@ -247,7 +263,8 @@ def _extend_kernel(
         o = acc / l[:, None]  # every row sees key 0, so l > 0 (rows past ext_len are not stored)
         tl.store(
             out + (tok0 + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-            o.to(out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :],
+            o.to(out.dtype.element_ty),
+            mask=m_mask[:, None] & d_mask[None, :],
         )
 
 
@@ -309,7 +326,9 @@ def gather_state_slots(pool_tensor: torch.Tensor, slots: torch.Tensor, fresh: to
     per_slot = out[0].numel() if reqs else 0
     if reqs and per_slot:
         grid = (reqs, triton.cdiv(per_slot, _STATE_BLOCK))
-        _gather_state_kernel[grid](pool_tensor, out, slots, fresh.to(torch.int8), per_slot, BLOCK=_STATE_BLOCK)
+        _gather_state_kernel[grid](
+            pool_tensor, out, slots, fresh.to(torch.int8), per_slot, BLOCK=_STATE_BLOCK
+        )
     return out
 
 
