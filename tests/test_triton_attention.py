@@ -255,9 +255,10 @@ def test_imports_without_triton() -> None:
 )
 def test_engine_greedy_tokens_match_torch_backend(tiny_chat_folder: str, tiny_engine: Engine) -> None:
     """A tiny Llama with `model.attention: triton` generates the torch backend's greedy
-    tokens for two prompts batched together (prefill, then decodes)."""
-    params = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
-    prompts = ["Hello there, how are", "The weather"]
+    tokens for two prompts batched together: the long one is prefilled in two chunks (the
+    second extends a cached prefix) while the short one decodes."""
+    params = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True, "return_logprob": True}
+    prompts = ["The weather", "Hello there, how are you doing on this fine day? " * 4]
     expect = tiny_engine.generate(prompts, [params, params])
     engine = Engine(None, {"model.path": tiny_chat_folder, **TINY_OVERRIDES, "model.attention": "triton"})
     try:
@@ -266,6 +267,11 @@ def test_engine_greedy_tokens_match_torch_backend(tiny_chat_folder: str, tiny_en
     finally:
         engine.shutdown()
     assert [g["output_ids"] for g in got] == [e["output_ids"] for e in expect]  # type: ignore[index]
+    # Random tiny weights repeat tokens; the logprobs say the numbers match too (fp32).
+    for g, e in zip(got, expect):  # type: ignore[arg-type]
+        lp_got = [lp for lp, _ in g["meta_info"]["output_token_logprobs"]]
+        lp_ref = [lp for lp, _ in e["meta_info"]["output_token_logprobs"]]
+        assert lp_got == pytest.approx(lp_ref, abs=1e-4)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA: compiled kernels on a real GPU")
