@@ -1,7 +1,10 @@
 """The device thread: runs steps in order and resolves the loop's futures.
 
-On CUDA it will own a dedicated stream and the captured graphs; on CPU it is the same
-thread without them. The event loop never blocks on tensor work: it awaits the future.
+On CUDA it owns a dedicated stream (made on the thread by `stream_factory`, since a
+stream is current per thread): every job runs on it and the thread waits for the stream
+before it resolves the job's future, so results handed to the loop are complete and the
+event loop never synchronizes the device itself. On CPU it is the same thread without a
+stream. The event loop never blocks on tensor work: it awaits the future.
 """
 
 from __future__ import annotations
@@ -14,14 +17,20 @@ from typing import Any
 
 import torch
 
-from cache.copy_worker import resolve_future
+from cache.copy_worker import Stream, resolve_future
+from cache.host_pool import stream_ctx
 
 
 class DeviceThread:
-    def __init__(self, name: str = "tierserve-device", num_threads: int | None = None) -> None:
+    def __init__(
+        self, name: str = "tierserve-device", num_threads: int | None = None,
+        stream_factory: Callable[[], Stream] | None = None,
+    ) -> None:
         self._jobs: queue.Queue[tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future] | None]
         self._jobs = queue.Queue()
         self._num_threads = num_threads
+        self._stream_factory = stream_factory
+        self.stream: Stream | None = None  # set on the thread, before the first job runs
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
@@ -58,17 +67,27 @@ class DeviceThread:
     def _main(self) -> None:
         if self._num_threads:
             torch.set_num_threads(self._num_threads)
+        if self._stream_factory is not None:
+            self.stream = self._stream_factory()
         while True:
             item = self._jobs.get()
             if item is None:
                 return
             fn, loop, fut = item
             if loop is None:
-                fn()
+                self._run(fn)
                 continue
             try:
-                result = fn()
+                result = self._run(fn)
             except BaseException as exc:  # noqa: BLE001 - delivered to the awaiting coroutine
                 loop.call_soon_threadsafe(resolve_future, fut, None, exc)
             else:
                 loop.call_soon_threadsafe(resolve_future, fut, result, None)
+
+    def _run(self, fn: Callable[[], Any]) -> Any:
+        """One job on the device stream; its work has finished when this returns."""
+        with stream_ctx(self.stream):  # type: ignore[arg-type]
+            result = fn()
+        if self.stream is not None:
+            self.stream.synchronize()
+        return result

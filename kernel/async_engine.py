@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import structlog
+import torch
 
 from gpu.device_thread import DeviceThread
 from kernel import registry
@@ -95,8 +96,10 @@ class AsyncEngine:
         if not isinstance(config, Config):
             config = load_config(config, overrides)
         setup_logging(config.logging.level, config.logging.json)
-        device_thread = DeviceThread(num_threads=config.model.num_threads)
         torch_device = pick_device(config)
+        # On CUDA the device thread runs every step on a stream of its own.
+        streams = (lambda: torch.cuda.Stream(torch_device)) if torch_device.type == "cuda" else None
+        device_thread = DeviceThread(num_threads=config.model.num_threads, stream_factory=streams)
         parts = await asyncio.get_running_loop().run_in_executor(
             None, lambda: device_thread.call(lambda: build_components(config, torch_device))
         )

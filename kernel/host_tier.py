@@ -5,7 +5,10 @@ Hybrid models' state slots never move: they stay in the state pool with their no
 a request attached to a loaded host part resumes from the host node's slot (`_attach`).
 
 Copies run on the copy worker (cache/copy_worker.py), never on the event loop and never
-queued behind forwards; their completions come back here, on the loop, which owns the
+queued behind forwards (on CUDA on the worker's copy stream: a forward's KV is complete
+before its pages are offered for copying, because the device thread waits for its stream
+before a step's results come back, and a load's pages are complete before the request
+reads them, because the worker waits for its stream before the load's future resolves); their completions come back here, on the loop, which owns the
 tree. NOTE: invariant 3 with tiers. A node being copied is locked (it cannot be evicted
 or lose its pages); device pages a load fills belong to the load until the tree takes
 them (`restore`), host pages a copy fills belong to the copy until `mark_host`; the
@@ -147,7 +150,7 @@ class HostTier:
         items: list[tuple[str, bytes]] = []
 
         def job() -> int:
-            copied = offload(self.kv_pool, pages, self.host_pool, host)
+            copied = offload(self.kv_pool, pages, self.host_pool, host, self.worker.stream)  # type: ignore[arg-type]
             if capture is not None:
                 items.extend(capture())
             return copied
@@ -196,7 +199,10 @@ class HostTier:
         self.loads.append(load)
         req.loading = load if budget > 0 else None
         host_pages = list(match.host_pages)
-        fut = self.worker.submit_copy(lambda: load_back(self.host_pool, host_pages, self.kv_pool, device))
+        stream = self.worker.stream
+        fut = self.worker.submit_copy(
+            lambda: load_back(self.host_pool, host_pages, self.kv_pool, device, stream)  # type: ignore[arg-type]
+        )
         fut.add_done_callback(lambda f: self._loaded(load, f))
         self.counters.prefetch["issued"] += 1
         return True

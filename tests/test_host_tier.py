@@ -68,8 +68,8 @@ def test_red_a_page_copied_to_the_wrong_host_slot(tiny_chat_folder: str, monkeyp
 
     real = tier_mod.offload
 
-    def shifted(kv_pool: Any, device_pages: list[int], host_pool: Any, host_pages: list[int]) -> int:
-        return real(kv_pool, device_pages[::-1], host_pool, host_pages)  # planted: pages swapped
+    def shifted(kv_pool: Any, device_pages: list[int], host_pool: Any, host_pages: list[int], *rest: Any) -> int:
+        return real(kv_pool, device_pages[::-1], host_pool, host_pages, *rest)  # planted: pages swapped
 
     monkeypatch.setattr(tier_mod, "offload", shifted)
     engine = make(tiny_chat_folder)

@@ -350,8 +350,8 @@ def test_red_a_page_copied_to_the_wrong_host_page(
 
     real = tier_mod.offload
 
-    def swapped(kv_pool: Any, device_pages: list[int], host_pool: Any, host_pages: list[int]) -> int:
-        return real(kv_pool, device_pages[::-1], host_pool, host_pages)  # planted: pages swapped
+    def swapped(kv_pool: Any, device_pages: list[int], host_pool: Any, host_pages: list[int], *rest: Any) -> int:
+        return real(kv_pool, device_pages[::-1], host_pool, host_pages, *rest)  # planted: pages swapped
 
     monkeypatch.setattr(tier_mod, "offload", swapped)
     engine = make(hybrid_folders["qwen3_5_text"], strategy)

@@ -1,0 +1,62 @@
+"""The device thread: jobs run in order on its own stream (CUDA), and a job's future
+resolves only after the thread waited for that stream — so the loop never synchronizes
+the device. The stream is faked on CPU: what is checked is the order of events."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import gpu.device_thread as device_mod
+from gpu.device_thread import DeviceThread
+
+
+class FakeStream:
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def synchronize(self) -> None:
+        self.log.append("sync")
+
+
+async def test_jobs_run_on_the_stream_and_resolve_after_it_synchronized(monkeypatch: pytest.MonkeyPatch) -> None:
+    log: list[str] = []
+
+    @contextlib.contextmanager
+    def current(stream: Any) -> Iterator[None]:
+        log.append("enter" if stream is not None else "no-stream")
+        yield
+        log.append("exit")
+
+    monkeypatch.setattr(device_mod, "stream_ctx", current)
+    thread = DeviceThread(stream_factory=lambda: FakeStream(log))
+    try:
+        assert await thread.submit(lambda: log.append("job") or 7) == 7
+        log.append("resolved")
+        assert log == ["enter", "job", "exit", "sync", "resolved"]
+        assert thread.call(lambda: 3) == 3  # set-up calls run on the stream too
+        assert log[-3:] == ["enter", "exit", "sync"]
+    finally:
+        thread.shutdown()
+
+
+async def test_cpu_has_no_stream() -> None:
+    thread = DeviceThread()
+    try:
+        assert await thread.submit(lambda: 5) == 5
+        assert thread.stream is None
+    finally:
+        thread.shutdown()
+
+
+async def test_a_failing_job_reaches_the_caller_and_the_thread_goes_on() -> None:
+    thread = DeviceThread()
+    try:
+        with pytest.raises(ZeroDivisionError):
+            await thread.submit(lambda: 1 / 0)
+        assert await thread.submit(lambda: 2) == 2
+    finally:
+        thread.shutdown()
