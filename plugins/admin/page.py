@@ -18,6 +18,7 @@ CONTENT_TYPES = {
     ".html": "text/html; charset=utf-8",
     ".js": "text/javascript; charset=utf-8",
     ".css": "text/css; charset=utf-8",
+    ".svg": "image/svg+xml",
 }
 # Same-origin everything ('self' covers the page's own ws:// origin), no framing.
 HEADERS = {

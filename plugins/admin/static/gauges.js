@@ -15,7 +15,7 @@ export function formatBytes(n) {
   return `${n.toFixed(i ? 1 : 0)} ${units[i]}`;
 }
 
-// parts: [[class, label, value]]; total: the bar's full width.
+// parts: [[class, label, value, shown?]]; total: the bar's full width.
 function gauge(name, title, parts, total, note) {
   const box = el("div", { class: "gauge", "data-gauge": name });
   const bar = el("div", { class: "bar" });
@@ -26,7 +26,7 @@ function gauge(name, title, parts, total, note) {
     seg.style.width = `${(100 * value) / total}%`;
     bar.append(seg);
   }
-  const legend = parts.map(([, label, value]) => `${label} ${value}`).join(" · ");
+  const legend = parts.map(([, label, value, shown]) => `${label} ${shown ?? value}`).join(" · ");
   box.append(el("div", { class: "gauge-title" }, `${title}${note ? ` — ${note}` : ""}`), bar,
     el("div", { class: "gauge-legend" }, legend));
   return box;
@@ -51,11 +51,13 @@ function storage(s) {
   const pages = s.backend_stats?.pages ?? 0;
   const bytes = s.backend_stats?.bytes ?? null;
   const max = s.max_bytes ?? null;
-  const used = bytes !== null && max ? [["stored", "used", bytes], ["free", "free", Math.max(max - bytes, 0)]]
+  const free = Math.max((max ?? 0) - (bytes ?? 0), 0);
+  const used = bytes !== null && max
+    ? [["stored", "used", bytes, formatBytes(bytes)], ["free", "free", free, formatBytes(free)]]
     : [["stored", "pages", pages]];
   const state = s.enabled ? "on" : "OFF";
-  const note = `${s.backend} ${state} · ${pages} pages · ${formatBytes(bytes)} of ${formatBytes(max)}`
-    + ` · written ${s.written_pages} · read ${s.read_pages} · queued ${formatBytes(s.queued_bytes)}`;
+  const note = `${s.backend} ${state} · ${pages} pages · written ${s.written_pages} · read ${s.read_pages}`
+    + ` · queued ${formatBytes(s.queued_bytes)}`;
   return gauge("storage", "storage tier", used, max || pages, note);
 }
 

@@ -20,7 +20,8 @@ const $ = (id) => document.getElementById(id);
 const ui = {
   conn: $("conn"), keyForm: $("key-form"), key: $("admin-key"), keyMessage: $("key-message"), main: $("main"),
   status: $("status"), tree: $("tree"), treeSummary: $("tree-summary"), gauges: $("gauges"), events: $("events"),
-  pause: $("events-pause"), storageState: $("storage-state"), storageToggle: $("storage-toggle"),
+  pause: $("events-pause"), tokens: $("events-tokens"),
+  storageState: $("storage-state"), storageToggle: $("storage-toggle"),
   selects: { evict: $("evict-policy"), schedule: $("schedule-policy") },
 };
 const chart = new HitChart($("hit-chart"), $("hit-legend"));
@@ -102,7 +103,7 @@ async function maybeRefreshTree() {
   view.treeDirty = false;
   view.treeAt = now;
   try {
-    const snap = await sock.request({ type: "snapshot", limit: view.bigTree ? TOP_ROWS : MAX_ROWS, by: "hits" });
+    const snap = await sock.request({ type: "snapshot", limit: view.bigTree ? TOP_ROWS + 1 : MAX_ROWS, by: "hits" });
     view.bigTree = snap.total_nodes > MAX_ROWS;
     ui.treeSummary.textContent = renderTree(ui.tree, snap);
   } catch (err) {
@@ -175,7 +176,7 @@ ui.storageToggle.addEventListener("click", () => command({ type: "storage", enab
 
 function onEvent(msg) {
   if (msg.type === "kv_event" || msg.kind === "admitted" || msg.kind === "finished") view.treeDirty = true;
-  if (ui.pause.checked) return;
+  if (ui.pause.checked || (msg.kind === "tokens" && !ui.tokens.checked)) return; // one a step: noise
   if (pendingEvents.length === 0) requestAnimationFrame(flushEvents);
   pendingEvents.push(msg);
   if (pendingEvents.length > MAX_EVENTS) pendingEvents = pendingEvents.slice(-MAX_EVENTS);

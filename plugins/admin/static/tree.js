@@ -3,7 +3,7 @@
 // Only textContent is ever set from server data: namespaces are client strings.
 
 export const TOP_ROWS = 200; // nodes listed in the aggregate
-const COLUMNS = ["node", "tokens", "pages dev/host", "tier", "locks", "state slot", "hits", "age"];
+const COLUMNS = ["node", "tokens", "pages dev/host", "tier", "locks", "state slot", "hits", "age (ticks)"];
 
 function el(tag, attrs = {}, text = null) {
   const node = document.createElement(tag);
