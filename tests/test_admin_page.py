@@ -29,10 +29,13 @@ def synthetic_tree(n: int, seed: int = 3) -> list[dict[str, Any]]:
     nodes = [root]
     for i in range(1, n):
         pages = rng.randint(1, 8)
-        nodes.append({**root, "id": i, "parent": rng.randrange(i), "num_tokens": pages * PAGE, "num_pages": pages,
+        tier = rng.choice(["device", "device+host", "host"])
+        slot = i if rng.random() < 0.2 else None
+        nodes.append({**root, "id": i, "parent": rng.randrange(i), "num_tokens": pages * PAGE,
+                      "num_pages": 0 if tier == "host" else pages, "num_host_pages": 0 if tier == "device" else pages,
                       "lock_ref": int(rng.random() < 0.1), "hit_count": rng.randint(0, 50),
-                      "last_access": i, "tier": rng.choice(["device", "device+host", "host"]),
-                      "stored": rng.random() < 0.3, "state_slot": i if rng.random() < 0.2 else None})
+                      "last_access": i, "tier": tier, "stored": rng.random() < 0.3,
+                      "state_slot": slot, "state_len": None if slot is None else pages * PAGE})
     return nodes
 
 

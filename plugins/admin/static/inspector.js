@@ -193,7 +193,7 @@ export function describeEvent(msg) {
   const hashes = msg.block_hashes || (msg.block_hash !== undefined ? [msg.block_hash] : []);
   const where = msg.medium ? ` [${msg.medium}]` : "";
   const first = hashes.length ? ` ${hex(hashes[0])}${hashes.length > 1 ? ` +${hashes.length - 1}` : ""}` : "";
-  return [`kv ${msg.event}${where}`, `${hashes.length} block(s)${first}`];
+  return [`kv ${msg.event}${where}`, hashes.length ? `${hashes.length} block(s)${first}` : ""];
 }
 
 function flushEvents() {
