@@ -130,8 +130,10 @@ async def test_page_is_served_with_its_modules(tiny_chat_folder: str) -> None:
 
 def test_static_files_ship_in_the_package() -> None:
     pyproject = tomllib.loads((ROOT_DIR / "pyproject.toml").read_text())
-    patterns = pyproject["tool"]["setuptools"]["package-data"]["plugins.admin"]
+    setuptools = pyproject["tool"]["setuptools"]
+    assert "plugins.admin.static" in setuptools["packages"]
+    patterns = setuptools["package-data"]["plugins.admin.static"]
     files = sorted(p.name for p in STATIC_DIR.iterdir())
     assert "index.html" in files
-    shipped = {p.name for pattern in patterns for p in STATIC_DIR.glob(pattern.removeprefix("static/"))}
+    shipped = {p.name for pattern in patterns for p in STATIC_DIR.glob(pattern)}
     assert shipped == set(files), "every static file must match a package-data pattern"
