@@ -12,8 +12,10 @@ from collections.abc import Callable
 from typing import Any
 
 from cache.kv_events import KVEvent
+from kernel import registry
 from kernel.async_engine import AsyncEngine, PolicyError
 from kernel.events import LifecycleEvent
+from plugins.admin.summary import RANKINGS, limited
 
 Message = dict[str, Any]
 Command = Callable[[AsyncEngine, Message], Message]
@@ -23,8 +25,20 @@ class ProtocolError(ValueError):
     """A message the server understood as malformed; the socket stays open."""
 
 
+MAX_LIMIT = 100_000
+
+
 def snapshot(engine: AsyncEngine, msg: Message) -> Message:
-    return {"type": "snapshot", "page_size": engine.info.page_size, "nodes": engine.snapshot()}
+    """Every node; with `limit`, the summarized form (plugins/admin/summary.py)."""
+    limit, by = msg.get("limit"), msg.get("by", "hits")
+    reply: Message = {"type": "snapshot", "page_size": engine.info.page_size}
+    if limit is None:
+        return {**reply, "nodes": engine.snapshot()}
+    if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= MAX_LIMIT:
+        raise ProtocolError(f"snapshot: 'limit' must be an integer from 1 to {MAX_LIMIT}, got {limit!r}")
+    if by not in RANKINGS:
+        raise ProtocolError(f"snapshot: 'by' must be one of {sorted(RANKINGS)}, got {by!r}")
+    return {**reply, **limited(engine.snapshot(), limit, by)}
 
 
 def stats(engine: AsyncEngine, msg: Message) -> Message:
@@ -52,6 +66,12 @@ def set_policy(engine: AsyncEngine, msg: Message) -> Message:
     return {"type": "set_policy", "ok": True, "kind": kind, "name": name}
 
 
+def policies(engine: AsyncEngine, msg: Message) -> Message:
+    """`{"type": "policies"}`: the names in use and the registered names `set_policy` takes."""
+    current = engine.policies()
+    return {"type": "policies", "current": current, "known": {kind: registry.names(kind) for kind in current}}
+
+
 def storage(engine: AsyncEngine, msg: Message) -> Message:
     """`{"type": "storage", "enable": bool}`: switch the storage tier back on (after it was
     switched off for failing) or off; without `enable`, just its state."""
@@ -73,6 +93,7 @@ COMMANDS: dict[str, Command] = {
     "flush": flush,
     "check": check,
     "set_policy": set_policy,
+    "policies": policies,
     "storage": storage,
 }
 

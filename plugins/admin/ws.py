@@ -19,8 +19,14 @@ answered with `{"type": "error", "message": "..."}`; the socket stays open.
 - `{"type": "snapshot"}` → `{"type": "snapshot", "page_size", "nodes": [...]}`: one
   object per radix-tree node, root first: `id`, `parent`, `num_tokens`, `num_pages`,
   `lock_ref`, `hit_count`, `last_access` (the tree's logical clock), `priority`, `tier`,
-  `namespace`, `state_slot`, `stored` (its pages are in the storage tier). Empty with
-  `cache.prefix: none`.
+  `namespace`, `state_slot`, `state_len`, `num_host_pages`, `stored` (its pages are in
+  the storage tier). Empty with `cache.prefix: none`.
+- `{"type": "snapshot", "limit": N, "by": "hits" | "tokens"}` (summarized, for big
+  trees; `by` defaults to "hits") → the same plus `total_nodes`, `truncated`, `by` and
+  `summary` {nodes, tokens, tiers {device, device+host, host: {nodes, tokens}}, stored
+  {nodes, tokens}, locked, with_state} (over every node but the root); `nodes` holds at
+  most N: all when they fit, else the root and the N - 1 others ranked highest by hit
+  count (then tokens) or by tokens (then hits), in tree order.
 - `{"type": "stats"}` → `engine.stats()` as it is: `pages` {usable, free, cached,
   evictable, held}, `requests` {waiting, running}, `idle`, `counters` {steps,
   prompt_tokens, generation_tokens}, `cache` (prefix query/hit tokens, cached/evictable
@@ -31,6 +37,9 @@ answered with `{"type": "error", "message": "..."}`; the socket stays open.
 - `{"type": "set_policy", "kind": "evict" | "schedule", "name": "lru"}` → `{"type":
   "set_policy", "ok": true, "kind", "name"}`; takes effect from the next step. Only
   registered names; an unknown one gets an error listing the known ones.
+- `{"type": "policies"}` → `{"type": "policies", "current": {"schedule", "evict"},
+  "known": {"schedule": [...], "evict": [...]}}`: the registered names `set_policy`
+  accepts, per kind.
 - `{"type": "storage", "enable": true | false}` → `{"type": "storage", "ok": true,
   "enabled"}`: switches the storage tier back on after it switched itself off for
   failing (or off by hand); without `enable` it only reports. An error without one.
@@ -56,6 +65,9 @@ Replies and events share one bounded send queue per connection (1024 by default)
 client that falls that far behind is dropped, with close code 1013 and the reason,
 instead of slowing the engine down.
 
+The inspector page (plugins/admin/page.py, static/) is served at `GET /admin/` to anyone:
+it holds no data, and asks for the key to open this socket.
+
 Plain HTTP (same access rules, bearer header only): `GET /admin/snapshot`,
 `GET /admin/stats`, `GET /admin/check`, `POST /admin/flush`, `POST /admin/set_policy`
 (JSON body `{"kind", "name"}`) answer with the same objects as the socket.
@@ -73,6 +85,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from kernel.async_engine import AsyncEngine
 from plugins.admin.auth import Verdict, judge, refusal
 from plugins.admin.messages import COMMANDS, Command, Message, ProtocolError
+from plugins.admin.page import add_page_routes
 from plugins.admin.session import AdminSession, close_socket, parse
 from plugins.bearer import key_matches
 from plugins.jsonio import JSONBodyError, decode_object, json_response
@@ -86,8 +99,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def add_admin_routes(app: web.Application, engine: AsyncEngine, *, queue_size: int = DEFAULT_QUEUE_SIZE) -> None:
-    """Mount the admin websocket and plain routes on `app` (see the module docstring)."""
+    """Mount the admin websocket, the plain routes and the inspector page on `app`."""
     admin = AdminRoutes(engine, queue_size)
+    add_page_routes(app)
     app.router.add_get("/admin/ws", admin.websocket)
     for name in READ_ROUTES:
         app.router.add_get(f"/admin/{name}", admin.plain(COMMANDS[name]))

@@ -14,7 +14,7 @@ from plugins.admin import add_admin_routes
 from plugins.http.errors import APIError
 from plugins.metrics import add_metrics_route
 
-PATHS = ("/metrics", "/admin/{tail:.*}")
+PATHS = ("/metrics", "/admin", "/admin/{tail:.*}")
 
 
 class EngineRoutes:
