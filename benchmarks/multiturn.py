@@ -1,13 +1,27 @@
 """Multi-turn chat against a device pool far smaller than the sessions' contexts: TTFT,
-throughput and per-tier hit rates with the device pool alone vs with the host tier, in
-one invocation (in the spirit of SGLang's bench_multiturn).
+throughput and per-tier hit rates with the device pool alone, with the host tier, and —
+once the storage tier exists (`kernel.config.HicacheConfig` has a `storage` field) — with
+the host tier plus a file storage tier below it, in one invocation (in the spirit of
+SGLang's benchmark/hicache/bench_multiturn.py: many concurrent multi-turn sessions whose
+total context is several times the device pool).
 
-`--sessions` sessions each run `--turns` turns; a turn sends the whole conversation so
-far plus `--user-tokens` new tokens and generates `--output-tokens`. Round by round,
-every session sends its next turn, `--concurrency` turns in flight at once. The device
-pool (`--device-pages`) holds a fraction of all sessions' context, so without a lower
-tier a session's history has been evicted by the time its next turn comes and is
-computed again; with the host tier it is loaded back.
+`--sessions` sessions each run `--turns` turns; a session opens with its own
+`--system-tokens` prompt, and a turn sends the whole conversation so far plus
+`--user-tokens` new tokens and generates `--output-tokens`. Round by round, every session
+sends its next turn, `--concurrency` turns in flight at once. The device pool
+(`--device-pages`) holds the turns in flight but only a fraction of all sessions'
+context, so without a lower tier a session's history has been evicted by the time its
+next turn comes and is computed again; with the host tier it is loaded back.
+
+Defaults: 16 sessions x 6 turns (SGLang's bench runs 5 rounds; real chats grow longer,
+which is where the tiers pay off), a 256-token opening prompt per session, 128 user
+tokens and 32 output tokens per turn, 4 turns in flight, a device pool of 320 pages of 16
+tokens (~5.1k tokens: the 4 longest turns in flight fit, all sessions' context is ~3.8x
+it), a host pool of 2048 pages (all sessions' context fits). The "+host+file" run gets
+half the host pool (`--storage-host-pages`), so that histories are pushed out of host
+memory and come back from the file tier (a fresh temporary directory). Every variant
+is a fresh engine in this process; the ratio columns are device-only mean TTFT over
+each column's.
 
     .venv/bin/python benchmarks/multiturn.py
     .venv/bin/python benchmarks/multiturn.py --sessions 8 --turns 3 --device-pages 128   # quick
@@ -17,9 +31,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import random
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -30,12 +46,16 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sessions", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=4, help="turns in flight at once")
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--system-tokens", type=int, default=256, help="a system prompt per session")
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--system-tokens", type=int, default=256, help="the opening prompt of each session")
     p.add_argument("--user-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=32)
-    p.add_argument("--device-pages", type=int, default=256)
+    p.add_argument("--device-pages", type=int, default=320)
     p.add_argument("--host-pages", type=int, default=2048)
+    p.add_argument("--storage-host-pages", type=int, default=None,
+                   help="host pool of the +host+file run (default: half of --host-pages)")
+    p.add_argument("--storage-max-bytes", type=int, default=4 << 30, help="file tier capacity")
+    p.add_argument("--no-storage", action="store_true", help="skip the +host+file run")
     p.add_argument("--seed", type=int, default=0)
     add_engine_args(p)
     return p.parse_args()
@@ -92,9 +112,11 @@ async def run(label: str, args: argparse.Namespace, overrides: dict[str, Any]) -
         for _ in range(args.turns):  # round by round: every session's next turn, a few at a time
             await asyncio.gather(*(s.turn(engine, args, gate, records, progress) for s in sessions))
         wall = time.perf_counter() - t0
-        tier = engine.stats()["host"]
-        if tier is not None:
-            print(f"{label}: host tier {tier}", file=sys.stderr)
+        stats = engine.stats()
+        for tier in ("host", "storage"):
+            if stats.get(tier) is not None:
+                print(f"{label}: {tier} tier {stats[tier]}", file=sys.stderr)
+        retractions = stats["num_retractions"]
     finally:
         await engine.shutdown()
     ttfts = sorted(r["ttft"] for r in records)
@@ -104,7 +126,16 @@ async def run(label: str, args: argparse.Namespace, overrides: dict[str, Any]) -
         "tok_s": sum(r["output"] for r in records) / wall, "wall": wall,
         "device": sum(r["tiers"].get("device", 0) for r in records) / prompt,
         "host": sum(r["tiers"].get("host", 0) for r in records) / prompt,
+        "storage": sum(r["tiers"].get("storage", 0) for r in records) / prompt,
+        "retractions": retractions,
     }
+
+
+def has_storage_tier() -> bool:
+    """Whether this checkout has the storage tier (its `hicache.storage` key)."""
+    from kernel.config import HicacheConfig
+
+    return "storage" in {f.name for f in dataclasses.fields(HicacheConfig)}
 
 
 def main() -> int:
@@ -121,12 +152,25 @@ def main() -> int:
         asyncio.run(run("device only", args, base)),
         asyncio.run(run("+host", args, {**base, "hicache.host_pages": args.host_pages})),
     ]
-    print(f"{'config':<12} | mean TTFT s | p90 TTFT s | out tok/s | wall s | device hit | host hit")
+    if not args.no_storage and has_storage_tier():
+        host_pages = args.storage_host_pages or args.host_pages // 2
+        with tempfile.TemporaryDirectory(prefix="tierserve-multiturn-") as storage_dir:
+            rows.append(asyncio.run(run("+host+file", args, {
+                **base, "hicache.host_pages": host_pages, "hicache.storage": "file",
+                "hicache.storage_dir": storage_dir, "hicache.storage_max_bytes": args.storage_max_bytes,
+            })))
+    elif not args.no_storage:
+        print("(no storage tier in this checkout: the +host+file run is skipped)", file=sys.stderr)
+    base_mean = rows[0]["mean"]
+    print(f"{'config':<12} | mean TTFT s | vs device | p90 TTFT s | out tok/s | wall s | device hit | host hit"
+          f" | storage hit | retractions")
     for r in rows:
-        print(f"{r['label']:<12} | {r['mean']:11.3f} | {r['p90']:10.3f} | {r['tok_s']:9.1f} | {r['wall']:6.1f} | "
-              f"{r['device']:10.1%} | {r['host']:8.1%}")
-    print(f"mean TTFT: device only / +host = {rows[0]['mean'] / rows[1]['mean']:.2f}x; "
-          f"p90 {rows[0]['p90'] / rows[1]['p90']:.2f}x; throughput {rows[1]['tok_s'] / rows[0]['tok_s']:.2f}x")
+        print(f"{r['label']:<12} | {r['mean']:11.3f} | {base_mean / r['mean']:8.2f}x | {r['p90']:10.3f} | "
+              f"{r['tok_s']:9.1f} | {r['wall']:6.1f} | {r['device']:10.1%} | {r['host']:8.1%} | "
+              f"{r['storage']:11.1%} | {r['retractions']:11d}")
+    for r in rows[1:]:
+        print(f"mean TTFT: device only / {r['label']} = {base_mean / r['mean']:.2f}x; "
+              f"p90 {rows[0]['p90'] / r['p90']:.2f}x; throughput {r['tok_s'] / rows[0]['tok_s']:.2f}x")
     return 0
 
 

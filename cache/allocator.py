@@ -56,7 +56,11 @@ class FreeList:
             if i not in self._allocated:
                 raise RuntimeError(f"{self.what} {i} freed twice or never allocated (double free?)")
         self._allocated.difference_update(ids)
-        self._free.extend(ids)
+        # Highest first, so the next allocations pop them lowest first: freed runs of
+        # consecutive ids come back as ascending runs (a host-tier copy moves each run in
+        # one transfer; freed in the order given they would come back reversed, one page
+        # per transfer).
+        self._free.extend(sorted(ids, reverse=True))
 
     def is_allocated(self, i: int) -> bool:
         return i in self._allocated

@@ -1,14 +1,22 @@
-"""The copy worker: one thread that runs the host tier's copy jobs in FIFO order.
+"""The copy worker: one thread that runs the host tier's copy jobs, urgent ones first,
+each class in FIFO order.
 
 Copies get their own thread (and, on CUDA, their own stream) so that an offload or a
 prefetch never queues behind a forward on the device thread, and the event loop never
 blocks on one: it awaits the future `submit` returns. Jobs are plain callables built by
 the loop from snapshots (page ids, pools); the worker knows nothing of trees or requests.
+
+A load-back has a request waiting for it (its TTFT), an offload has nobody: loads are
+submitted `urgent` and start before any offload still queued (a running job is never
+interrupted). Reordering is safe because the two never touch the same memory: a load
+reads host pages the tree already owns and writes device pages it allocated; an offload
+reads device pages of a locked node and writes host pages it allocated.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import queue
 import threading
 from collections.abc import Callable
@@ -47,6 +55,10 @@ class _Job:
     counts_bytes: bool
 
 
+# Queue priorities (lower first); the shutdown sentinel sorts after every job.
+_URGENT, _NORMAL, _STOP = 0, 1, 2
+
+
 class CopyWorker:
     """A dedicated copy thread. `stream_factory`, when given, is called once on that thread
     (a CUDA stream belongs to the thread that made it current); its result is `stream`,
@@ -57,7 +69,10 @@ class CopyWorker:
     def __init__(
         self, name: str = "tierserve-copy", stream_factory: Callable[[], Stream] | None = None
     ) -> None:
-        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        # (priority, sequence, job): urgent jobs first, FIFO within a priority (the
+        # sequence breaks ties, so jobs themselves are never compared).
+        self._jobs: queue.PriorityQueue[tuple[int, int, _Job | None]] = queue.PriorityQueue()
+        self._seq = itertools.count()
         self._lock = threading.Lock()  # orders `submit` against `shutdown`'s sentinel
         self._closed = False
         self._drop = False  # set by a shutdown that gave up waiting: unstarted jobs fail
@@ -84,23 +99,24 @@ class CopyWorker:
         # job behind, never torn.
         return CopyStats(self._done, self._failed, self._bytes, self._jobs.qsize())
 
-    def submit(self, fn: Callable[[], T]) -> asyncio.Future[T]:
-        """Queue `fn` behind every job already queued; the future resolves on the calling
-        (running) loop with its result or exception. Raises `CopyWorkerClosed` after shutdown."""
-        return self._put(fn, counts_bytes=False)
+    def submit(self, fn: Callable[[], T], urgent: bool = False) -> asyncio.Future[T]:
+        """Queue `fn` behind every job already queued — or, `urgent`, behind the urgent
+        ones only; the future resolves on the calling (running) loop with its result or
+        exception. Raises `CopyWorkerClosed` after shutdown."""
+        return self._put(fn, counts_bytes=False, urgent=urgent)
 
-    def submit_copy(self, fn: Callable[[], int]) -> asyncio.Future[int]:
+    def submit_copy(self, fn: Callable[[], int], urgent: bool = False) -> asyncio.Future[int]:
         """Like `submit` for a job that returns the bytes it copied (`offload`, `load_back`
         do); they are added to `bytes_copied`."""
-        return self._put(fn, counts_bytes=True)
+        return self._put(fn, counts_bytes=True, urgent=urgent)
 
-    def _put(self, fn: Callable[[], Any], counts_bytes: bool) -> asyncio.Future[Any]:
+    def _put(self, fn: Callable[[], Any], counts_bytes: bool, urgent: bool) -> asyncio.Future[Any]:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
         with self._lock:
             if self._closed:
                 raise CopyWorkerClosed("copy worker is shut down")
-            self._jobs.put(_Job(fn, loop, fut, counts_bytes))
+            self._jobs.put((_URGENT if urgent else _NORMAL, next(self._seq), _Job(fn, loop, fut, counts_bytes)))
         return fut
 
     def shutdown(self, wait: bool = True, timeout: float = 30.0) -> bool:
@@ -112,7 +128,7 @@ class CopyWorker:
         with self._lock:
             if not self._closed:
                 self._closed = True
-                self._jobs.put(None)
+                self._jobs.put((_STOP, next(self._seq), None))
         if wait:
             self._thread.join(timeout)
             if not self._thread.is_alive():
@@ -130,7 +146,7 @@ class CopyWorker:
         finally:
             self._ready.set()
         while True:
-            job = self._jobs.get()
+            _, _, job = self._jobs.get()
             if job is None:
                 return
             if self._drop:

@@ -200,8 +200,10 @@ class HostTier:
         req.loading = load if budget > 0 else None
         host_pages = list(match.host_pages)
         stream = self.worker.stream
+        # Urgent: a request waits for it, so it starts before offloads still queued.
         fut = self.worker.submit_copy(
-            lambda: load_back(self.host_pool, host_pages, self.kv_pool, device, stream)  # type: ignore[arg-type]
+            lambda: load_back(self.host_pool, host_pages, self.kv_pool, device, stream),  # type: ignore[arg-type]
+            urgent=True,
         )
         fut.add_done_callback(lambda f: self._loaded(load, f))
         self.counters.prefetch["issued"] += 1

@@ -1,4 +1,4 @@
-"""The copy worker: FIFO jobs on its own thread, futures on the caller's loop, bounded shutdown."""
+"""The copy worker: FIFO jobs (urgent ones first) on its own thread, futures on the caller's loop, bounded shutdown."""
 
 from __future__ import annotations
 
@@ -68,6 +68,32 @@ async def test_jobs_run_in_fifo_order(worker: CopyWorker) -> None:
     assert await first is True
     assert await asyncio.gather(*futs) == list(range(40))
     assert order == list(range(40))
+
+
+async def test_urgent_jobs_start_before_queued_ones_fifo_within_each(worker: CopyWorker) -> None:
+    gate = threading.Event()
+    order: list[int] = []
+    first = worker.submit(lambda: gate.wait(WAIT))  # holds the worker: the rest queue up
+    normal = [worker.submit(recorder(order, i)) for i in range(5)]
+    urgent = [worker.submit_copy(recorder(order, 100 + i), urgent=True) for i in range(3)]
+    gate.set()
+    assert await first is True
+    await asyncio.gather(*normal, *urgent)
+    assert order == [100, 101, 102, 0, 1, 2, 3, 4]
+    assert worker.stats().bytes_copied == 100 + 101 + 102
+
+
+def test_shutdown_drains_urgent_jobs_queued_before_it() -> None:
+    async def main() -> list[int]:
+        w = CopyWorker()
+        ran: list[int] = []
+        futs = [w.submit(lambda: wait_until(lambda: w.closed))]
+        futs += [w.submit(recorder(ran, 1)), w.submit(recorder(ran, 2), urgent=True)]
+        assert w.shutdown(wait=True, timeout=WAIT) is True
+        await asyncio.gather(*futs)
+        return ran
+
+    assert asyncio.run(main()) == [2, 1]
 
 
 async def test_an_exception_reaches_the_awaiter_and_the_worker_goes_on(worker: CopyWorker) -> None:

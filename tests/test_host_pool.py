@@ -161,6 +161,19 @@ def test_allocator_all_or_nothing_and_double_free() -> None:
         HostPool(2, 1, 4, 1, 8, torch.float32)
 
 
+def test_freed_pages_come_back_as_ascending_runs() -> None:
+    """Copies move each run of consecutive host pages in one transfer: pages freed (in
+    any order) and allocated again form runs, not one page per transfer."""
+    host = HostPool(2, 17, 4, 1, 8, torch.float32)
+    a, b = host.allocate(8), host.allocate(8)
+    assert a == list(range(1, 9)) and b == list(range(9, 17))
+    host.free(a[::-1])  # e.g. an eviction that gives a node's pages back last first
+    host.free(b[2:6])
+    again = host.allocate(12) or []
+    assert sorted(again) == sorted(a + b[2:6])
+    assert len(list(host_pool_mod.runs(again))) == 2, again  # [11..14] then [1..8]
+
+
 def test_sizes_and_memory_kind() -> None:
     for layout in LAYOUTS:
         host = HostPool(3, 7, 16, 2, 8, torch.bfloat16, layout)

@@ -63,6 +63,31 @@ def test_host_hit_is_bit_exact_and_counted(tiny_chat_folder: str) -> None:
         engine.shutdown()
 
 
+def test_loads_jump_queued_offloads(tiny_chat_folder: str) -> None:
+    """A load-back has a request waiting for it: it is submitted urgent (it starts before
+    offloads still queued on the copy worker); offloads are not."""
+    engine = make(tiny_chat_folder)
+    host = engine.engine.host
+    assert host is not None
+    real = host.worker.submit_copy
+    seen: list[tuple[str, bool]] = []
+
+    def submit_copy(fn: Any, urgent: bool = False) -> Any:
+        kind = fn.__code__.co_names  # the names the job's lambda calls
+        seen.append(("load" if "load_back" in kind else "offload", urgent))
+        return real(fn, urgent=urgent)
+
+    host.worker.submit_copy = submit_copy  # type: ignore[method-assign]
+    try:
+        ref, warm = host_hit(engine)
+        assert warm["output_ids"] == ref["output_ids"] and logprobs(warm) == logprobs(ref)
+        assert ("load", True) in seen and ("offload", False) in seen, seen
+        assert {urgent for kind, urgent in seen if kind == "load"} == {True}
+        assert {urgent for kind, urgent in seen if kind == "offload"} == {False}
+    finally:
+        engine.shutdown()
+
+
 def test_red_a_page_copied_to_the_wrong_host_slot(tiny_chat_folder: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import kernel.host_tier as tier_mod
 
