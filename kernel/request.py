@@ -60,7 +60,9 @@ class Request:
     loading: object | None = None
     host_wait: bool = False  # its host prefix cannot be loaded yet: wait for admission
     storage_fetch: object | None = None  # a storage fetch of its prefix it waits for (before admission)
-    storage_checked: bool = False  # storage was probed for its prefix (once per request)
+    storage_probes: int = 0  # storage checks of its prefix so far (kernel/storage_tier.py)
+    storage_matched: int = 0  # pages the tree held for it at the last check (or after its fetch)
+    storage_deadline: float = 0.0  # when its wait for storage ends, all checks together
     storage_span: tuple[int, int] | None = None  # tokens its fetch brought into the host tier
     cached_by_tier: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
     cached_tokens: int = 0

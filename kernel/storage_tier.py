@@ -51,6 +51,7 @@ from kernel.tier_policy import PrefetchPolicy
 log = structlog.get_logger("tierserve")
 
 STATS_MAX_AGE_S = 1.0
+MAX_PROBES = 3  # storage checks per request (the first, and re-checks after an eviction)
 
 
 @dataclass(eq=False)
@@ -170,7 +171,10 @@ class StorageTier:
     def wait(self, req: Request, tokens: Callable[[], list[int]], matched_pages: Callable[[], int]) -> bool:
         """Before admission: whether `req` waits for a storage fetch of its prefix. The
         first call for a request probes storage for its pages past `matched_pages()`
-        (what the tree holds on any tier) and starts a fetch if there are some."""
+        (what the tree holds on any tier) and starts a fetch if there are some. Until its
+        budget is spent, a later call probes again if the tree has lost part of what it
+        held at the last check or what the fetch brought (evicted meanwhile: another
+        fetch's host pages, say), at most MAX_PROBES times."""
         fetch = req.storage_fetch
         if isinstance(fetch, Fetch):
             if time.monotonic() < fetch.deadline:
@@ -178,11 +182,16 @@ class StorageTier:
             fetch.req, req.storage_fetch = None, None  # it computes; the fetch still lands
             self.counters.prefetch["timed_out"] += 1
             return False
-        if req.storage_checked or not self.enabled:
+        if not self.enabled or req.storage_probes >= MAX_PROBES:
             return False
-        req.storage_checked = True
-        toks = tokens()
+        if req.storage_probes and time.monotonic() >= req.storage_deadline:
+            return False
         first = matched_pages()
+        if req.storage_probes and first >= req.storage_matched:
+            return False  # the tree holds all it held: nothing to fetch again
+        toks = tokens()
+        req.storage_probes += 1
+        req.storage_matched = first
         if len(toks) // self.page_size <= first:
             return False
         return self._start(req, toks, first)
@@ -192,8 +201,11 @@ class StorageTier:
         keys = keys_for_hashes(hashes, self.fmt)
         state_keys = keys_for_hashes(hashes, self.state_fmt) if self.state_fmt is not None else []
         budget = min(self.prefetch.budget_s(len(keys) * self.page_size), self.timeout_s)
-        fetch = Fetch(req if budget > 0 else None, tokens, req.namespace, first, keys, state_keys,
-                      time.monotonic() + budget)
+        deadline = time.monotonic() + budget
+        if req.storage_probes > 1:
+            deadline = min(deadline, req.storage_deadline)  # one budget for all its probes
+        req.storage_deadline = deadline
+        fetch = Fetch(req if budget > 0 else None, tokens, req.namespace, first, keys, state_keys, deadline)
         req.storage_fetch = fetch if budget > 0 else None
         self.fetches.append(fetch)
         self.counters.prefetch["issued"] += 1
@@ -262,6 +274,7 @@ class StorageTier:
             self.host_pool.free(dupes + host[k:])
             if fetch.req is not None and taken:
                 fetch.req.storage_span = (end - taken * self.page_size, end)
+                fetch.req.storage_matched = fetch.first + k  # what the tree holds for it now
             self.counters.read_pages += k
             self.counters.read_bytes += k * self.host_pool.bytes_per_page
         else:

@@ -284,3 +284,33 @@ async def test_metrics_and_server_info_report_the_storage_tier(tiny_chat_folder:
         assert info["storage"]["backend_stats"]["pages"] >= 16 and info["storage"]["max_bytes"] == 8 << 30
         snapshot = engine.snapshot()
         assert any(node["stored"] for node in snapshot)  # the inspector sees what is in storage
+
+
+@pytest.mark.parametrize("probes", [3, 1])
+def test_a_fetch_evicted_before_admission_is_fetched_again(
+    tiny_chat_folder: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, probes: int
+) -> None:
+    """Host eviction can take what a fetch brought before its request is admitted; the
+    request then checks storage again (probes=1 plants the old one-check behaviour)."""
+    import kernel.storage_tier as storage_mod
+
+    monkeypatch.setattr(storage_mod, "MAX_PROBES", probes)
+    real = storage_mod.StorageTier._filled
+    evicted = []
+
+    def filled_then_evicted(self: Any, fetch: Any, fut: Any) -> None:
+        real(self, fetch, fut)
+        if not evicted:  # the first fetch's pages go right away, as under host pressure
+            evicted.append(self.tree.evict_host(10**6))
+
+    monkeypatch.setattr(storage_mod.StorageTier, "_filled", filled_then_evicted)
+    engine = make(tiny_chat_folder, tmp_path)
+    try:
+        ref, warm = cold_then_storage_hit(engine)
+        assert evicted and evicted[0]
+        assert same(warm, ref)
+        stored = warm["meta_info"]["cached_tokens_by_tier"]["storage"]
+        assert stored == (64 if probes > 1 else 0)
+        assert tier(engine).counters.prefetch["issued"] == 1 + min(probes, 2)  # the cold run probed once too
+    finally:
+        engine.shutdown()
