@@ -70,7 +70,8 @@ ROUTE_DOCS: dict[tuple[str, str], RouteDoc] = {
     ("POST", "/v1/detokenize"): RouteDoc("Text of token ids", DetokenizeBody, (400, 413, 503)),
     ("POST", "/generate"): RouteDoc("Generate with the engine's sampling parameters", GenerateBody,
                                     (400, 413, 429, 503), streams=True),
-    ("GET", "/health"): RouteDoc("Liveness: 200 ok; 503 starting, draining or halted", errors=(503,)),
+    # 503 {"status": "starting" | "draining"}, or an error object once halted: not one schema.
+    ("GET", "/health"): RouteDoc("Liveness: 200 ok; 503 starting, draining or halted"),
     ("GET", "/server_info"): RouteDoc("Config (without keys), pool usage, counters", errors=(503,)),
     ("GET", "/openapi.json"): RouteDoc("This document", errors=(503,)),
     ("GET", "/metrics"): RouteDoc("Prometheus metrics", errors=(503,), media="text/plain"),
@@ -241,6 +242,8 @@ def nullable(schema: Schema) -> Schema:
         return {**schema, "type": [kind, "null"]} if kind != "null" else schema
     if isinstance(kind, list):
         return schema if "null" in kind else {**schema, "type": [*kind, "null"]}
+    if set(schema) == {"anyOf"}:
+        return {"anyOf": [*schema["anyOf"], {"type": "null"}]}
     return {"anyOf": [schema, {"type": "null"}]}
 
 
