@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from cache.kv_events import KVEvent
 from kernel import registry
@@ -26,6 +27,20 @@ class ProtocolError(ValueError):
 
 
 MAX_LIMIT = 100_000
+
+
+# The arguments of the commands that take some (also the JSON bodies of their plain
+# HTTP routes), as /openapi.json documents them; `type` and `id` travel only on the socket.
+@dataclass(frozen=True)
+class SnapshotArgs:
+    limit: int | None = field(default=None, metadata={"schema": {"minimum": 1, "maximum": MAX_LIMIT}})
+    by: Literal["hits", "tokens"] = "hits"  # the keys of summary.RANKINGS; only with limit
+
+
+@dataclass(frozen=True)
+class SetPolicyArgs:
+    kind: Literal["evict", "schedule"]  # kernel.async_engine.POLICY_KINDS
+    name: str  # a registered name (`policies` lists them)
 
 
 def snapshot(engine: AsyncEngine, msg: Message) -> Message:

@@ -13,6 +13,7 @@ from pathlib import Path
 from aiohttp import web
 
 STATIC_PREFIX = "/admin/static/"
+PAGE_PATHS = frozenset({"/admin", "/admin/"})  # public, like the files under STATIC_PREFIX
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 CONTENT_TYPES = {
     ".html": "text/html; charset=utf-8",
@@ -30,6 +31,11 @@ HEADERS = {
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-cache",
 }
+
+
+def is_public(path: str) -> bool:
+    """Whether `path` is the page or one of its files, which anyone may read."""
+    return path in PAGE_PATHS or path.startswith(STATIC_PREFIX)
 
 
 def add_page_routes(app: web.Application) -> None:

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
 
 from aiohttp import web
 
 from kernel.async_engine import AsyncEngine, OutputChunk
-from kernel.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from kernel.sampling_params import MAX_NEW_TOKENS_LIMIT, MAX_TOP_LOGPROBS, SamplingParams
 from plugins.http.choice import Choice
 from plugins.http.errors import bad_request
 from plugins.http.logprobs import chat_logprobs
 from plugins.http.protocol import (
+    MAX_N,
+    ChatMessage,
+    StreamOptions,
+    bounds,
     check_model,
     get_bool,
     get_int,
@@ -23,7 +27,7 @@ from plugins.http.protocol import (
     reject_unsupported,
 )
 from plugins.http.reply import JSON, Reply
-from plugins.http.sampling import build_params, expand, get_max_tokens
+from plugins.http.sampling import PASSTHROUGH, build_params, expand, get_max_tokens
 from plugins.http.state import state_of
 from plugins.http.submission import token_limit
 
@@ -32,6 +36,38 @@ _HARMLESS: dict[str, tuple[Any, ...]] = {
     "logit_bias": ({},), "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
     "response_format": ({"type": "text"},),
 }
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    type: Literal["text"]  # plain text only: no JSON mode
+
+
+@dataclass(frozen=True)
+class ChatBody:
+    """The JSON body `parse_chat` reads, field by field: /openapi.json's schema of it.
+
+    Unknown fields are ignored; the SamplingParams fields named in SAMPLING_FIELDS are
+    accepted too. Without a token limit the reply may fill the context.
+    """
+
+    SAMPLING_FIELDS: ClassVar[tuple[str, ...]] = PASSTHROUGH
+
+    messages: list[ChatMessage] = field(metadata={"schema": {"minItems": 1}})
+    model: str | None = None
+    max_completion_tokens: int | None = field(default=None, metadata=bounds(1, MAX_NEW_TOKENS_LIMIT))
+    max_tokens: int | None = field(default=None, metadata=bounds(1, MAX_NEW_TOKENS_LIMIT))  # the older name
+    n: int | None = field(default=1, metadata=bounds(1, MAX_N))
+    logprobs: bool | None = False
+    top_logprobs: int | None = field(default=None, metadata=bounds(0, MAX_TOP_LOGPROBS))  # needs logprobs
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None  # only with stream
+    # Accepted only as "not used" (see _HARMLESS): refused rather than ignored otherwise.
+    logit_bias: dict[str, float] | None = field(default=None, metadata={"schema": {"maxProperties": 0}})
+    tools: list[Any] | None = field(default=None, metadata={"schema": {"maxItems": 0}})
+    functions: list[Any] | None = field(default=None, metadata={"schema": {"maxItems": 0}})
+    tool_choice: Literal["none", "auto"] | None = None
+    response_format: ResponseFormat | None = None
 
 
 @dataclass(frozen=True)

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
 
 from aiohttp import web
 
 from kernel.async_engine import AsyncEngine, OutputChunk
-from kernel.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from kernel.sampling_params import MAX_NEW_TOKENS_LIMIT, MAX_TOP_LOGPROBS, SamplingParams
 from plugins.http.choice import Choice
 from plugins.http.errors import bad_request
 from plugins.http.logprobs import completion_logprobs
 from plugins.http.protocol import (
+    MAX_N,
     Prompt,
+    PromptInput,
+    StreamOptions,
+    bounds,
     check_model,
     get_bool,
     get_int,
@@ -24,12 +28,36 @@ from plugins.http.protocol import (
     reject_unsupported,
 )
 from plugins.http.reply import JSON, Reply
-from plugins.http.sampling import build_params, expand, get_max_tokens
+from plugins.http.sampling import PASSTHROUGH, build_params, expand, get_max_tokens
 from plugins.http.state import state_of
 
 NAMES = {"max_new_tokens": "max_tokens", "top_logprobs_num": "logprobs"}
 _HARMLESS: dict[str, tuple[Any, ...]] = {"suffix": ("",), "logit_bias": ({},), "best_of": (1,)}
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+
+
+@dataclass(frozen=True)
+class CompletionBody:
+    """The JSON body `parse_completion` reads, field by field: /openapi.json's schema of it.
+
+    Unknown fields are ignored (clients send `user` and the like); the SamplingParams
+    fields named in SAMPLING_FIELDS are accepted too, under the engine's own names.
+    """
+
+    SAMPLING_FIELDS: ClassVar[tuple[str, ...]] = PASSTHROUGH
+
+    prompt: PromptInput
+    model: str | None = None
+    max_tokens: int | None = field(default=DEFAULT_MAX_TOKENS, metadata=bounds(1, MAX_NEW_TOKENS_LIMIT))
+    n: int | None = field(default=1, metadata=bounds(1, MAX_N))
+    logprobs: int | None = field(default=None, metadata=bounds(0, MAX_TOP_LOGPROBS))  # top-n per token
+    echo: bool | None = False  # not with logprobs
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None  # only with stream
+    # Accepted only as "not used" (see _HARMLESS): refused rather than ignored otherwise.
+    suffix: Literal[""] | None = None
+    logit_bias: dict[str, float] | None = field(default=None, metadata={"schema": {"maxProperties": 0}})
+    best_of: Literal[1] | None = None
 
 
 @dataclass(frozen=True)

@@ -49,3 +49,6 @@ class EngineRoutes:
     async def _cleanup(self, _: web.Application) -> None:
         if self.inner is not None:
             await self.inner.cleanup()
+
+
+ENGINE_ROUTES = web.AppKey("engine_routes", EngineRoutes)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -29,6 +30,21 @@ _TYPES = {
 _ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
+@dataclass(frozen=True)
+class ErrorDetail:
+    """OpenAI's error object: the `error` of every refusal (and its /openapi.json schema)."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+@dataclass(frozen=True)
+class ErrorBody:
+    error: ErrorDetail
+
+
 class APIError(Exception):
     """A failure answered as `{"error": {message, type, param, code}}` with `status`."""
 
@@ -45,7 +61,7 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         kind = _TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+        return {"error": dataclasses.asdict(ErrorDetail(self.message, kind, self.param, self.code))}
 
     def response(self) -> web.Response:
         return json_response(self.body(), status=self.status, headers=self.headers)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 from aiohttp import web
 
@@ -15,6 +16,20 @@ from plugins.http.sse import EventStream
 from plugins.http.state import state_of
 from plugins.http.submission import Submission
 from plugins.jsonio import json_response
+
+
+@dataclass(frozen=True)
+class GenerateBody:
+    """POST /generate: exactly one of `text` and `input_ids`, each one prompt or a list of them
+    (a list answers with a list); the engine's SamplingParams as they are."""
+
+    # Also accepted at the top level (they override sampling_params').
+    SAMPLING_FIELDS: ClassVar[tuple[str, ...]] = ("return_logprob", "top_logprobs_num")
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: SamplingParams | None = None
+    stream: bool | None = False
 
 
 def _is_ids(value: object) -> bool:
@@ -45,7 +60,7 @@ def parse_params(body: dict[str, Any]) -> SamplingParams:
     if not isinstance(fields, dict):
         raise bad_request("sampling_params must be an object", param="sampling_params")
     fields = dict(fields)
-    for name in ("return_logprob", "top_logprobs_num"):  # also accepted at top level
+    for name in GenerateBody.SAMPLING_FIELDS:  # also accepted at top level
         if body.get(name) is not None:
             fields[name] = body[name]
     if fields.get("max_new_tokens") == 0 or fields.get("max_tokens") == 0:
@@ -96,7 +111,7 @@ async def health(request: web.Request) -> web.Response:
     return json_response({"status": status}, status=200 if status == "ok" else 503)
 
 
-def _version() -> str:
+def version() -> str:
     try:
         return metadata.version("tierserve")
     except metadata.PackageNotFoundError:
@@ -127,7 +142,7 @@ async def server_info(request: web.Request) -> web.Response:
     for key in ("api_key", "admin_api_key"):  # secrets never leave the process
         config["server"].pop(key, None)
     return json_response({
-        "version": _version(),
+        "version": version(),
         "model": engine.info.model_name,
         "context_length": engine.info.context_length,
         "num_pages": engine.info.num_pages,

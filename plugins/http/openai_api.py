@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -11,9 +12,25 @@ from kernel.async_engine import AsyncEngine
 from plugins.http.chat import create_chat_completion, render_prompt
 from plugins.http.completions import create_completion
 from plugins.http.errors import APIError, bad_request
-from plugins.http.protocol import check_model, get_bool, read_body
+from plugins.http.protocol import ChatMessage, check_model, get_bool, read_body
 from plugins.http.state import state_of
 from plugins.jsonio import json_response
+
+
+@dataclass(frozen=True)
+class TokenizeBody:
+    """POST /v1/tokenize: `prompt`, or `messages` (rendered with the chat template) if given."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool | None = True  # with messages
+
+
+@dataclass(frozen=True)
+class DetokenizeBody:
+    tokens: list[int]  # each in [0, vocab size)
+    model: str | None = None
 
 
 def _model_card(request: web.Request) -> dict[str, object]:

@@ -6,7 +6,8 @@ them run before anything reaches the engine.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from dataclasses import dataclass, field
+from typing import Any, Literal, cast
 
 from aiohttp import web
 
@@ -17,6 +18,30 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 MAX_N = 16
 
 Prompt = str | list[int]
+PromptInput = str | list[str] | list[int] | list[list[int]]  # what `prompt` may be on the wire
+
+
+def bounds(lo: int, hi: int) -> dict[str, Any]:
+    """Field metadata for /openapi.json: the range `get_int` enforces."""
+    return {"schema": {"minimum": lo, "maximum": hi}}
+
+
+# The wire shapes these readers accept, as /openapi.json documents them (plugins/http/openapi.py).
+@dataclass(frozen=True)
+class StreamOptions:
+    include_usage: bool | None = False
+
+
+@dataclass(frozen=True)
+class TextPart:
+    type: Literal["text"]
+    text: str
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str = field(metadata={"schema": {"minLength": 1}})  # "developer" is read as "system"
+    content: str | list[TextPart] | None = None
 
 
 async def read_body(request: web.Request) -> dict[str, Any]:

@@ -20,9 +20,9 @@ from aiohttp.typedefs import Middleware
 from kernel.async_engine import AsyncEngine
 from kernel.config import Config
 from kernel.events import log_lifecycle
-from plugins.http import native_api, openai_api
+from plugins.http import native_api, openai_api, openapi
 from plugins.http.auth import auth_middleware
-from plugins.http.engine_routes import EngineRoutes
+from plugins.http.engine_routes import ENGINE_ROUTES, EngineRoutes
 from plugins.http.errors import error_middleware
 from plugins.http.protocol import MAX_BODY_BYTES
 from plugins.http.state import STATE, ServerState
@@ -31,9 +31,6 @@ log = structlog.get_logger("tierserve")
 
 DRAIN_GRACE_S = 30.0  # in-flight generations get this long to finish after a signal
 ABORT_WAIT_S = 5.0  # then aborted ones get this long to send their last bytes
-
-
-ENGINE_ROUTES = web.AppKey("engine_routes", EngineRoutes)
 
 
 def build_app(state: ServerState) -> web.Application:
@@ -45,6 +42,7 @@ def build_app(state: ServerState) -> web.Application:
     app[STATE] = state
     openai_api.add_routes(app)
     native_api.add_routes(app)
+    openapi.add_routes(app)
     routes = EngineRoutes()
     routes.mount(app)
     app[ENGINE_ROUTES] = routes
