@@ -32,6 +32,10 @@ class HybridStep:
     well, in the same forward (checkpoints inside a prefill chunk). Empty: no request
     tracks anything. Tracked slots are distinct from each other, from every dst slot
     and from the reserved slot 0.
+
+    Static shapes (gpu/graphs/): the graph runner builds the step over its registered
+    buffers, one entry per request slot of the bucket; padding requests (slot 0, fresh)
+    may bring 0 tokens, and `static_track` makes every track row be written.
     """
 
     extend_lens: tuple[int, ...]
