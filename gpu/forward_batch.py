@@ -5,8 +5,9 @@ when it builds a step, so the device thread never reads a list the loop may chan
 while the step runs: planning step N+1 while step N is in flight is safe by
 construction. Only `SampledToken`s come back.
 
-NOTE: invariant 6. Warm-up and live batches are both made by `ForwardBatch.build`;
-the device side never fills in a missing field with zeros.
+NOTE: invariant 6. Warm-up, capture and live batches are all made by
+`ForwardBatch.build` (capture batches of `PrefillChunk.padding` requests); the device
+side never fills in a missing field with zeros.
 """
 
 from __future__ import annotations
@@ -64,6 +65,17 @@ class PrefillChunk(NamedTuple):
     state_dst: int = 0
     state_track: tuple[tuple[int, int], ...] = ()
 
+    @classmethod
+    def padding(cls, num_tokens: int) -> PrefillChunk:
+        """The padding request of static-shape execution (graph capture and warm-up):
+        token 0 at positions 0.., request-table row 0 and state slot 0, all reserved, so
+        it reads and writes only the reserved page 0 and state slot 0."""
+        return cls((0,) * num_tokens, 0, 0)
+
+    @property
+    def is_padding(self) -> bool:
+        return self.table_row == 0 and self.prefix_len == 0 and not (self.state_src or self.state_dst)
+
 
 @dataclass(frozen=True)
 class ForwardBatch:
@@ -87,6 +99,8 @@ class ForwardBatch:
     ) -> ForwardBatch:
         """chunks in batch order; sampling: (chunk index, how that chunk's request samples)."""
         for chunk in chunks:
+            if chunk.table_row == 0 and chunk.is_padding and not chunk.state_track and chunk.token_ids:
+                continue  # a padding request (capture / warm-up batches)
             if chunk.table_row <= 0 or not chunk.token_ids or chunk.prefix_len < 0:
                 raise ValueError(
                     f"malformed chunk: row {chunk.table_row}, {len(chunk.token_ids)} ids, "

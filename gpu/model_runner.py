@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+<<<<<<< HEAD
 from typing import Any
+=======
+
+from typing import TYPE_CHECKING, Any
+>>>>>>> graph-runner
 
 import torch
 
@@ -13,6 +18,9 @@ from gpu.attention.base import AttentionBackend
 from gpu.forward_batch import ForwardBatch, SampledToken
 from gpu.models.hybrid_step import HybridStep
 from gpu.sampling import SamplingBatch, sample
+
+if TYPE_CHECKING:
+    from gpu.graphs.runner import GraphRunner
 
 
 class ModelRunner:
@@ -27,9 +35,26 @@ class ModelRunner:
         self.states = states  # hybrid models only
         self.device = model.device
         self.vocab_size = model.arch.vocab_size
+        # Static-shape execution (graphs.mode cuda / emulate), attached by the builder.
+        self.graphs: GraphRunner | None = None
 
     @torch.inference_mode()
     def run(self, batch: ForwardBatch) -> list[SampledToken]:
+        graph = self.graphs.bucket_for(batch) if self.graphs is not None else None
+        if graph is None:
+            logits = self.forward(batch)
+        else:
+            assert self.graphs is not None
+            if self.states is not None:
+                self.check_states(batch)
+                self.copy_states(batch.state_copies)
+            logits = self.graphs.replay(graph, batch)
+        if not batch.sampling:
+            return []
+        return self.sample(logits, batch)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """The eager forward at the batch's own shape -> logits of its sampling rows."""
         input_ids, positions, logits_indices = self.prepare(batch)
         self.attention.prepare(batch.rows, batch.prefix_lens, batch.extend_lens)
         if self.states is None:
@@ -38,9 +63,7 @@ class ModelRunner:
             logits = self.model.forward(
                 input_ids, positions, self.attention, logits_indices, self.hybrid_step(batch), self.states
             )
-        if not batch.sampling:
-            return []
-        return self.sample(logits, batch)
+        return logits  # type: ignore[no-any-return]
 
     def copy_states(self, copies: Sequence[tuple[int, int]]) -> None:
         """Run queued state copies (src, dst) in order: before a forward, or on their own
@@ -52,11 +75,7 @@ class ModelRunner:
     def hybrid_step(self, batch: ForwardBatch) -> HybridStep:
         """Copy the states the batch asks for, then say where each request reads and writes."""
         assert self.states is not None
-        if len(batch.state_src) != len(batch.rows) or len(batch.state_dst) != len(batch.rows):
-            # NOTE: invariant 6 - missing metadata is an error, never zero-filled.
-            raise ValueError("a hybrid model's batch lacks state slots for some request")
-        if batch.state_track and len(batch.state_track) != len(batch.rows):
-            raise ValueError("a hybrid model's batch has tracked states for only some requests")
+        self.check_states(batch)
         self.copy_states(batch.state_copies)
         return HybridStep.build(
             batch.extend_lens,
@@ -67,16 +86,16 @@ class ModelRunner:
             track=batch.state_track,
         )
 
+    @staticmethod
+    def check_states(batch: ForwardBatch) -> None:
+        if len(batch.state_src) != len(batch.rows) or len(batch.state_dst) != len(batch.rows):
+            # NOTE: invariant 6 - missing metadata is an error, never zero-filled.
+            raise ValueError("a hybrid model's batch lacks state slots for some request")
+        if batch.state_track and len(batch.state_track) != len(batch.rows):
+            raise ValueError("a hybrid model's batch has tracked states for only some requests")
+
     def prepare(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        dev = self.device
-        input_ids = torch.tensor(batch.input_ids, dtype=torch.int64, device=dev)
-        prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64)
-        extend = torch.tensor(batch.extend_lens, dtype=torch.int64)
-        starts = torch.cumsum(extend, 0) - extend  # first flat index of each request
-        offsets = torch.arange(len(batch.input_ids)) - torch.repeat_interleave(starts, extend)
-        positions = (torch.repeat_interleave(prefix, extend) + offsets).to(dev)
-        last = (starts + extend - 1)[torch.tensor(batch.sample_rows, dtype=torch.int64)]
-        return input_ids, positions, last.to(dev)
+        return flat_inputs(batch, self.device)
 
     def sample(self, logits: torch.Tensor, batch: ForwardBatch) -> list[SampledToken]:
         rows = batch.sampling
@@ -93,3 +112,16 @@ class ModelRunner:
         return [
             SampledToken(t, lp, top) for t, lp, top in zip(res.token_ids, res.logprobs, res.top_logprobs)
         ]
+
+
+def flat_inputs(batch: ForwardBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """input_ids and positions of the flattened tokens, and the flat index of each
+    sampling request's last token."""
+    input_ids = torch.tensor(batch.input_ids, dtype=torch.int64, device=device)
+    prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64)
+    extend = torch.tensor(batch.extend_lens, dtype=torch.int64)
+    starts = torch.cumsum(extend, 0) - extend  # first flat index of each request
+    offsets = torch.arange(len(batch.input_ids)) - torch.repeat_interleave(starts, extend)
+    positions = (torch.repeat_interleave(prefix, extend) + offsets).to(device)
+    last = (starts + extend - 1)[torch.tensor(batch.sample_rows, dtype=torch.int64)]
+    return input_ids, positions, last.to(device)

@@ -19,6 +19,8 @@ from cache.radix_tree import RadixTree
 from cache.req_table import ReqToTokenTable
 from cache.state_pool import StatePool
 from cache.storage import PageFormat
+from gpu.attention.base import AttentionBackend
+from gpu.graphs.runner import GraphRunner
 from gpu.loader import load_checkpoint
 from gpu.model_runner import ModelRunner
 from gpu.tokenizer import Tokenizer
@@ -54,6 +56,11 @@ def pick_device(config: Config) -> torch.device:
 
 def build_components(config: Config, device: torch.device) -> Components:
     dtype = _DTYPES[config.model.dtype]
+    if config.graphs.mode == "cuda" and (device.type != "cuda" or not torch.cuda.is_available()):
+        raise ConfigError(
+            f"graphs.mode: cuda needs a CUDA device, and the model runs on {device.type} "
+            "(no CUDA here); use graphs.mode: emulate (static shapes on CPU) or off"
+        )
     ckpt = load_checkpoint(config.model.path, dtype)
     arch = ckpt.arch
     context = min(config.model.context_length or arch.max_position_embeddings, arch.max_position_embeddings)
@@ -101,8 +108,10 @@ def build_components(config: Config, device: torch.device) -> Components:
             prefix.host.storage = _storage_tier(config, cache, pool, host_pool, prefix.host.prefetch, model_id, states)
             if hybrid is not None:
                 prefix.host.state_pending = lambda slot: any(dst == slot for _, dst in hybrid.copies)
+    runner = ModelRunner(model, pool, attention, states)
+    runner.graphs = _graph_runner(config, model, attention, states, device)
     return Components(
-        runner=ModelRunner(model, pool, attention, states),
+        runner=runner,
         scheduler=Scheduler(
             config.scheduler,
             page_size,
@@ -119,6 +128,33 @@ def build_components(config: Config, device: torch.device) -> Components:
         context_length=context,
         model_name=config.model.served_name or os.path.basename(config.model.path.rstrip("/")),
     )
+
+
+def _graph_runner(
+    config: Config, model: Any, attention: AttentionBackend, states: StatePool | None, device: torch.device
+) -> GraphRunner | None:
+    """graphs.mode resolved (auto: cuda where it can run, else off), buckets capped by the
+    scheduler's limits, every bucket captured (or, emulated, warmed up) now."""
+    graphs, sched = config.graphs, config.scheduler
+    mode, name = graphs.mode, type(attention).__name__
+    if mode in ("cuda", "emulate") and not attention.supports_static:
+        raise ConfigError(f"graphs.mode: {mode} needs an attention backend with static-shape metadata "
+                          f"(deterministic); {name} has none")
+    if mode == "cuda" and states is not None:
+        # The hybrid CPU kernels build index tensors from lengths inside the forward.
+        raise ConfigError("graphs.mode: cuda does not capture hybrid models yet; use emulate or off")
+    if mode == "auto":
+        mode = "cuda" if device.type == "cuda" and attention.supports_static and states is None else "off"
+    if mode == "off":
+        return None
+    runner = GraphRunner(
+        model, attention, states, mode,
+        decode_buckets=[b for b in graphs.decode_buckets if b <= sched.max_running_requests],
+        prefill_tokens=[t for t in graphs.prefill_tokens if t <= sched.max_num_batched_tokens],
+        prefill_max_requests=min(graphs.prefill_max_requests, sched.max_running_requests),
+    )
+    runner.capture()
+    return runner
 
 
 def _state_pool(config: Config, model: Any, dtype: torch.dtype, device: torch.device) -> StatePool | None:

@@ -172,6 +172,28 @@ class HicacheConfig:
 
 
 @dataclass(frozen=True)
+class GraphsConfig:
+    """Static-shape execution (gpu/graphs/): decode graphs per batch-size bucket, prefill
+    graphs per token-count bucket with `prefill_max_requests` request slots. `auto`:
+    `cuda` on a CUDA device (when the model and attention backend support it), `off`
+    on CPU; `emulate` runs the same runner and buffers without CUDA graphs (CPU tests).
+    Buckets above scheduler.max_running_requests / max_num_batched_tokens are dropped."""
+
+    mode: str = "auto"
+    decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    prefill_tokens: tuple[int, ...] = (64, 128, 256, 512)
+    prefill_max_requests: int = 4
+
+    def validate(self) -> None:
+        _choice("graphs.mode", self.mode, ("auto", "off", "emulate", "cuda"))
+        for key in ("decode_buckets", "prefill_tokens"):
+            buckets = getattr(self, key)
+            if any(b <= 0 for b in buckets) or list(buckets) != sorted(set(buckets)):
+                raise ConfigError(f"graphs.{key} must be increasing positive integers, got {list(buckets)}")
+        _positive("graphs.prefill_max_requests", self.prefill_max_requests)
+
+
+@dataclass(frozen=True)
 class DebugConfig:
     check_invariants: bool = False
 
@@ -195,13 +217,16 @@ class Config:
     hicache: HicacheConfig = field(default_factory=HicacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    graphs: GraphsConfig = field(default_factory=GraphsConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     deterministic: bool = False
     seed: int = 0
 
     def validate(self) -> None:
-        for section in (self.model, self.cache, self.hicache, self.scheduler, self.server, self.debug, self.logging):
+        sections = (self.model, self.cache, self.hicache, self.scheduler, self.server, self.graphs, self.debug,
+                    self.logging)
+        for section in sections:
             section.validate()
         if self.scheduler.chunked_prefill_size < self.cache.page_size:
             raise ConfigError(
@@ -287,6 +312,11 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
 
 
 def _coerce(key: str, hint: Any, value: Any) -> Any:
+    if typing.get_origin(hint) is tuple:  # tuple[int, ...]: a YAML list
+        (item, _) = typing.get_args(hint)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        return tuple(_coerce(f"{key}[{i}]", item, v) for i, v in enumerate(value))
     options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     if value is None:
         if type(None) in options:

@@ -106,3 +106,23 @@ HYBRID_OVERRIDES = {
     "cache.state_track_interval": 8,
     "cache.state_slots": 256,
 }
+
+
+# Static-shape emulation of the graph runner (graphs.mode: emulate): small buckets so
+# the tiny engines' steps run in them, decode and prefill alike.
+GRAPHS_EMULATE = {
+    "graphs.mode": "emulate",
+    "graphs.decode_buckets": [1, 2, 4, 8, 16],
+    "graphs.prefill_tokens": [16, 32, 64],
+    "graphs.prefill_max_requests": 4,
+}
+
+
+def graph_replays(engine: object) -> dict[str, int]:
+    """Steps an Engine ran in graph buckets, per kind (decode / prefill)."""
+    graphs = engine.engine.parts.runner.graphs  # type: ignore[attr-defined]
+    assert graphs is not None, "the engine runs without a graph runner"
+    counts = {"decode": 0, "prefill": 0}
+    for bucket, n in graphs.replays.items():
+        counts[bucket.kind] += n
+    return counts

@@ -16,7 +16,7 @@ import pytest
 from kernel import Engine
 from kernel.prefix_reuse import PrefixReuse
 from tests import leaks
-from tests.conftest import TINY_OVERRIDES
+from tests.conftest import GRAPHS_EMULATE, TINY_OVERRIDES, graph_replays
 
 PAGE = TINY_OVERRIDES["cache.page_size"]
 GREEDY = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True, "return_logprob": True}
@@ -151,6 +151,47 @@ def test_e_small_pool_with_eviction_and_chunking(tiny_chat_folder: str) -> None:
         assert guard_small_pool(engine) > 0
     finally:
         engine.shutdown()
+
+
+# ---- the same guards with the graph runner emulated (graphs.mode: emulate) --------
+@pytest.fixture(scope="module")
+def det_emulate(tiny_chat_folder: str) -> Iterator[Engine]:
+    engine = make(tiny_chat_folder, **GRAPHS_EMULATE)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    "guard",
+    [guard_prefill_hit, guard_decode_hit, guard_branching, lambda e: guard_branching(e, noise=15)],
+    ids=["a-prefill", "b-decode", "c-branching", "d-concurrent"],
+)
+def test_guards_with_graphs_emulated(det_emulate: Engine, guard: Any) -> None:
+    before = graph_replays(det_emulate)
+    guard(det_emulate)
+    after = graph_replays(det_emulate)
+    assert after["decode"] > before["decode"] and after["prefill"] > before["prefill"], (before, after)
+
+
+def test_e_small_pool_with_graphs_emulated(tiny_chat_folder: str) -> None:
+    engine = make(tiny_chat_folder, **GRAPHS_EMULATE, **{"cache.num_pages": 41, "scheduler.chunked_prefill_size": 16,
+                                                         "scheduler.max_num_batched_tokens": 32})
+    try:
+        assert guard_small_pool(engine) > 0
+        assert all(graph_replays(engine).values())
+    finally:
+        engine.shutdown()
+
+
+def test_graphs_emulated_equal_graphs_off(det: Engine, det_emulate: Engine) -> None:
+    """Padding rows never change a live row: the same concurrent workload, `==`."""
+    prompts = [tokens(40 + i, 5 + 9 * i) for i in range(7)]
+    params = [GREEDY, SAMPLED] * 3 + [GREEDY]
+    for engine in (det, det_emulate):
+        assert engine.flush_cache()
+    off, emulated = det.generate(prompts, params), det_emulate.generate(prompts, params)
+    for a, b in zip(off, emulated):  # type: ignore[arg-type]
+        assert_bit_exact(b, a)
 
 
 def test_deterministic_matches_default_numerics(det: Engine, tiny_engine: Engine) -> None:

@@ -23,7 +23,7 @@ from kernel import Engine
 from kernel.prefix_reuse import PrefixReuse
 from kernel.request import Request
 from tests import leaks
-from tests.conftest import HYBRID_FAMILIES, HYBRID_OVERRIDES
+from tests.conftest import GRAPHS_EMULATE, HYBRID_FAMILIES, HYBRID_OVERRIDES, graph_replays
 from tests.tiny_hybrid import VOCAB
 
 INTERVAL = HYBRID_OVERRIDES["cache.state_track_interval"]
@@ -136,12 +136,15 @@ SMALL_POOL = {"cache.num_pages": 30, "scheduler.chunked_prefill_size": 16,
 
 class _Guards:
     strategy = ""
+    extra: dict[str, Any] = {}  # more overrides (the emulated graph runner)
 
     @pytest.fixture(scope="class", params=HYBRID_FAMILIES)
     @classmethod
     def det(cls, request: pytest.FixtureRequest, hybrid_folders: dict[str, str]) -> Iterator[Engine]:
-        engine = make(hybrid_folders[request.param], cls.strategy)
+        engine = make(hybrid_folders[request.param], cls.strategy, **cls.extra)
         yield engine
+        if cls.extra:  # the guards ran in the graph buckets, decode and prefill
+            assert all(graph_replays(engine).values()), graph_replays(engine)
         engine.shutdown()
 
     def test_a_prefill_hit(self, det: Engine) -> None:
@@ -161,7 +164,7 @@ class _Guards:
         self, hybrid_folders: dict[str, str], family: str, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         cuts = record_page_cuts(monkeypatch)
-        engine = make(hybrid_folders[family], self.strategy, **SMALL_POOL)
+        engine = make(hybrid_folders[family], self.strategy, **SMALL_POOL, **self.extra)
         try:
             guard_small_pool(engine)
         finally:
@@ -180,6 +183,22 @@ class TestExtraBuffer(_Guards):
 
 class TestExtraBufferLazy(_Guards):
     strategy = "extra_buffer_lazy"
+
+
+# The same guards with the graph runner emulated (graphs.mode: emulate), every strategy.
+class TestNoBufferGraphsEmulated(_Guards):
+    strategy = "no_buffer"
+    extra = GRAPHS_EMULATE
+
+
+class TestExtraBufferGraphsEmulated(_Guards):
+    strategy = "extra_buffer"
+    extra = GRAPHS_EMULATE
+
+
+class TestExtraBufferLazyGraphsEmulated(_Guards):
+    strategy = "extra_buffer_lazy"
+    extra = GRAPHS_EMULATE
 
 
 # ---- revert-then-red ------------------------------------------------------------

@@ -17,13 +17,14 @@ no rounding: the chunk that follows reads the same blocks a cold run reads.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from cache.kv_pool import KVPool
 from gpu.attention.base import AttentionBackend
+from gpu.graphs.static_buffers import BufferSpec
 from kernel.registry import register
 
 QUERY_TILE = 8
@@ -33,38 +34,88 @@ _NEG = -1.0e30  # finite start for the running max: exp(_NEG - m) is exactly 0
 
 @register("attention", "deterministic")
 class DeterministicAttention(AttentionBackend):
+    """Static shapes: tiles are rows (a bucket of T tokens and R requests needs at most
+    ceil(T / QUERY_TILE) + R of them), key blocks cover the whole request table, so a
+    bucket's metadata has fixed shapes; padding tiles read page 0 only (`tile_tok` -1:
+    the zero query row, `key_slots` 0, every key visible) and padding tokens write slot 0
+    and take their output from row 0."""
+
+    supports_static = True
+
     def __init__(self, pool: KVPool, req_to_token: torch.Tensor) -> None:
         super().__init__(pool, req_to_token)
         self.out_cache_loc = torch.empty(0, dtype=torch.int64)
         self._tile_tok = torch.empty(0, dtype=torch.int64)  # [tiles, QUERY_TILE] flat token, -1 pad
         self._key_slots = torch.empty(0, dtype=torch.int64)  # [tiles, blocks, KEY_BLOCK]
         self._mask = torch.empty(0, dtype=torch.bool)  # [tiles, blocks, QUERY_TILE, KEY_BLOCK]
+        self._tok_src = torch.empty(0, dtype=torch.int64)  # [T] row of each token in the tiles' output
+        self.max_blocks = -(-req_to_token.shape[1] // KEY_BLOCK)
 
     def prepare(self, rows: Sequence[int], prefix_lens: Sequence[int], extend_lens: Sequence[int]) -> None:
+        self._bind(self._metadata(rows, prefix_lens, extend_lens, None))
+
+    def static_rows(self, tokens: int, requests: int) -> dict[str, int]:
+        return {"tiles": -(-tokens // QUERY_TILE) + requests}
+
+    def static_specs(self) -> dict[str, BufferSpec]:
+        q, k, b = QUERY_TILE, KEY_BLOCK, self.max_blocks
+        return {
+            "out_cache_loc": BufferSpec("tokens", (), torch.int64, 0),  # slot 0 of the reserved page
+            "tok_src": BufferSpec("tokens", (), torch.int64, 0),
+            "tile_tok": BufferSpec("tiles", (q,), torch.int64, -1),  # the zero query row
+            "key_slots": BufferSpec("tiles", (b, k), torch.int64, 0),  # page 0
+            "mask": BufferSpec("tiles", (b, q, k), torch.bool, True),  # finite: all of page 0 visible
+        }
+
+    def static_metadata(
+        self, rows: Sequence[int], prefix_lens: Sequence[int], extend_lens: Sequence[int]
+    ) -> dict[str, torch.Tensor]:
+        return self._metadata(rows, prefix_lens, extend_lens, self.max_blocks)
+
+    def bind_static(self, views: Mapping[str, torch.Tensor]) -> None:
+        self._bind(views)
+
+    def _bind(self, meta: Mapping[str, torch.Tensor]) -> None:
+        self.out_cache_loc, self._tok_src = meta["out_cache_loc"], meta["tok_src"]
+        self._tile_tok, self._key_slots, self._mask = meta["tile_tok"], meta["key_slots"], meta["mask"]
+
+    def _metadata(
+        self, rows: Sequence[int], prefix_lens: Sequence[int], extend_lens: Sequence[int], blocks: int | None
+    ) -> dict[str, torch.Tensor]:
+        """blocks: key blocks to cover (None: just enough for the step's longest request)."""
         device = self.req_to_token.device
         table = self.req_to_token
-        locs, tile_tok, tile_pos, tile_row = [], [], [], []
+        locs: list[torch.Tensor] = []
+        tile_tok: list[list[int]] = []
+        tile_pos: list[list[int]] = []
+        tile_row: list[int] = []
+        tok_src: list[int] = []
         tok = 0
         for row, prefix, num in zip(rows, prefix_lens, extend_lens):
             locs.append(table[row, prefix : prefix + num])
             for start in range(0, num, QUERY_TILE):
                 n = min(QUERY_TILE, num - start)
                 pad = QUERY_TILE - n
+                tok_src.extend(range(len(tile_tok) * QUERY_TILE, len(tile_tok) * QUERY_TILE + n))
                 tile_tok.append(list(range(tok + start, tok + start + n)) + [-1] * pad)
                 tile_pos.append(list(range(prefix + start, prefix + start + n)) + [0] * pad)
                 tile_row.append(row)
             tok += num
-        self.out_cache_loc = torch.cat(locs)
-        self._tile_tok = torch.tensor(tile_tok, device=device)
         pos = torch.tensor(tile_pos, device=device)  # [tiles, QUERY_TILE]
-        blocks = -(-(int(pos.max()) + 1) // KEY_BLOCK)
+        blocks = blocks or -(-(int(pos.max()) + 1) // KEY_BLOCK)
         key_pos = torch.arange(blocks * KEY_BLOCK, device=device).view(blocks, KEY_BLOCK)
         visible = key_pos[None, :, None, :] <= pos[:, None, :, None]  # [tiles, blocks, Q, K]
         slots = table[torch.tensor(tile_row, device=device), : blocks * KEY_BLOCK]
+        slots = F.pad(slots, (0, blocks * KEY_BLOCK - slots.shape[1]))  # past the table: page 0
         readable = (key_pos.view(1, -1) <= pos.max(dim=1).values[:, None]).view(slots.shape)
         # Past a tile's last position the table is stale: read the zero page there.
-        self._key_slots = torch.where(readable, slots, 0).view(-1, blocks, KEY_BLOCK)
-        self._mask = visible
+        return {
+            "out_cache_loc": torch.cat(locs),
+            "tok_src": torch.tensor(tok_src, dtype=torch.int64, device=device),
+            "tile_tok": torch.tensor(tile_tok, dtype=torch.int64, device=device),
+            "key_slots": torch.where(readable, slots, 0).view(-1, blocks, KEY_BLOCK),
+            "mask": visible,
+        }
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.pool.write(layer, self.out_cache_loc, k, v)
@@ -96,7 +147,5 @@ class DeterministicAttention(AttentionBackend):
         o = acc[..., :head_dim] / acc[..., head_dim:]
         o = o.view(tiles, num_kv, QUERY_TILE, group, head_dim).permute(0, 2, 1, 3, 4)
         o = o.reshape(tiles * QUERY_TILE, num_heads, head_dim)
-        real = self._tile_tok.view(-1) >= 0
-        out = torch.empty_like(q)
-        out[self._tile_tok.view(-1)[real]] = o[real]
-        return out
+        # Each token's row of the tiles' output (a gather: static shapes, no boolean index).
+        return o.index_select(0, self._tok_src)

@@ -214,6 +214,6 @@ class HybridDecoder(ABC, Generic[A, S]):
         start = step.load(conv_pool)
         y, windows = short_conv_varlen(x, start, step.extend_lens, weight, bias)
         step.store(conv_pool, windows)
-        if step.track_points:
+        if step.writes_tracked:
             step.store_tracked(conv_pool, short_conv_windows_at(x, start, step.extend_lens, step.track_points))
         return y

@@ -32,6 +32,10 @@ class HybridStep:
     well, in the same forward (checkpoints inside a prefill chunk). Empty: no request
     tracks anything. Tracked slots are distinct from each other, from every dst slot
     and from the reserved slot 0.
+
+    Static shapes (gpu/graphs/): the graph runner builds the step over its registered
+    buffers, one entry per request slot of the bucket; padding requests (slot 0, fresh)
+    may bring 0 tokens, and `static_track` makes every track row be written.
     """
 
     extend_lens: tuple[int, ...]
@@ -40,9 +44,13 @@ class HybridStep:
     dst_slots: torch.Tensor  # [R] int64
     fresh: torch.Tensor  # [R] bool: prefix_lens == 0
     track: Track = ()
+    # Static shapes (graph runner): the registered track buffers, [M_max] slots and a
+    # mask (live rows True, padding rows False, slot 0). Every row is written, as a
+    # captured graph does; None: exactly the tracked points are written.
+    static_track: tuple[torch.Tensor, torch.Tensor] | None = None
     # Flattened track, in request order: (request index, tokens into its chunk).
     track_points: tuple[tuple[int, int], ...] = field(init=False)
-    track_slots: torch.Tensor = field(init=False)  # [M] int64, same order
+    track_slots: torch.Tensor = field(init=False)  # [M] int64, same order (static: [M_max])
 
     def __post_init__(self) -> None:
         # Lengths and slot reuse are checked here, so a step constructed directly is held
@@ -69,6 +77,9 @@ class HybridStep:
                 points.append((r, end - prefix))
                 slots.append(slot)
         object.__setattr__(self, "track_points", tuple(points))
+        if self.static_track is not None:
+            object.__setattr__(self, "track_slots", self.static_track[0])
+            return
         device = self.dst_slots.device
         object.__setattr__(self, "track_slots", torch.tensor(slots, dtype=torch.int64, device=device))
 
@@ -83,6 +94,26 @@ class HybridStep:
         track: Sequence[Sequence[tuple[int, int]]] | None = None,
     ) -> HybridStep:
         """track: None (or empty) for no tracked states, else one sequence per request."""
+        plain_track = cls.check(extend_lens, prefix_lens, src_slots, dst_slots, track)
+        return cls(
+            extend_lens=tuple(int(e) for e in extend_lens),
+            prefix_lens=tuple(int(p) for p in prefix_lens),
+            src_slots=torch.tensor(list(src_slots), dtype=torch.int64, device=device),
+            dst_slots=torch.tensor(list(dst_slots), dtype=torch.int64, device=device),
+            fresh=torch.tensor([p == 0 for p in prefix_lens], dtype=torch.bool, device=device),
+            track=plain_track,
+        )
+
+    @staticmethod
+    def check(
+        extend_lens: Sequence[int],
+        prefix_lens: Sequence[int],
+        src_slots: Sequence[int],
+        dst_slots: Sequence[int],
+        track: Sequence[Sequence[tuple[int, int]]] | None = None,
+    ) -> Track:
+        """The checks of `build` on plain values (also the graph runner's, on the live
+        requests before padding); returns the track as plain ints."""
         n = len(extend_lens)
         if not (len(prefix_lens) == len(src_slots) == len(dst_slots) == n):
             raise ValueError(
@@ -101,14 +132,7 @@ class HybridStep:
             clash = {s for pairs in plain_track for _, s in pairs} & {int(d) for d in dst_slots}
             if clash:
                 raise ValueError(f"tracked slots {sorted(clash)} are also dst slots")
-        return cls(
-            extend_lens=tuple(int(e) for e in extend_lens),
-            prefix_lens=tuple(int(p) for p in prefix_lens),
-            src_slots=torch.tensor(list(src_slots), dtype=torch.int64, device=device),
-            dst_slots=torch.tensor(list(dst_slots), dtype=torch.int64, device=device),
-            fresh=torch.tensor([p == 0 for p in prefix_lens], dtype=torch.bool, device=device),
-            track=plain_track,
-        )
+        return plain_track
 
     @property
     def num_tokens(self) -> int:
@@ -124,6 +148,22 @@ class HybridStep:
         pool_tensor.index_copy_(0, self.dst_slots, states.to(pool_tensor.dtype))
 
     def store_tracked(self, pool_tensor: torch.Tensor, states: torch.Tensor) -> None:
-        """Write the tracked states [M, ...] (in `track_points` order) to their slots."""
-        if self.track_points:
+        """Write the tracked states [M, ...] (in `track_points` order) to their slots.
+
+        Static shapes: every row of the track buffers is written, as a captured graph
+        writes them; a masked-off row writes its slot's own state back (padding rows:
+        the reserved slot 0), a live row its tracked state."""
+        if self.static_track is not None:
+            slots, mask = self.static_track
+            full = states.new_zeros((slots.shape[0], *states.shape[1:]))
+            full[: states.shape[0]] = states
+            keep = pool_tensor.index_select(0, slots)
+            picked = torch.where(mask.view(-1, *([1] * (full.dim() - 1))), full.to(keep.dtype), keep)
+            pool_tensor.index_copy_(0, slots, picked)
+        elif self.track_points:
             pool_tensor.index_copy_(0, self.track_slots, states.to(pool_tensor.dtype))
+
+    @property
+    def writes_tracked(self) -> bool:
+        """Whether the state layers must call `store_tracked` (always with static shapes)."""
+        return bool(self.track_points) or self.static_track is not None
