@@ -3,12 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-<<<<<<< HEAD
-from typing import Any
-=======
-
 from typing import TYPE_CHECKING, Any
->>>>>>> graph-runner
 
 import torch
 

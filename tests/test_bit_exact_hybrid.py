@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -136,7 +136,7 @@ SMALL_POOL = {"cache.num_pages": 30, "scheduler.chunked_prefill_size": 16,
 
 class _Guards:
     strategy = ""
-    extra: dict[str, Any] = {}  # more overrides (the emulated graph runner)
+    extra: ClassVar[dict[str, Any]] = {}  # more overrides (the emulated graph runner)
 
     @pytest.fixture(scope="class", params=HYBRID_FAMILIES)
     @classmethod

@@ -153,12 +153,31 @@ def test_red_a_state_read_before_its_queued_copy_landed(
     hybrid_folders: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """no_buffer caches a state by a copy from the live slot that runs before the next
-    forward; reverting the wait (the copy to host and storage reads the slot at once)
-    stores a stale state, and the bit-exact compare catches it."""
+    forward; reverting the wait (the copy to host and storage starts at once, and here
+    reads the slot at once, as a fast copy worker would) stores a stale state, and the
+    bit-exact compare catches it."""
+    import kernel.storage_tier as storage_mod
+    from cache.host_state_pool import slot_to_bytes
+
+    real = storage_mod.StorageTier.capture
+
+    def eager(self: Any, node: Any, host_pages: list[int]) -> Any:
+        items = real(self, node, host_pages)
+        if items is None or node.state_slot is None or self.states is None:
+            return items
+        now = slot_to_bytes(self.states.tensors(), node.state_slot)  # before the queued copy ran
+
+        def with_early_state() -> list[tuple[str, bytes]]:
+            out = items()
+            return [*out[:-1], (out[-1][0], now)]
+
+        return with_early_state
+
     engine = make(hybrid_folders["qwen3_5_text"], "no_buffer", tmp_path)
     host = engine.engine.host
     assert host is not None
     monkeypatch.setattr(host, "state_pending", lambda slot: False)  # planted: the fix reverted
+    monkeypatch.setattr(storage_mod.StorageTier, "capture", eager)
     try:
         ref = run(engine, PROMPT)
         warm = from_storage(engine, PROMPT)
