@@ -42,6 +42,32 @@ def _pow2(n: int, least: int = 16) -> int:
 
 
 @triton.jit
+def _attend_keys(
+    qb, k_cache, v_cache, slots, kvh, stride_kt, stride_kh, offs_d, d_mask, n_mask, visible, sm_scale, m, l, acc,
+):
+    """One block of keys (at `slots`) into a running softmax: the rows of `qb` see the
+    keys where `visible`; returns the updated (max, sum, weighted values)."""
+    kb = tl.load(
+        k_cache + slots[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
+        mask=d_mask[:, None] & n_mask[None, :],
+        other=0.0,
+    )
+    s = tl.dot(qb, kb, input_precision=_PRECISION) * sm_scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m - m_new)
+    vb = tl.load(
+        v_cache + slots[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+        mask=n_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=_PRECISION)
+    return m_new, l, acc
+
+
+@triton.jit
 def _store_kv_kernel(
     k_new, v_new, k_cache, v_cache, locs, num_slots, stride_new, ROW: tl.constexpr, BLOCK: tl.constexpr
 ):
@@ -114,24 +140,10 @@ def _decode_split_kernel(
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs_n < end
             slots = tl.load(table + row * stride_table + offs_n, mask=n_mask, other=0)
-            kb = tl.load(
-                k_cache + slots[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
-                mask=d_mask[:, None] & n_mask[None, :],
-                other=0.0,
+            m, l, acc = _attend_keys(
+                qb, k_cache, v_cache, slots, kvh, stride_kt, stride_kh, offs_d, d_mask, n_mask,
+                n_mask[None, :], sm_scale, m, l, acc,
             )
-            s = tl.dot(qb, kb, input_precision=_PRECISION) * sm_scale
-            s = tl.where(n_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            vb = tl.load(
-                v_cache + slots[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
-                mask=n_mask[:, None] & d_mask[None, :],
-                other=0.0,
-            )
-            l = l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=_PRECISION)
-            m = m_new
         # part_o [B, H, max_splits, D], part_lse [B, H, max_splits]
         head_row = b * (GROUP * tl.num_programs(1)) + heads
         o_ptr = part_o + ((head_row[:, None] * max_splits + split) * HEAD_DIM + offs_d[None, :])
@@ -241,25 +253,11 @@ def _extend_kernel(
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs_n < end
             slots = tl.load(table + row * stride_table + offs_n, mask=n_mask, other=0)
-            kb = tl.load(
-                k_cache + slots[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
-                mask=d_mask[:, None] & n_mask[None, :],
-                other=0.0,
+            visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])  # causal
+            m, l, acc = _attend_keys(
+                qb, k_cache, v_cache, slots, kvh, stride_kt, stride_kh, offs_d, d_mask, n_mask,
+                visible, sm_scale, m, l, acc,
             )
-            s = tl.dot(qb, kb, input_precision=_PRECISION) * sm_scale
-            visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            vb = tl.load(
-                v_cache + slots[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
-                mask=n_mask[:, None] & d_mask[None, :],
-                other=0.0,
-            )
-            l = l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=_PRECISION)
-            m = m_new
         o = acc / l[:, None]  # every row sees key 0, so l > 0 (rows past ext_len are not stored)
         tl.store(
             out + (tok0 + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
