@@ -25,7 +25,7 @@ the second eviction order of slots: cache/radix_states.py.
 
 Walking a key down the tree, splitting, adding and detaching nodes: cache/radix_shape.py.
 
-Tiered trees (`free_host_pages` given) also own host copies: a node may keep its KV in
+Tiered trees (`free_host_pages` given) also own host copies (bookkeeping: cache/radix_host_copies.py): a node may keep its KV in
 host memory and stay matchable without device pages. Residency, the top-subtree
 invariant, ownership, locks and the third eviction order: cache/radix_host.py.
 """
