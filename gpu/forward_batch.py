@@ -34,6 +34,7 @@ class SamplingRow:
     step: int  # index of the token being sampled (tokens generated so far)
     prompt_ids: tuple[int, ...] = ()
     output_ids: tuple[int, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, added to the logits
 
     @property
     def needs_history(self) -> bool:

@@ -4,9 +4,10 @@
 only what some row needs, so the common case (all greedy, no penalties) is one argmax
 plus one log_softmax gather.
 
-Logprobs are always computed, from the raw model distribution (log_softmax of the logits
-as given, before penalties, temperature or truncation): it costs one [B, V] pass, small
-next to a model step, and keeps the result shape the same for every row.
+Logprobs are always computed, from the model distribution after `logit_bias` (as OpenAI
+reports them) but before penalties, temperature or truncation: it costs one [B, V] pass,
+small next to a model step, and keeps the result shape the same for every row. Only a
+batch with a biased row pays for the bias (one scatter_add over its entries).
 
 Random draws are a pure function of (seed, step) per row: a counter-based hash of
 (row key, token id) gives each token its own uniform number, so a row draws the same
@@ -48,6 +49,8 @@ class SamplingSettings(Protocol):
     def repetition_penalty(self) -> float: ...
     @property
     def top_logprobs_num(self) -> int: ...
+    @property
+    def logit_bias(self) -> tuple[tuple[int, float], ...]: ...
 
 
 class SampleResult(NamedTuple):
@@ -120,6 +123,9 @@ class SamplingBatch:
     frequency_penalty: torch.Tensor | None = None
     presence_penalty: torch.Tensor | None = None
     output_counts: torch.Tensor | None = None
+    # logit_bias of every biased row, flattened: flat indices row * V + id, and biases.
+    bias_index: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
     top_logprobs_nums: tuple[int, ...] = ()
 
     @property
@@ -141,7 +147,17 @@ class SamplingBatch:
                     top_logprobs_nums=tuple(p.top_logprobs_num for p in params))
         batch._set_random(params, seeds, steps, device)
         batch._set_penalties(params, prompt_ids, output_ids, device)
+        batch._set_bias(params, device)
         return batch
+
+    def _set_bias(self, params: Sequence[SamplingSettings], device: torch.device) -> None:
+        pairs = [(r * self.vocab_size + t, b) for r, p in enumerate(params) for t, b in p.logit_bias]
+        if not pairs:
+            return
+        if any(not 0 <= t < self.vocab_size for p in params for t, _ in p.logit_bias):
+            raise ValueError(f"logit_bias token id outside the vocabulary [0, {self.vocab_size})")
+        self.bias_index = torch.tensor([i for i, _ in pairs], dtype=torch.int64, device=device)
+        self.bias_values = torch.tensor([b for _, b in pairs], dtype=torch.float32, device=device)
 
     def _set_random(self, params: Sequence[SamplingSettings], seeds: list[int], steps: list[int],
                     device: torch.device) -> None:
@@ -196,7 +212,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
     """Pick one token per row of `logits` [B, V]; the input tensor is not modified."""
     if logits.shape != (batch.size, batch.vocab_size):
         raise ValueError(f"logits shape {tuple(logits.shape)} != {(batch.size, batch.vocab_size)}")
-    logits = logits.float()
+    logits = apply_bias(logits.float(), batch)
     logprobs = torch.log_softmax(logits, dim=-1)
     scores = apply_penalties(logits, batch)
     tokens = scores.argmax(dim=-1) if batch.all_greedy else _draw(scores, batch)
@@ -204,6 +220,15 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
     # One device->host copy for both lists (float64 holds any token id exactly).
     host = torch.stack([tokens.double(), chosen.double()]).tolist()
     return SampleResult([int(t) for t in host[0]], host[1], _top_logprobs(logprobs, batch))
+
+
+def apply_bias(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logits + each row's logit_bias (a new tensor when there is one: the input stays)."""
+    if batch.bias_index is None or batch.bias_values is None:
+        return logits
+    biased = logits.clone(memory_format=torch.contiguous_format)
+    biased.view(-1).index_add_(0, batch.bias_index, batch.bias_values)
+    return biased
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

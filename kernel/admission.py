@@ -13,7 +13,7 @@ from typing import Any
 
 from gpu.tokenizer import Tokenizer
 from kernel.request import Request
-from kernel.sampling_params import SamplingParams
+from kernel.sampling_params import SamplingParams, SamplingParamsError
 
 
 class RequestError(ValueError):
@@ -51,6 +51,7 @@ class Admission:
             params = SamplingParams.from_dict(params)
         ids = self.tokenize(prompt)
         self.check_fits(ids, params)
+        self.check_vocab(params)
         # Unseeded requests draw a seed here, so a retracted request repeats its draws.
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         return Request(rid=rid or uuid.uuid4().hex, prompt_ids=ids, params=params, seed=seed,
@@ -69,6 +70,13 @@ class Admission:
         if not ids:
             raise BadPrompt("prompt is empty")
         return ids
+
+    def check_vocab(self, params: SamplingParams) -> None:
+        """The vocabulary-dependent parameter checks SamplingParams cannot make alone."""
+        vocab = self.vocab_size
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:
+            raise SamplingParamsError(f"logit_bias token ids must be in [0, {vocab}), got {bad[0]}", "logit_bias")
 
     def check_fits(self, ids: list[int], params: SamplingParams) -> None:
         need = len(ids) + params.max_new_tokens

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 MAX_NEW_TOKENS_LIMIT = 1_000_000
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries per request (OpenAI documents no number; 300 is what we allow)
+LOGIT_BIAS_LIMIT = 100.0  # each bias lies in [-100, 100], as OpenAI's
+_TOKEN_KEY = re.compile(r"[0-9]+")  # a JSON object key naming a token id
 _ALIASES = {"max_tokens": "max_new_tokens"}
 
 
@@ -43,8 +47,13 @@ class SamplingParams:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     skip_special_tokens: bool = True
+    # OpenAI's logit_bias: (token id, bias) pairs, ids increasing, added to the logits
+    # before anything else (greedy too); a {"id": bias} mapping is accepted and normalized.
+    # Ids are checked against the vocabulary at admission (kernel/admission.py).
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         # Validating here (not only in from_dict) keeps direct construction just as safe.
         for name in _FLOAT_FIELDS:  # an int where a float belongs is fine (temperature=0)
             value = getattr(self, name)
@@ -117,6 +126,42 @@ def _coerce(name: str, value: Any) -> Any:
             f"stop_token_ids must be a list of integers, got {type(value).__name__}", "stop_token_ids"
         )
     return value
+
+
+def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (id, bias) pairs, from a {"id": bias} mapping or pairs."""
+    if isinstance(value, Mapping):
+        items = list(value.items())
+    elif isinstance(value, list | tuple) and all(isinstance(i, list | tuple) and len(i) == 2 for i in value):
+        items = [tuple(i) for i in value]
+    else:
+        raise SamplingParamsError(
+            f"logit_bias must be an object mapping token ids to biases, got {type(value).__name__}", "logit_bias"
+        )
+    if len(items) > MAX_LOGIT_BIAS:
+        raise SamplingParamsError(
+            f"logit_bias must have at most {MAX_LOGIT_BIAS} entries, got {len(items)}", "logit_bias"
+        )
+    out: dict[int, float] = {}
+    for key, bias in items:
+        if _is_int(key):
+            token = int(key)
+        elif isinstance(key, str) and _TOKEN_KEY.fullmatch(key):
+            token = int(key)
+        else:
+            raise SamplingParamsError(
+                f"logit_bias keys must be token ids (non-negative integers), got {key!r}", "logit_bias"
+            )
+        if token < 0:
+            raise SamplingParamsError(f"logit_bias keys must be non-negative token ids, got {token}", "logit_bias")
+        if not (_is_int(bias) or isinstance(bias, float)) or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+            raise SamplingParamsError(
+                f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token}", "logit_bias"
+            )
+        if token in out:
+            raise SamplingParamsError(f"logit_bias names token {token} twice", "logit_bias")
+        out[token] = float(bias)
+    return tuple(sorted(out.items()))
 
 
 def _check_types(p: SamplingParams) -> None:

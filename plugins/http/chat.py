@@ -33,7 +33,7 @@ from plugins.http.submission import token_limit
 
 NAMES = {"max_new_tokens": "max_completion_tokens", "top_logprobs_num": "top_logprobs"}
 _HARMLESS: dict[str, tuple[Any, ...]] = {
-    "logit_bias": ({},), "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
+    "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
     "response_format": ({"type": "text"},),
 }
 
@@ -63,7 +63,6 @@ class ChatBody:
     stream: bool | None = False
     stream_options: StreamOptions | None = None  # only with stream
     # Accepted only as "not used" (see _HARMLESS): refused rather than ignored otherwise.
-    logit_bias: dict[str, float] | None = field(default=None, metadata={"schema": {"maxProperties": 0}})
     tools: list[Any] | None = field(default=None, metadata={"schema": {"maxItems": 0}})
     functions: list[Any] | None = field(default=None, metadata={"schema": {"maxItems": 0}})
     tool_choice: Literal["none", "auto"] | None = None

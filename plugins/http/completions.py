@@ -32,7 +32,7 @@ from plugins.http.sampling import PASSTHROUGH, build_params, expand, get_max_tok
 from plugins.http.state import state_of
 
 NAMES = {"max_new_tokens": "max_tokens", "top_logprobs_num": "logprobs"}
-_HARMLESS: dict[str, tuple[Any, ...]] = {"suffix": ("",), "logit_bias": ({},), "best_of": (1,)}
+_HARMLESS: dict[str, tuple[Any, ...]] = {"suffix": ("",), "best_of": (1,)}
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
 
@@ -56,7 +56,6 @@ class CompletionBody:
     stream_options: StreamOptions | None = None  # only with stream
     # Accepted only as "not used" (see _HARMLESS): refused rather than ignored otherwise.
     suffix: Literal[""] | None = None
-    logit_bias: dict[str, float] | None = field(default=None, metadata={"schema": {"maxProperties": 0}})
     best_of: Literal[1] | None = None
 
 

@@ -27,7 +27,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 from aiohttp import web
 
 from kernel.config import ServerConfig
-from kernel.sampling_params import _ALIASES, SamplingParams
+from kernel.sampling_params import _ALIASES, LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, SamplingParams
 from plugins.admin.messages import SetPolicyArgs, SnapshotArgs
 from plugins.http.auth import Guard, guard_of
 from plugins.http.chat import ChatBody
@@ -43,7 +43,15 @@ OPENAPI_VERSION = "3.1.0"
 Schema = dict[str, Any]
 Components = dict[str, Schema]
 # JSON shapes SamplingParams.from_dict turns into its field types (see `_coerce`).
-WIRE_TYPES: dict[tuple[type, str], Any] = {(SamplingParams, "stop"): str | list[str]}
+WIRE_TYPES: dict[tuple[type, str], Any] = {
+    (SamplingParams, "stop"): str | list[str], (SamplingParams, "logit_bias"): dict[str, float],
+}
+# Schema words a field's type cannot say (a dataclass field's own metadata does this for
+# the HTTP bodies; SamplingParams lives in the kernel, which knows nothing of schemas).
+WIRE_SCHEMA: dict[tuple[type, str], Any] = {(SamplingParams, "logit_bias"): {
+    "maxProperties": MAX_LOGIT_BIAS, "propertyNames": {"pattern": "^[0-9]+$"},
+    "additionalProperties": {"type": "number", "minimum": -LOGIT_BIAS_LIMIT, "maximum": LOGIT_BIAS_LIMIT},
+}}
 # SamplingParams.from_dict: unknown names are refused, null means "the default".
 CLOSED_MODELS = frozenset({SamplingParams})
 _PRIMITIVES: dict[Any, str] = {bool: "boolean", int: "integer", float: "number", str: "string"}
@@ -275,10 +283,13 @@ def fields_of(cls: type, components: Components) -> Iterator[tuple[str, Schema, 
     hints = get_type_hints(cls)
     for f in dataclasses.fields(cls):
         schema = schema_of(WIRE_TYPES.get((cls, f.name), hints[f.name]), components)
-        schema = {**schema, **f.metadata.get("schema", {})}
+        schema = {**schema, **WIRE_SCHEMA.get((cls, f.name), {}), **f.metadata.get("schema", {})}
         has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
         if cls in CLOSED_MODELS:
             schema = nullable(schema)
         if f.default is not dataclasses.MISSING and f.default is not None:
-            schema["default"] = list(f.default) if isinstance(f.default, tuple) else f.default
+            default = f.default
+            if isinstance(default, tuple):  # a tuple field is an array, or an object (logit_bias) on the wire
+                default = dict(default) if "object" in schema.get("type", ()) else list(default)
+            schema["default"] = default
         yield f.name, schema, has_default

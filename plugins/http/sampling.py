@@ -15,6 +15,7 @@ from plugins.http.protocol import Prompt, get_int
 PASSTHROUGH = (
     "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+    "logit_bias",
 )
 
 
