@@ -144,9 +144,7 @@ def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
         )
     out: dict[int, float] = {}
     for key, bias in items:
-        if _is_int(key):
-            token = int(key)
-        elif isinstance(key, str) and _TOKEN_KEY.fullmatch(key):
+        if _is_int(key) or isinstance(key, str) and _TOKEN_KEY.fullmatch(key):
             token = int(key)
         else:
             raise SamplingParamsError(
