@@ -14,7 +14,6 @@ admin socket's command sequences are fuzzed in test_fuzz_native.py instead.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -36,12 +35,7 @@ CALL_TIMEOUT_S = 30
 ERROR_FIELDS = {"message", "type", "param", "code"}
 
 
-@pytest.fixture(scope="module")
-def fuzzed_server(tiny_chat_folder: str) -> Iterator[ServerProcess]:
-    # A short context bounds what a fuzzed max_tokens x n can ask for (seconds, not minutes).
-    server = ServerProcess(tiny_chat_folder, "model.context_length=192", "server.max_queued_requests=64")
-    yield server
-    assert server.stop() == 0
+pytest_plugins = ["tests.fuzz_server"]
 
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
