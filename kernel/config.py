@@ -114,11 +114,16 @@ class ServerConfig:
     max_queued_requests: int = 1024
     api_key: str | None = None
     admin_api_key: str | None = None
+    drain_grace_s: float = 30.0  # SIGTERM: in-flight generations get this long, then are aborted
+    max_admin_clients: int = 16  # admin websockets open at once; one more is refused (HTTP 503)
 
     def validate(self) -> None:
         if not 0 < self.port < 65536:
             raise ConfigError(f"server.port must be in 1..65535, got {self.port}")
         _positive("server.max_queued_requests", self.max_queued_requests)
+        _positive("server.max_admin_clients", self.max_admin_clients)
+        if self.drain_grace_s < 0:
+            raise ConfigError(f"server.drain_grace_s must be >= 0, got {self.drain_grace_s}")
 
 
 @dataclass(frozen=True)

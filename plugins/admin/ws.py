@@ -7,7 +7,9 @@ request, or (browsers cannot set that header) make the first message
 `{"type": "auth", "key": "<key>"}` within 10 s; the reply is `{"type": "auth", "ok": true}`.
 A wrong header gets HTTP 401 before the upgrade; a wrong or missing first message gets
 `{"type": "error", ...}` and close code 1008. Without a key, only loopback clients are
-served (others: HTTP 403), and a browser `Origin` must be loopback too.
+served (others: HTTP 403), and a browser `Origin` must be loopback too. At most
+`server.max_admin_clients` sockets are open at once (counted from the upgrade); one
+more gets HTTP 429 with an error object and `Retry-After: 1`, before the upgrade.
 
 Protocol
 --------
@@ -117,18 +119,28 @@ class AdminRoutes:
         self.engine = engine
         self.queue_size = queue_size
         self.key = engine.config.server.admin_api_key
+        self.max_clients = engine.config.server.max_admin_clients
         self._sockets: weakref.WeakSet[web.WebSocketResponse] = weakref.WeakSet()
+        self._open = 0  # upgraded sockets, still authenticating or served
 
     async def websocket(self, request: web.Request) -> web.StreamResponse:
         verdict = judge(request, self.key)
         if verdict in (Verdict.BAD_KEY, Verdict.FORBIDDEN):
             return refusal(verdict)
-        ws = web.WebSocketResponse(heartbeat=30.0, compress=False, timeout=5.0, max_msg_size=1 << 16)
-        await ws.prepare(request)
-        if verdict is Verdict.NEEDS_KEY and not await self._authenticate(ws):
+        # NOTE: counted from the upgrade, not from the auth: sockets that never send
+        # their key hold a slot for up to AUTH_TIMEOUT_S, and they count too.
+        if self._open >= self.max_clients:
+            return too_many_clients(self.max_clients)
+        self._open += 1
+        try:
+            ws = web.WebSocketResponse(heartbeat=30.0, compress=False, timeout=5.0, max_msg_size=1 << 16)
+            await ws.prepare(request)
+            if verdict is Verdict.NEEDS_KEY and not await self._authenticate(ws):
+                return ws
+            await self._serve(ws)
             return ws
-        await self._serve(ws)
-        return ws
+        finally:
+            self._open -= 1
 
     async def _authenticate(self, ws: web.WebSocketResponse) -> bool:
         """First-message auth; refuses (error message, close 1008) on anything but the key."""
@@ -178,6 +190,12 @@ class AdminRoutes:
     async def close_all(self, app: web.Application) -> None:
         # Together: each unresponsive client may take the whole close timeout.
         await asyncio.gather(*(close_socket(ws, WSCloseCode.GOING_AWAY, "server shutdown") for ws in self._sockets))
+
+
+def too_many_clients(limit: int) -> web.Response:
+    """HTTP 429 before the upgrade: `server.max_admin_clients` sockets are open already."""
+    message = f"admin API: {limit} admin websocket clients are connected already (server.max_admin_clients)"
+    return json_response({"type": "error", "message": message}, status=429, headers={"Retry-After": "1"})
 
 
 async def request_body(request: web.Request) -> Message:

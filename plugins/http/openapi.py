@@ -86,7 +86,7 @@ ROUTE_DOCS: dict[tuple[str, str], RouteDoc] = {
     ("GET", "/admin"): RouteDoc("Redirects to /admin/", errors=ADMIN_ERRORS, media="text/html"),
     ("GET", "/admin/"): RouteDoc("The cache inspector page", errors=ADMIN_ERRORS, media="text/html"),
     ("GET", "/admin/static/{name}"): RouteDoc("The inspector page's files", errors=(404, 503), media="text/plain"),
-    ("GET", "/admin/ws"): RouteDoc("The admin websocket (upgrade; see plugins/admin/ws.py)", errors=ADMIN_ERRORS),
+    ("GET", "/admin/ws"): RouteDoc("The admin websocket (upgrade; see plugins/admin/ws.py)", errors=(429, 503)),
     ("GET", "/admin/snapshot"): RouteDoc("Radix-tree nodes (a JSON body with limit: summarized)", SnapshotArgs,
                                          (400, 503)),
     ("GET", "/admin/stats"): RouteDoc("engine.stats()", errors=ADMIN_ERRORS),
@@ -95,7 +95,7 @@ ROUTE_DOCS: dict[tuple[str, str], RouteDoc] = {
     ("POST", "/admin/set_policy"): RouteDoc("Switch the eviction or scheduling policy", SetPolicyArgs, (400, 503)),
 }
 _STATUS_TEXT = {400: "Bad request", 401: "Missing or wrong key", 403: "Not a loopback client (no admin key set)",
-                404: "Not found", 413: "Body too large", 429: "Queue full; retry later",
+                404: "Not found", 413: "Body too large", 429: "Queue full (or, /admin/ws, too many clients); retry later",
                 503: "Starting, draining or halted"}
 ADMIN_ERROR: Schema = {  # plugins/admin: {"type": "error", "message"} (the socket's error reply too)
     "type": "object", "required": ["type", "message"],

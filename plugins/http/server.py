@@ -2,7 +2,7 @@
 
 The port is bound before the model loads, so /health can say 503 "starting" instead of
 refusing connections. On a signal the server keeps listening but answers 503 to new
-work, lets in-flight generations finish for up to a grace period, aborts the rest,
+work, lets in-flight generations finish for up to `server.drain_grace_s`, aborts the rest,
 then closes connections and the engine.
 """
 
@@ -29,7 +29,6 @@ from plugins.http.state import STATE, ServerState
 
 log = structlog.get_logger("tierserve")
 
-DRAIN_GRACE_S = 30.0  # in-flight generations get this long to finish after a signal
 ABORT_WAIT_S = 5.0  # then aborted ones get this long to send their last bytes
 
 
@@ -55,7 +54,7 @@ def run_server(config: Config) -> int:
         return runner.run(serve(config))
 
 
-async def serve(config: Config, grace_s: float = DRAIN_GRACE_S) -> int:
+async def serve(config: Config) -> int:
     state = ServerState(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -81,7 +80,7 @@ async def serve(config: Config, grace_s: float = DRAIN_GRACE_S) -> int:
     log.info("server_ready", host=config.server.host, port=config.server.port,
              model=state.engine.info.model_name)
     await stop.wait()
-    await drain(state, grace_s)
+    await drain(state, config.server.drain_grace_s)
     await runner.cleanup()
     await state.engine.shutdown()
     log.info("server_stopped")
