@@ -42,6 +42,8 @@ def test_overrides_use_dotted_keys() -> None:
         ({"model.dtype": "int3"}, "model.dtype"),
         ({"scheduler.max_num_batched_tokens": 8}, "scheduler.max_num_batched_tokens"),
         ({"server.port": 70000}, "server.port"),
+        ({"server.drain_grace_s": -1}, "server.drain_grace_s"),
+        ({"server.max_admin_clients": 0}, "server.max_admin_clients"),
         ({"debug.check_invariants": "yes"}, "debug.check_invariants"),
         ({"scheduler.max_running_requests": True}, "scheduler.max_running_requests"),
     ],
