@@ -240,9 +240,9 @@ class Progress:
         self.done = self.failed = 0
         self.t0 = self.last = time.perf_counter()
 
-    def tick(self, rec: Record) -> None:
+    def tick(self, ok: bool = True) -> None:
         self.done += 1
-        self.failed += not rec.ok
+        self.failed += not ok
         now = time.perf_counter()
         if self.due(now):
             self.last = now
@@ -302,7 +302,7 @@ async def open_loop(
 
     async def one(prompt: Prompt) -> Record:
         rec = await gated(sem, lambda: run_one(prompt))
-        progress.tick(rec)
+        progress.tick(rec.ok)
         return rec
 
     t0 = time.perf_counter()

@@ -40,6 +40,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python benchmarks/soak.py`
 
+from benchmarks.serving import Progress
 from benchmarks.soak_server import SoakServer
 from benchmarks.soak_workload import GENERATE, Job, Mix, Outcome, make_jobs, send
 
@@ -89,26 +90,8 @@ def reference_config(args: argparse.Namespace, model: str) -> dict[str, Any]:
     }
 
 
-class Bar:
-    """`soak [#####.....] done/total` on stderr, a line per tenth of the way when not a tty."""
-
-    def __init__(self, label: str, total: int, enabled: bool) -> None:
-        self.label, self.total, self.enabled, self.done = label, total, enabled, 0
-        self.tty, self.t0 = sys.stderr.isatty(), time.perf_counter()
-
-    def tick(self) -> None:
-        self.done += 1
-        if not self.enabled or not (self.tty or self.done * 10 // self.total != (self.done - 1) * 10 // self.total):
-            return
-        bar = "#" * (30 * self.done // self.total)
-        end = "\n" if not self.tty or self.done == self.total else ""
-        sys.stderr.write(f"\r{self.label:>10} [{bar:.<30}] {self.done}/{self.total} "
-                         f"{time.perf_counter() - self.t0:6.1f}s{end}")
-        sys.stderr.flush()
-
-
 async def run_jobs(session: aiohttp.ClientSession, url: str, jobs: list[Job], concurrency: int,
-                   deadline: float, bar: Bar) -> list[Outcome]:
+                   deadline: float, bar: Progress) -> list[Outcome]:
     """Every job at most `concurrency` at a time; none starts after `deadline` (monotonic)."""
     sem = asyncio.Semaphore(concurrency)
 
@@ -117,10 +100,11 @@ async def run_jobs(session: aiohttp.ClientSession, url: str, jobs: list[Job], co
             if time.monotonic() > deadline:
                 return None
             out = await send(session, url, job, REQUEST_TIMEOUT_S)
-            bar.tick()
+            bar.tick(out.problem() is None)
             return out
 
     done = await asyncio.gather(*(one(j) for j in jobs))
+    bar.close()
     return [o for o in done if o is not None]
 
 
@@ -204,12 +188,12 @@ async def soak(args: argparse.Namespace, model: str, folder: Path) -> Report:
         try:
             await server.wait_healthy(session)
             await run_jobs(session, server.url, warmup, args.concurrency, float("inf"),
-                           Bar("warm-up", max(len(warmup), 1), args.progress))
+                           Progress("warm-up", max(len(warmup), 1), args.progress))
             await server.wait_settled(session)
             report.rss_warm_mib = server.rss_mib()
             t0 = time.monotonic()
             outcomes = await run_jobs(session, server.url, jobs, args.concurrency, t0 + args.duration_limit,
-                                      Bar("soak", len(jobs), args.progress))
+                                      Progress("soak", len(jobs), args.progress))
             report.seconds = time.monotonic() - t0
             stats = await server.wait_settled(session)
             check_idle(report, stats, await server.get(session, "/admin/check"))
