@@ -212,7 +212,11 @@ def test_sigterm_with_a_short_grace_cuts_requests_cleanly(tiny_chat_folder: str,
     assert server.proc.wait(timeout=30) == 0
     log = server.log_text()
     assert "drain_timeout" in log, log
+    assert len(sink) == 6, sink  # every client got an answer: none hung
     cut = [last for status, last in sink.values() if status == 200 and "error" in (last or {})]
     assert cut, sink  # at least one was still generating when the grace ran out ...
     for last in cut:  # ... and ended with an error event naming the shutdown
         assert last["error"]["code"] in ("shutdown", "draining"), last
+    for status, last in sink.values():  # the others finished, or were refused while draining
+        assert last in cut or (status == 200 and last["meta_info"]["completion_tokens"] == 150) \
+            or status == 503, (status, last)
