@@ -9,6 +9,8 @@ import time
 import tomllib
 from typing import Any
 
+from setuptools import find_packages
+
 from kernel import registry
 from plugins.admin.page import STATIC_DIR
 from plugins.admin.summary import limited, summarize
@@ -131,7 +133,8 @@ async def test_page_is_served_with_its_modules(tiny_chat_folder: str) -> None:
 def test_static_files_ship_in_the_package() -> None:
     pyproject = tomllib.loads((ROOT_DIR / "pyproject.toml").read_text())
     setuptools = pyproject["tool"]["setuptools"]
-    assert "plugins.admin.static" in setuptools["packages"]
+    found = find_packages(str(ROOT_DIR), include=setuptools["packages"]["find"]["include"])
+    assert "plugins.admin.static" in found
     patterns = setuptools["package-data"]["plugins.admin.static"]
     files = sorted(p.name for p in STATIC_DIR.iterdir())
     assert "index.html" in files
