@@ -134,9 +134,9 @@ def test_static_files_ship_in_the_package() -> None:
     pyproject = tomllib.loads((ROOT_DIR / "pyproject.toml").read_text())
     setuptools = pyproject["tool"]["setuptools"]
     found = find_packages(str(ROOT_DIR), include=setuptools["packages"]["find"]["include"])
-    assert "plugins.admin.static" in found
-    patterns = setuptools["package-data"]["plugins.admin.static"]
+    assert "plugins.admin" in found
+    patterns = setuptools["package-data"]["plugins.admin"]
     files = sorted(p.name for p in STATIC_DIR.iterdir())
     assert "index.html" in files
-    shipped = {p.name for pattern in patterns for p in STATIC_DIR.glob(pattern)}
+    shipped = {p.name for pattern in patterns for p in STATIC_DIR.parent.glob(pattern)}
     assert shipped == set(files), "every static file must match a package-data pattern"
