@@ -42,11 +42,8 @@ class ModelRunner:
         # Static-shape execution (graphs.mode cuda / emulate), attached by the builder.
         self.graphs: GraphRunner | None = None
 
-    def run(self, batch: ForwardBatch) -> list[SampledToken]:
-        return self.run_step(batch).tokens
-
     @torch.inference_mode()
-    def run_step(self, batch: ForwardBatch) -> StepOutput:
+    def run(self, batch: ForwardBatch) -> StepOutput:
         if batch.prompt_logprobs:
             return self.run_with_prompt_logprobs(batch)
         return StepOutput(self.run_sampling(batch), [])

@@ -87,7 +87,7 @@ class StepLoop:
             return None
         hybrid = self.scheduler.hybrid
         batch = build_forward_batch(plan, hybrid.take_copies() if hybrid is not None else ())
-        return self.device_thread.submit(lambda: self.runner.run_step(batch))
+        return self.device_thread.submit(lambda: self.runner.run(batch))
 
     async def flush_state_copies(self) -> bool:
         """No step to carry them: run queued state copies on the device thread now, so

@@ -55,7 +55,7 @@ BATCH_FIELDS: dict[str, tuple[str, ...]] = {
 }
 HYBRID_ONLY = frozenset({"state_src", "state_dst", "state_track"})
 # Fields used outside the graph: sampling reads the graph's logits, copies run before it.
-# Batches with prompt logprobs run eagerly (ModelRunner.run_step), never in a graph.
+# Batches with prompt logprobs run eagerly (ModelRunner.run), never in a graph.
 HOST_SIDE = frozenset({"sampling", "state_copies", "prompt_logprobs"})
 
 _MODEL_INPUTS = {
