@@ -17,15 +17,15 @@ import torch
 import gpu.prompt_logprobs as device_side
 import kernel.prompt_logprobs as kernel_side
 from kernel import Engine, prefix_reuse
-from tests.conftest import GRAPHS_EMULATE, TINY_OVERRIDES
+from tests.conftest import GRAPHS_EMULATE, HYBRID_FAMILIES, HYBRID_OVERRIDES, TINY_OVERRIDES
 
 PAGE = TINY_OVERRIDES["cache.page_size"]
 CHUNK = TINY_OVERRIDES["scheduler.chunked_prefill_size"]
 
 
-def prompt(seed: int, n: int) -> list[int]:
+def prompt(seed: int, n: int, vocab: int = 40000) -> list[int]:
     rng = random.Random(seed)
-    return [rng.randint(50, 40000) for _ in range(n)]
+    return [rng.randint(50, vocab - 1) for _ in range(n)]
 
 
 IDS = prompt(1, 2 * CHUNK + 11)  # three prefill chunks
@@ -165,3 +165,36 @@ def test_red_targets_off_by_one(tiny_engine: Engine, ref: list[float], monkeypat
     monkeypatch.setattr(kernel_side, "chunk_span", shifted)
     with pytest.raises(AssertionError):
         assert_close(values(score(tiny_engine, IDS, 0))[1:], ref)
+
+
+# ---- hybrid models and retraction ---------------------------------------------------
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_hybrid_cache_hit_equals_cold_run(hybrid_folders: dict[str, str], family: str) -> None:
+    """The match of a hybrid model ends at a cached state at or before the cap."""
+    engine = Engine(None, {**HYBRID_OVERRIDES, "model.path": hybrid_folders[family], "deterministic": True})
+    try:
+        ids = prompt(5, 2 * CHUNK + 3, engine.engine.info.vocab_size)
+        cold = values(score(engine, ids, 0))
+        assert len(cold) == len(ids) and all(v is not None for v in cold[1:])
+        for start in (CHUNK + 1, len(ids) - 2):
+            warm = score(engine, ids, start)
+            assert 0 < warm["meta_info"]["cached_tokens"] <= start - 1
+            assert values(warm) == cold[start:]
+    finally:
+        engine.shutdown()
+
+
+def test_retracted_requests_score_their_prompt_again(tiny_chat_folder: str, det: Engine) -> None:
+    """A pool too small for all of them: requests are retracted mid-way and recomputed;
+    their prompt logprobs are each as alone (the list starts afresh, nothing doubled)."""
+    prompts = [prompt(10 + i, 30 + 5 * i) for i in range(4)]
+    params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True, "return_logprob": True,
+              "logprob_start_len": 0}
+    alone = [values(det.generate(p, params)) for p in prompts]  # type: ignore[arg-type]
+    engine = make(tiny_chat_folder, **{"cache.num_pages": 33, "cache.prefix": "none"})
+    try:
+        outs = engine.generate(prompts, params)
+        assert engine.engine.scheduler.num_retractions > 0
+    finally:
+        engine.shutdown()
+    assert [values(o) for o in outs] == alone  # type: ignore[union-attr]
