@@ -130,6 +130,24 @@ def test_chunking_slicing_and_graphs_do_not_change_values(
             engine.shutdown()
 
 
+def test_device_side_gathers_the_span_rows_in_slices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spans over two chunks of a flat batch, against log_softmax of every row."""
+    monkeypatch.setattr(device_side, "SLICE_ROWS", 3)
+    torch.manual_seed(0)
+    hidden, extend = torch.randn(12, 50), [5, 7]
+    spans = [device_side.PromptLogprobSpan(0, 1, (4, 9, 11), 2), device_side.PromptLogprobSpan(1, 2, (0, 49), 0)]
+    out = device_side.prompt_logprobs(lambda rows: rows * 2, hidden, spans, extend)
+    full = torch.log_softmax(hidden * 2, -1)
+    for span, result, rows in zip(spans, out, ([1, 2, 3], [7, 8]), strict=True):
+        want = [full[r, t].item() for r, t in zip(rows, span.targets, strict=True)]
+        assert result.logprobs == want
+        assert result.ranks == [int((full[r] > full[r, t]).sum()) + 1 for r, t in zip(rows, span.targets, strict=True)]
+        assert result.top == ([[(int(i), full[r, i].item()) for i in full[r].topk(2).indices] for r in rows]
+                              if span.top_n else [[] for _ in rows])
+    with pytest.raises(ValueError, match="outside its chunk"):
+        device_side.span_rows([device_side.PromptLogprobSpan(0, 4, (1, 2), 0)], extend)
+
+
 # ---- planted bugs: the guards go red ------------------------------------------------
 def warm_run_fails(folder: str, ids: list[int], start: int) -> None:
     engine = make(folder)
