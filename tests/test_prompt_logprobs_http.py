@@ -5,7 +5,8 @@
   (`batch_loglikelihood_requests` -> `_create_payload`: token-id prompts, `echo: true`,
   `logprobs: 1`, `max_tokens: 1` -> `parse_logprobs`) against the packaged SmolLM2 in
   deterministic mode; per-token loglikelihoods equal transformers' within 1e-3, and a
-  second run (prefix cache warm) gives identical numbers.
+  second run gives identical numbers (echo scores from token 0, so even with every
+  prefix cached the match serves nothing: `cached_tokens` stays 0).
 - /generate with logprob_start_len on the same model: a cache hit's values are `==` to a
   cold run's.
 - The shapes: the official `openai` client's echo + logprobs (also streamed, and n > 1),
@@ -56,6 +57,7 @@ def lm_eval_scores(lm: LocalCompletionsAPI, token_lists: list[list[int]]) -> tup
     whole request path)."""
     outputs = lm.model_call(messages=token_lists, generate=False)  # _create_payload inside
     assert outputs is not None and len(outputs["choices"]) == len(token_lists)
+    assert outputs["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # scored positions are computed
     per_token = []
     for ids, choice in zip(token_lists, sorted(outputs["choices"], key=lambda c: c["index"]), strict=True):
         # parse_logprobs reads token_logprobs[ctxlen:-1]: the last entry is the generated token.
@@ -82,7 +84,7 @@ async def test_lm_eval_loglikelihoods_match_transformers(hf_model: Any) -> None:
 
         lm = lm_eval_model(url, engine.info.model_name, engine.tokenizer)
         first = await loop.run_in_executor(None, lm_eval_scores, lm, token_lists)
-        again = await loop.run_in_executor(None, lm_eval_scores, lm, token_lists)  # the prefixes are cached now
+        again = await loop.run_in_executor(None, lm_eval_scores, lm, token_lists)  # prefixes cached, not matched
     refs = [hf_token_logprobs(hf_model, ids) for ids in token_lists]
     per_token, continuations = first
     flat = [lp for ref in refs for lp in ref]
