@@ -20,7 +20,7 @@ PASSTHROUGH = (
 
 
 def get_max_tokens(body: dict[str, Any], name: str) -> int | None:
-    # At least 1: a completion of zero tokens has nothing to return (no prompt logprobs).
+    # At least 1: a chat answer of zero tokens has nothing to return (completions allow 0 with echo).
     return get_int(body, name, 1, MAX_NEW_TOKENS_LIMIT)
 
 
