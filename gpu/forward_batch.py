@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from gpu.prompt_logprobs import PromptLogprobSpan
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingRow:
@@ -92,11 +94,15 @@ class ForwardBatch:
     # (src, dst) state-slot copies to make before the forward, in order (a cached state
     # taken from a live one; the copy runs on the device thread, so ordered with steps).
     state_copies: tuple[tuple[int, int], ...] = ()
+    # Prompt positions whose logprobs are asked for (gpu/prompt_logprobs.py); a batch
+    # with any runs eagerly.
+    prompt_logprobs: tuple[PromptLogprobSpan, ...] = ()
 
     @classmethod
     def build(
         cls, chunks: list[PrefillChunk], sampling: list[tuple[int, SamplingRow]],
         state_copies: tuple[tuple[int, int], ...] = (),
+        prompt_logprobs: tuple[PromptLogprobSpan, ...] = (),
     ) -> ForwardBatch:
         """chunks in batch order; sampling: (chunk index, how that chunk's request samples)."""
         for chunk in chunks:
@@ -110,6 +116,9 @@ class ForwardBatch:
         for index, _ in sampling:
             if not 0 <= index < len(chunks):
                 raise ValueError(f"sampling row for chunk {index} of {len(chunks)}")
+        for span in prompt_logprobs:
+            if not 0 <= span.chunk < len(chunks):
+                raise ValueError(f"prompt logprobs for chunk {span.chunk} of {len(chunks)}")
         return cls(
             input_ids=tuple(t for c in chunks for t in c.token_ids),
             rows=tuple(c.table_row for c in chunks),
@@ -121,4 +130,5 @@ class ForwardBatch:
             state_dst=tuple(c.state_dst for c in chunks),
             state_track=tuple(tuple((int(e), int(s)) for e, s in c.state_track) for c in chunks),
             state_copies=state_copies,
+            prompt_logprobs=tuple(prompt_logprobs),
         )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -12,10 +12,19 @@ from cache.state_pool import StatePool
 from gpu.attention.base import AttentionBackend
 from gpu.forward_batch import ForwardBatch, SampledToken
 from gpu.models.hybrid_step import HybridStep
+from gpu.prompt_logprobs import PromptLogprobs, prompt_logprobs
 from gpu.sampling import SamplingBatch, sample
 
 if TYPE_CHECKING:
     from gpu.graphs.runner import GraphRunner
+
+
+class StepOutput(NamedTuple):
+    """What one step gives back: a token per sampling row, and one result per prompt
+    logprob span of the batch (same order)."""
+
+    tokens: list[SampledToken]
+    prompt_logprobs: list[PromptLogprobs]
 
 
 class ModelRunner:
@@ -34,7 +43,12 @@ class ModelRunner:
         self.graphs: GraphRunner | None = None
 
     @torch.inference_mode()
-    def run(self, batch: ForwardBatch) -> list[SampledToken]:
+    def run(self, batch: ForwardBatch) -> StepOutput:
+        if batch.prompt_logprobs:
+            return self.run_with_prompt_logprobs(batch)
+        return StepOutput(self.run_sampling(batch), [])
+
+    def run_sampling(self, batch: ForwardBatch) -> list[SampledToken]:
         graph = self.graphs.bucket_for(batch) if self.graphs is not None else None
         if graph is None:
             logits = self.forward(batch)
@@ -59,6 +73,21 @@ class ModelRunner:
                 input_ids, positions, self.attention, logits_indices, self.hybrid_step(batch), self.states
             )
         return logits  # type: ignore[no-any-return]
+
+    def run_with_prompt_logprobs(self, batch: ForwardBatch) -> StepOutput:
+        """Eager: every token's hidden state, then logits of the sampling rows and, in
+        slices, of the prompt positions the spans ask for."""
+        input_ids, positions, logits_indices = self.prepare(batch)
+        self.attention.prepare(batch.rows, batch.prefix_lens, batch.extend_lens)
+        if self.states is None:
+            hidden = self.model.hidden(input_ids, positions, self.attention)
+        else:
+            hidden = self.model.hidden(input_ids, positions, self.attention, self.hybrid_step(batch), self.states)
+        prompt = prompt_logprobs(self.model.logits, hidden, batch.prompt_logprobs, batch.extend_lens)
+        if not batch.sampling:
+            return StepOutput([], prompt)
+        logits = self.model.logits(hidden.index_select(0, logits_indices))
+        return StepOutput(self.sample(logits, batch), prompt)
 
     def copy_states(self, copies: Sequence[tuple[int, int]]) -> None:
         """Run queued state copies (src, dst) in order: before a forward, or on their own

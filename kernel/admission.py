@@ -52,6 +52,7 @@ class Admission:
         ids = self.tokenize(prompt)
         self.check_fits(ids, params)
         self.check_vocab(params)
+        check_logprob_start(ids, params)
         # Unseeded requests draw a seed here, so a retracted request repeats its draws.
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         return Request(rid=rid or uuid.uuid4().hex, prompt_ids=ids, params=params, seed=seed,
@@ -89,3 +90,12 @@ class Admission:
             raise ContextOverflow(
                 f"prompt + max_new_tokens ({need}) exceeds the KV pool ({self.pool_tokens} tokens)"
             )
+
+
+def check_logprob_start(ids: list[int], params: SamplingParams) -> None:
+    """Prompt logprobs start inside the prompt (a start past it would return nothing)."""
+    if params.logprob_start_len >= len(ids):
+        raise SamplingParamsError(
+            f"logprob_start_len must be below the prompt length ({len(ids)} tokens), "
+            f"got {params.logprob_start_len}", "logprob_start_len",
+        )

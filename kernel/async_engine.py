@@ -122,7 +122,7 @@ class AsyncEngine:
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, req.params.skip_special_tokens, req.params.stop)
         stream = self.output.open(req, detok)
-        if req.params.max_new_tokens == 0:  # nothing to generate: done without a step
+        if req.params.max_new_tokens == 0 and req.params.logprob_start_len < 0:  # done without a step
             req.finish("length")
             stream.end()
             return req.rid

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 from kernel.detokenizer import IncrementalDetokenizer
 from kernel.events import EventBus
+from kernel.prompt_logprobs import PromptScores, scores
 from kernel.request import Request, Status
 
 
@@ -29,6 +30,7 @@ class OutputChunk(NamedTuple):
     completion_tokens: int
     cached_tokens: int
     cached_by_tier: dict[str, int]
+    prompt: PromptScores | None = None  # prompt logprobs: in the request's first chunk only
 
 
 @dataclass
@@ -46,6 +48,7 @@ class Collected:
     completion_tokens: int = 0
     cached_tokens: int = 0
     cached_by_tier: dict[str, int] = field(default_factory=dict)
+    prompt: PromptScores | None = None
 
     def add(self, chunk: OutputChunk) -> None:
         self.text += chunk.text
@@ -58,6 +61,8 @@ class Collected:
         self.completion_tokens = chunk.completion_tokens
         self.cached_tokens = chunk.cached_tokens
         self.cached_by_tier = chunk.cached_by_tier
+        if chunk.prompt is not None:
+            self.prompt = chunk.prompt
 
     def native(self, return_logprob: bool, top_logprobs: bool) -> dict[str, Any]:
         """The native result: {text, output_ids, meta_info} (SGLang's shape)."""
@@ -74,6 +79,12 @@ class Collected:
             meta["output_token_logprobs"] = list(zip(self.logprobs, self.token_ids))
             if top_logprobs:
                 meta["output_top_logprobs"] = self.top_logprobs
+        if return_logprob and self.prompt is not None:
+            # SGLang's shape: (logprob, token id) per prompt token from logprob_start_len
+            # (logprob None for token 0), and per token its top (logprob, id) pairs.
+            meta["input_token_logprobs"] = list(zip(self.prompt.logprobs, self.prompt.token_ids))
+            if self.prompt.top:
+                meta["input_top_logprobs"] = self.prompt.top
         return {"text": self.text, "output_ids": list(self.token_ids), "meta_info": meta}
 
 
@@ -86,10 +97,15 @@ class RequestStream:
         self.emitted = 0
         self.admitted = False
         self.finish_published = False
+        self.prompt_sent = False  # prompt logprobs go out once, with the first chunk
         self.queue: asyncio.Queue[OutputChunk | BaseException] = asyncio.Queue()
 
     def chunk(self, text: str, new_ids: list[int], start: int) -> OutputChunk:
         req = self.req
+        prompt = None
+        if not self.prompt_sent:
+            self.prompt_sent = True
+            prompt = scores(req)
         return OutputChunk(
             text=text,
             token_ids=new_ids,
@@ -102,6 +118,7 @@ class RequestStream:
             completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens,
             cached_by_tier=dict(req.cached_by_tier),
+            prompt=prompt,
         )
 
     def end(self) -> None:

@@ -13,6 +13,7 @@ from cache.allocator import PageAllocator
 from cache.prefix_cache import MatchResult, PrefixCache
 from cache.req_table import ReqToTokenTable
 from kernel.host_tier import HostTier
+from kernel.prompt_logprobs import match_cap
 from kernel.request import Request
 
 
@@ -89,7 +90,11 @@ class PrefixReuse:
 
     def _matchable(self, req: Request) -> list[int]:
         # At least one token must be computed to sample from: cap below the last token.
-        usable = (req.total_len - 1) // self.page_size * self.page_size
+        usable = req.total_len - 1
+        cap = match_cap(req)
+        if cap is not None:  # NOTE: scored prompt positions are computed, never matched
+            usable = min(usable, cap)
+        usable = usable // self.page_size * self.page_size
         return req.token_slice(0, usable)
 
     def cache_computed(self, req: Request) -> None:

@@ -39,6 +39,11 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # Prompt logprobs of the scored tokens so far (kernel/prompt_logprobs.py): logprob,
+    # rank and top (id, logprob) pairs per token, from the first scored token on.
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_ranks: list[int] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     status: Status = Status.WAITING
     row: int | None = None
     pages: list[int] = field(default_factory=list)

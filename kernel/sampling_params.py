@@ -51,6 +51,12 @@ class SamplingParams:
     # before anything else (greedy too); a {"id": bias} mapping is accepted and normalized.
     # Ids are checked against the vocabulary at admission (kernel/admission.py).
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Prompt logprobs (SGLang's names): the logprobs of prompt tokens logprob_start_len..
+    # (-1: none; checked against the prompt length at admission; needs return_logprob),
+    # with prompt_top_logprobs_num most likely tokens each (None: top_logprobs_num, as
+    # SGLang uses one number for both; vLLM's prompt_logprobs sets it apart).
+    logprob_start_len: int = -1
+    prompt_top_logprobs_num: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
@@ -61,6 +67,12 @@ class SamplingParams:
                 object.__setattr__(self, name, float(value))
         _check_types(self)
         _check_ranges(self)
+
+    @property
+    def prompt_top_n(self) -> int:
+        """Most likely tokens reported per prompt position."""
+        n = self.prompt_top_logprobs_num
+        return self.top_logprobs_num if n is None else n
 
     @property
     def greedy(self) -> bool:
@@ -174,6 +186,11 @@ def _check_types(p: SamplingParams) -> None:
             raise SamplingParamsError(f"{name} must be a boolean, got {value!r}", name)
     if p.seed is not None and not _is_int(p.seed):
         raise SamplingParamsError(f"seed must be an integer, got {p.seed!r}", "seed")
+    if p.prompt_top_logprobs_num is not None and not _is_int(p.prompt_top_logprobs_num):
+        raise SamplingParamsError(
+            f"prompt_top_logprobs_num must be an integer, got {p.prompt_top_logprobs_num!r}",
+            "prompt_top_logprobs_num",
+        )
     if not isinstance(p.stop, tuple) or not all(isinstance(s, str) for s in p.stop):
         raise SamplingParamsError(f"stop must be a string or a list of strings, got {p.stop!r}", "stop")
     if not isinstance(p.stop_token_ids, tuple) or not all(_is_int(t) for t in p.stop_token_ids):
@@ -194,6 +211,12 @@ def _check_ranges(p: SamplingParams) -> None:
     _require(p.repetition_penalty > 0.0, "repetition_penalty", "> 0", p.repetition_penalty)
     _require(0 <= p.top_logprobs_num <= MAX_TOP_LOGPROBS, "top_logprobs_num",
              f"in [0, {MAX_TOP_LOGPROBS}]", p.top_logprobs_num)
+    _require(p.logprob_start_len >= -1, "logprob_start_len", ">= 0 (or -1: no prompt logprobs)",
+             p.logprob_start_len)
+    _require(p.logprob_start_len < 0 or p.return_logprob, "logprob_start_len",
+             "-1 unless return_logprob is true", p.logprob_start_len)
+    _require(0 <= p.prompt_top_n <= MAX_TOP_LOGPROBS, "prompt_top_logprobs_num",
+             f"in [0, {MAX_TOP_LOGPROBS}]", p.prompt_top_n)
     _require(all(p.stop), "stop", "made of non-empty strings", list(p.stop))
     _require(all(t >= 0 for t in p.stop_token_ids), "stop_token_ids", "non-negative", list(p.stop_token_ids))
 

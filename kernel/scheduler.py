@@ -35,8 +35,9 @@ class ScheduledChunk(NamedTuple):
 
     @property
     def samples(self) -> bool:
-        """A chunk that reaches the end of the known tokens produces the next token."""
-        return self.start + self.length == self.req.total_len
+        """A chunk that reaches the end of the known tokens produces the next token
+        (unless nothing is to be generated: a prompt scored for its logprobs only)."""
+        return self.start + self.length == self.req.total_len and self.req.params.max_new_tokens > 0
 
 
 class StepPlan(NamedTuple):
@@ -306,6 +307,9 @@ class Scheduler:
                 continue
             self._cache_step(req, chunk)
             if token is None:
+                if req.kv_len == req.total_len:  # scored its prompt, generates nothing
+                    req.finish("length")
+                    self.release(req)
                 continue
             self._append(req, token)
             produced.append(req)

@@ -20,8 +20,9 @@ from typing import Any
 import structlog
 
 from gpu.device_thread import DeviceThread
-from gpu.forward_batch import ForwardBatch, PrefillChunk, SampledToken, SamplingRow
-from gpu.model_runner import ModelRunner
+from gpu.forward_batch import ForwardBatch, PrefillChunk, SamplingRow
+from gpu.model_runner import ModelRunner, StepOutput
+from kernel import prompt_logprobs
 from kernel.output import OutputProcessor
 from kernel.request import Request
 from kernel.scheduler import Scheduler, StepPlan
@@ -108,7 +109,7 @@ class StepLoop:
         self.wake.clear()
         await self.wake.wait()
 
-    async def await_step(self, plan: StepPlan, step: asyncio.Future[Any]) -> list[SampledToken] | None:
+    async def await_step(self, plan: StepPlan, step: asyncio.Future[Any]) -> StepOutput | None:
         """The step's tokens; None if it failed (its requests are failed, the engine goes on)."""
         try:
             return await step  # type: ignore[no-any-return]
@@ -117,9 +118,11 @@ class StepLoop:
             self.fail(plan, exc)
             return None
 
-    def apply(self, plan: StepPlan, sampled: list[SampledToken]) -> list[Request]:
+    def apply(self, plan: StepPlan, sampled: StepOutput) -> list[Request]:
         """Record the step; returns the requests whose output to emit next."""
-        produced = self.scheduler.apply(plan, sampled)
+        if sampled.prompt_logprobs:  # the batch's spans, made again from the same plan
+            prompt_logprobs.record(plan, prompt_logprobs.plan_spans(plan), sampled.prompt_logprobs)
+        produced = self.scheduler.apply(plan, sampled.tokens)
         seen = {id(r) for r in produced}  # finished without a token: emit their end too
         produced += [c.req for c in plan.chunks if c.req.finished and id(c.req) not in seen]
         self.steps += 1
@@ -153,7 +156,7 @@ def build_forward_batch(plan: StepPlan, state_copies: tuple[tuple[int, int], ...
         chunks.append(PrefillChunk(ids, req.row, ch.start, ch.state_src, ch.state_dst, ch.state_track))
         if ch.samples:
             sampling.append((i, sampling_row(req)))
-    return ForwardBatch.build(chunks, sampling, state_copies)
+    return ForwardBatch.build(chunks, sampling, state_copies, prompt_logprobs.plan_spans(plan))
 
 
 def sampling_row(req: Request) -> SamplingRow:

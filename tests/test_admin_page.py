@@ -9,6 +9,8 @@ import time
 import tomllib
 from typing import Any
 
+from setuptools import find_packages
+
 from kernel import registry
 from plugins.admin.page import STATIC_DIR
 from plugins.admin.summary import limited, summarize
@@ -131,9 +133,10 @@ async def test_page_is_served_with_its_modules(tiny_chat_folder: str) -> None:
 def test_static_files_ship_in_the_package() -> None:
     pyproject = tomllib.loads((ROOT_DIR / "pyproject.toml").read_text())
     setuptools = pyproject["tool"]["setuptools"]
-    assert "plugins.admin.static" in setuptools["packages"]
-    patterns = setuptools["package-data"]["plugins.admin.static"]
+    found = find_packages(str(ROOT_DIR), include=setuptools["packages"]["find"]["include"])
+    assert "plugins.admin" in found
+    patterns = setuptools["package-data"]["plugins.admin"]
     files = sorted(p.name for p in STATIC_DIR.iterdir())
     assert "index.html" in files
-    shipped = {p.name for pattern in patterns for p in STATIC_DIR.glob(pattern)}
+    shipped = {p.name for pattern in patterns for p in STATIC_DIR.parent.glob(pattern)}
     assert shipped == set(files), "every static file must match a package-data pattern"

@@ -55,7 +55,8 @@ BATCH_FIELDS: dict[str, tuple[str, ...]] = {
 }
 HYBRID_ONLY = frozenset({"state_src", "state_dst", "state_track"})
 # Fields used outside the graph: sampling reads the graph's logits, copies run before it.
-HOST_SIDE = frozenset({"sampling", "state_copies"})
+# Batches with prompt logprobs run eagerly (ModelRunner.run), never in a graph.
+HOST_SIDE = frozenset({"sampling", "state_copies", "prompt_logprobs"})
 
 _MODEL_INPUTS = {
     "input_ids": BufferSpec("tokens", (), torch.int64, 0),  # token 0

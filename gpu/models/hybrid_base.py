@@ -161,6 +161,14 @@ class HybridDecoder(ABC, Generic[A, S]):
         last token of the step to `state.dst_slots`, and the state after each tracked
         length to its slot (`state.track`), every state layer.
         """
+        return self.logits(self.hidden(input_ids, positions, attn, state, pool).index_select(0, logits_indices))
+
+    def hidden(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+        state: HybridStep, pool: StatePool,
+    ) -> torch.Tensor:
+        """The last layer's hidden states of every token (before the final norm); reads
+        and writes states as `forward` does."""
         cos, sin = rope_cos_sin(positions, self.rotary_dim, self.arch.rope_theta, self.dtype)
         h = self.embed[input_ids]
         for block in self.blocks:
@@ -171,8 +179,11 @@ class HybridDecoder(ABC, Generic[A, S]):
                 h = h + self._state_mixer(block.kind_index, cast(S, block.mixer), x, state, pool)
             x = self._norm(h, block.mlp_norm)
             h = h + swiglu(self.linear, x, block.gate_up, block.down)
-        last = self._norm(h.index_select(0, logits_indices), self.norm)
-        return self.linear(last, self.lm_head).float()
+        return h
+
+    def logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """float32 logits of some rows of `hidden`: the final norm, then the lm_head (row-wise)."""
+        return self.linear(self._norm(rows, self.norm), self.lm_head).float()
 
     # Pieces both models' mixers use.
 

@@ -79,6 +79,10 @@ class LlamaModel:
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         """Hidden states for all tokens; float32 logits only for `logits_indices` rows."""
+        return self.logits(self.hidden(input_ids, positions, attn).index_select(0, logits_indices))
+
+    def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """The last layer's hidden states of every token (before the final norm)."""
         arch = self.arch
         n_q = arch.num_heads * arch.head_dim
         n_kv = arch.num_kv_heads * arch.head_dim
@@ -99,8 +103,12 @@ class LlamaModel:
             h = h + self.linear(o.reshape(-1, n_q), layer.o)
             x = self._rms_norm(h, layer.post_norm)
             h = h + swiglu(self.linear, x, layer.gate_up, layer.down)
-        last = self._rms_norm(h.index_select(0, logits_indices), self.norm)
-        return self.linear(last, self.lm_head).float()
+        return h
+
+    def logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """float32 logits of some rows of `hidden`: the final norm, then the lm_head (both
+        row-wise, so a row's logits do not depend on which other rows are with it)."""
+        return self.linear(self._rms_norm(rows, self.norm), self.lm_head).float()
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         xf = x.float()

@@ -24,7 +24,7 @@ class GenerateBody:
     (a list answers with a list); the engine's SamplingParams as they are."""
 
     # Also accepted at the top level (they override sampling_params').
-    SAMPLING_FIELDS: ClassVar[tuple[str, ...]] = ("return_logprob", "top_logprobs_num")
+    SAMPLING_FIELDS: ClassVar[tuple[str, ...]] = ("return_logprob", "top_logprobs_num", "logprob_start_len")
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
@@ -63,8 +63,10 @@ def parse_params(body: dict[str, Any]) -> SamplingParams:
     for name in GenerateBody.SAMPLING_FIELDS:  # also accepted at top level
         if body.get(name) is not None:
             fields[name] = body[name]
-    if fields.get("max_new_tokens") == 0 or fields.get("max_tokens") == 0:
-        raise bad_request("max_new_tokens must be at least 1", param="max_new_tokens")
+    scoring = isinstance(fields.get("logprob_start_len"), int) and fields["logprob_start_len"] >= 0
+    if not scoring and (fields.get("max_new_tokens") == 0 or fields.get("max_tokens") == 0):
+        raise bad_request("max_new_tokens must be at least 1 (0 only to score a prompt: logprob_start_len >= 0)",
+                          param="max_new_tokens")
     try:
         return SamplingParams.from_dict(fields)
     except SamplingParamsError as exc:

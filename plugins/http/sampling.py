@@ -20,18 +20,20 @@ PASSTHROUGH = (
 
 
 def get_max_tokens(body: dict[str, Any], name: str) -> int | None:
-    # At least 1: a completion of zero tokens has nothing to return (no prompt logprobs).
+    # At least 1: a chat answer of zero tokens has nothing to return (completions allow 0 with echo).
     return get_int(body, name, 1, MAX_NEW_TOKENS_LIMIT)
 
 
 def build_params(
     body: dict[str, Any], max_new_tokens: int, top_logprobs: int | None, names: dict[str, str],
+    extra: dict[str, Any] | None = None,
 ) -> SamplingParams:
     fields = {k: body[k] for k in PASSTHROUGH if k in body}
     fields["max_new_tokens"] = max_new_tokens
     if top_logprobs is not None:
         fields["return_logprob"] = True
         fields["top_logprobs_num"] = top_logprobs
+    fields.update(extra or {})
     try:
         return SamplingParams.from_dict(fields)
     except SamplingParamsError as exc:
