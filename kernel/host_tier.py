@@ -115,10 +115,13 @@ class HostTier:
                 self._copy_when_ready(node)
 
     def before_plan(self) -> None:
-        """Before each plan: deferred copies whose states have landed, then write-back."""
+        """Before each plan: deferred copies whose states have landed, write-back, then
+        storage writes that were missed."""
         if self.deferred:
             self.copy_deferred()
         self.write_back()
+        if self.storage is not None and self.storage.backlog:
+            self.storage.backfill()
 
     def write_back(self) -> None:
         """Write-back policies: when free device pages are short, copy the nodes eviction

@@ -52,6 +52,8 @@ log = structlog.get_logger("tierserve")
 
 STATS_MAX_AGE_S = 1.0
 MAX_PROBES = 3  # storage checks per request (the first, and re-checks after an eviction)
+BACKLOG_MAX_NODES = 4096  # missed writes remembered for `backfill`
+BACKFILL_PAGES = 16  # pages `backfill` reads and queues per plan (host memory copies on the loop)
 
 
 @dataclass(eq=False)
@@ -73,6 +75,7 @@ class Fetch:
 class StorageTierCounters:
     hit_tokens: int = 0
     written_pages: int = 0
+    backfilled_pages: int = 0  # queued again from host copies after a missed write
     written_bytes: int = 0
     read_pages: int = 0
     read_bytes: int = 0
@@ -111,6 +114,9 @@ class StorageTier:
         self.queued_bytes = 0
         self.counters = StorageTierCounters()
         self.wake: Callable[[], None] = lambda: None  # the step loop's, set by the engine
+        # Host-tier nodes whose storage write did not happen (storage off, queue full, a
+        # failed write): written later from their host pages (`backfill`), oldest first.
+        self.backlog: dict[int, Any] = {}
         # NOTE: a backend's stats() may be slow (redis: a SCAN), and stats() runs on the
         # loop for every /metrics scrape: unless it is cheap, it is refreshed on a reader
         # thread, at most every STATS_MAX_AGE_S, and served from here.
@@ -129,7 +135,12 @@ class StorageTier:
         while the copy still owns the host pages (and the lock keeps the node's state
         slot): the (key, bytes) items to `write`. A queued write then holds nothing."""
         if not self.wants(node):
+            if not node.stored:
+                self.missed(node)
             return None
+        return self._items(node, host_pages)
+
+    def _items(self, node: Any, host_pages: list[int]) -> Callable[[], list[tuple[str, bytes]]]:
         keys = keys_for_hashes(node.hashes, self.fmt)
         slot = node.state_slot if self.states is not None else None
         state_key = keys_for_hashes([node.hash], self.state_fmt)[0] if slot is not None and self.state_fmt else None
@@ -147,9 +158,11 @@ class StorageTier:
         """Queue `node`'s captured items for storage (from the writer thread)."""
         size = sum(len(data) for _, data in items)
         if not self.enabled:
+            self.missed(node)
             return
         if self.queued_bytes + size > self.queue_limit:
             self.counters.failures["queue_full"] += 1  # storage cannot keep up: skip, never block
+            self.missed(node)
             return
         self.queued_bytes += size
         self.writes += 1
@@ -163,9 +176,37 @@ class StorageTier:
         stored, ok = self._result(fut, 0)
         if stored == n and node.parent is not None and set(node.hashes) <= hashes:
             node.stored = True
+        elif stored != n:
+            self.missed(node)
         self.counters.written_pages += stored
         self.counters.written_bytes += size * stored // max(n, 1)
         self._outcome(ok and stored == n)
+
+    def missed(self, node: Any) -> None:
+        """Remember a node whose write did not happen; the oldest is forgotten when full."""
+        self.backlog.pop(id(node), None)
+        self.backlog[id(node)] = node
+        if len(self.backlog) > BACKLOG_MAX_NODES:
+            del self.backlog[next(iter(self.backlog))]
+
+    def backfill(self) -> None:
+        """Before a plan (on the loop): write missed nodes from the host copies they have
+        now, at most BACKFILL_PAGES pages a call, while storage is on and keeps up.
+        NOTE: the bytes are read here, synchronously, from host pages the tree owns (no
+        eviction runs meanwhile), so the queued write depends on nothing the tree may free.
+        A hybrid node's recurrent state lives in the device state pool, which the loop never
+        reads: such nodes are not backfilled (their prefix is recomputed, still exact)."""
+        pages = 0
+        while self.backlog and self.enabled and not self.failing and pages < BACKFILL_PAGES:
+            if 2 * self.queued_bytes > self.queue_limit:
+                return  # the writer is behind: fresh writes first
+            node = self.backlog.pop(next(iter(self.backlog)))
+            host = node.host_pages
+            if node.parent is None or node.stored or host is None or node.state_slot is not None:
+                continue
+            self.write(node, self._items(node, list(host))())
+            self.counters.backfilled_pages += len(host)
+            pages += len(host)
 
     # ---- fetches --------------------------------------------------------------------
     def wait(self, req: Request, tokens: Callable[[], list[int]], matched_pages: Callable[[], int]) -> bool:
@@ -349,6 +390,7 @@ class StorageTier:
         return {
             "backend": type(self.backend).__name__, "enabled": self.enabled, "backend_stats": self.backend_stats,
             "hit_tokens": c.hit_tokens, "written_pages": c.written_pages, "written_bytes": c.written_bytes,
+            "backfilled_pages": c.backfilled_pages, "backlog_nodes": len(self.backlog),
             "read_pages": c.read_pages, "read_bytes": c.read_bytes, "queued_bytes": self.queued_bytes,
             "switched_off": c.switched_off, "prefetch": dict(c.prefetch), "failures": dict(c.failures),
             "max_bytes": getattr(self.backend, "max_bytes", None),

@@ -144,9 +144,9 @@ async def test_redis_killed_mid_run_and_restarted(tiny_chat_folder: str) -> None
             assert (await ws.receive_json(timeout=5))["enabled"] is True
             await ws.close()
             written = storage.stats()["written_pages"]
-            # NOTE: a prefix new to the tree. Pages cached while the tier was off are not
-            # written later (write-through happens at insertion), and keys chain, so a
-            # prompt under SHARED would find nothing in the restarted (empty) Redis.
+            # A prefix new to the tree: fresh write-through after the restart. (Pages whose
+            # writes were missed while the tier was off are written later from their host
+            # copies, as far as those survive: tests/test_storage_tier.py covers that.)
             after = tokens(777, 33)
             status, fresh = await generate(http, after)
             assert status == 200
