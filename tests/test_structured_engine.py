@@ -16,6 +16,7 @@ import pytest
 
 from kernel.async_engine import AsyncEngine
 from kernel.grammar import GrammarCompiler, GrammarError
+from kernel.sampling_params import SamplingParams
 from tests.conftest import TINY_OVERRIDES
 from tests.structured_cases import CASES, MAX_TOKENS, follows
 
@@ -107,3 +108,17 @@ async def test_a_parked_request_whose_grammar_fails_gets_the_error(engine: Async
     with pytest.raises(GrammarError, match="ebnf cannot be compiled"):
         await engine.collect(rid)
     assert engine.is_idle()
+
+
+async def test_a_model_without_a_tokenizer_refuses_grammars(tmp_path: Any) -> None:
+    from tests.tiny_models import build_tiny
+
+    eng = await AsyncEngine.create(None, {"model.path": str(build_tiny("llama", tmp_path)), **TINY_OVERRIDES})
+    try:
+        with pytest.raises(GrammarError, match="regex needs the model's tokenizer, and this model has none"):
+            await eng.prepare_grammars([SamplingParams(regex="a+")])
+        with pytest.raises(GrammarError, match="needs the model's tokenizer"):
+            eng.add_request([1, 2, 3], {"regex": "a+"})
+        assert eng.is_idle()
+    finally:
+        await eng.shutdown()
