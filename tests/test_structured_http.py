@@ -155,7 +155,7 @@ async def test_a_prefix_cache_hit_gives_the_same_json(tiny_chat_folder: str) -> 
         assert cold["meta_info"]["cached_tokens"] == 0 and hit["meta_info"]["cached_tokens"] > 0
         assert hit["text"] == cold["text"] and hit["output_ids"] == cold["output_ids"]
         follows(hit["text"], hit["meta_info"]["finish_reason"], schema)
-        assert engine.grammars is not None and engine.grammars.compiles == 1  # the second was a cache hit
+        assert engine.grammars.cache is not None and engine.grammars.cache.compiles == 1  # the second was a cache hit
 
 
 BAD_CHAT = [  # (response_format, words the 400 must contain)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from gpu.grammar_mask import TokenMask, allowed_tokens, apply_token_mask, mask_width
+from gpu.grammar_mask import TokenMask, apply_token_mask, build_token_mask, mask_width
 from gpu.loader import resolve_model_path
 from gpu.loader.gguf import load_gguf_tokenizer
 from gpu.sampling import SamplingBatch, sample
@@ -20,6 +20,7 @@ from gpu.tokenizer import Tokenizer
 from kernel.grammar import GrammarCache, GrammarCompiler, GrammarError, check_json_schema, grammar_key
 from kernel.sampling_params import SamplingParams, SamplingParamsError
 from tests.conftest import SMOLLM
+from tests.structured_cases import allowed_tokens
 
 CPU = torch.device("cpu")
 
@@ -60,10 +61,16 @@ class FixedMask:
             bitmask[row, t // 32] = value - (1 << 32) if value >= 1 << 31 else value  # as int32
 
 
-def test_allowed_tokens_reads_every_bit_including_the_sign_bit() -> None:
-    bitmask = torch.zeros(1, mask_width(70), dtype=torch.int32)
-    FixedMask([0, 31, 32, 63, 69]).fill_mask(bitmask, 0)
-    assert allowed_tokens(bitmask, 70)[0].nonzero().flatten().tolist() == [0, 31, 32, 63, 69]
+def test_the_mask_keeps_exactly_the_allowed_tokens_of_constrained_rows() -> None:
+    vocab, allowed = 70, [0, 31, 32, 63, 69]  # word edges and the sign bit
+    mask = build_token_mask([None, FixedMask(allowed), None], vocab, CPU)
+    assert mask is not None and mask.rows == [1]
+    assert allowed_tokens(mask.bitmask, vocab)[1].nonzero().flatten().tolist() == allowed
+    logits = torch.randn(3, vocab)
+    out = apply_token_mask(logits, mask)
+    assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])  # unconstrained rows untouched
+    assert torch.isfinite(out[1]).nonzero().flatten().tolist() == allowed
+    assert torch.equal(out[1, allowed], logits[1, allowed])
 
 
 def test_masked_greedy_picks_the_best_allowed_token_and_logprobs_are_of_the_masked_distribution() -> None:
@@ -97,8 +104,9 @@ def test_a_batch_without_constrained_rows_builds_no_mask() -> None:
     assert batch.token_mask is None
     logits = torch.randn(2, 10)
     assert apply_token_mask(logits, None) is logits
-    mask = TokenMask(torch.tensor([1]), torch.zeros(1, 1, dtype=torch.int32))
-    assert torch.equal(apply_token_mask(logits, mask)[0], logits[0])  # row 0 untouched
+    mask = TokenMask([1], torch.zeros(2, 1, dtype=torch.int32))  # row 0's zeros are not applied
+    out = apply_token_mask(logits, mask)
+    assert torch.equal(out[0], logits[0]) and torch.isinf(out[1]).all()
 
 
 # ---- the compiler over the packaged tokenizer -----------------------------------------
