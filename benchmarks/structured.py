@@ -35,19 +35,23 @@ from tests.structured_cases import CASES, MAX_TOKENS
 
 @dataclass
 class GrammarClock:
-    """Seconds spent in the grammar's functions, summed over threads."""
+    """Seconds spent in each of the grammar's functions, summed over threads."""
 
-    seconds: float = 0.0
+    parts: dict[str, float] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    @property
+    def seconds(self) -> float:
+        return sum(self.parts.values())
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 with self.lock:
-                    self.seconds += time.perf_counter() - t0
+                    self.parts[name] = self.parts.get(name, 0.0) + time.perf_counter() - t0
         return timed
 
 
@@ -55,9 +59,9 @@ def instrument(clock: GrammarClock) -> None:
     import gpu.sampling
     import kernel.scheduler
 
-    gpu.sampling.build_token_mask = clock.wrap(gpu.sampling.build_token_mask)
-    gpu.sampling.apply_token_mask = clock.wrap(gpu.sampling.apply_token_mask)
-    kernel.scheduler.advance_grammar = clock.wrap(kernel.scheduler.advance_grammar)
+    gpu.sampling.build_token_mask = clock.wrap("fill", gpu.sampling.build_token_mask)
+    gpu.sampling.apply_token_mask = clock.wrap("apply", gpu.sampling.apply_token_mask)
+    kernel.scheduler.advance_grammar = clock.wrap("advance", kernel.scheduler.advance_grammar)
 
 
 @dataclass
@@ -128,7 +132,7 @@ def _parses(text: str) -> bool:
     return True
 
 
-def report(plain: list[RunResult], schema: list[RunResult]) -> None:
+def report(plain: list[RunResult], schema: list[RunResult], clock: GrammarClock) -> None:
     def row(name: str, runs: list[RunResult]) -> tuple[float, float, float, float]:
         tok_s = statistics.median(r.tok_s for r in runs)
         ttfts = [t for r in runs for t in r.ttft_s]
@@ -143,6 +147,9 @@ def report(plain: list[RunResult], schema: list[RunResult]) -> None:
     s = row("schema", schema)
     print(f"{'ratio':<8} {s[0] / p[0]:>10.3f} {s[1] / p[1]:>14.3f} {s[2] / p[2]:>13.3f} {'':>17}")
     print(f"invalid JSON replies: {sum(r.invalid for r in schema)} of {sum(len(r.tokens) for r in schema)}")
+    tokens = max(sum(sum(r.tokens) for r in schema), 1)
+    print("grammar ms/token by part (schema runs): "
+          + ", ".join(f"{name} {1e3 * sec / tokens:.3f}" for name, sec in sorted(clock.parts.items())))
 
 
 async def main_async(args: argparse.Namespace) -> None:
@@ -164,7 +171,7 @@ async def main_async(args: argparse.Namespace) -> None:
             plain.append(await run(engine, prompts, s.tokens, args, clock, progress))
     finally:
         await engine.shutdown()
-    report(plain, schema)
+    report(plain, schema, clock)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
