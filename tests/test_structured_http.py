@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 from typing import Any
 
 import openai
@@ -103,6 +104,11 @@ async def test_json_object_and_completions_route(tiny_chat_folder: str) -> None:
             extra_body={"ignore_eos": True},
         )
         follows(out.choices[0].message.content or "", out.choices[0].finish_reason, {"type": "object"})
+        code = await client.chat.completions.create(  # SGLang's regex, through the OpenAI route
+            model=await model_of(client), messages=[{"role": "user", "content": "A code?"}], temperature=0,
+            max_tokens=MAX_TOKENS, extra_body={"regex": "[A-Z]{2}-[0-9]{3}"},
+        )
+        assert re.fullmatch("[A-Z]{2}-[0-9]{3}", code.choices[0].message.content or "")
         prompt, schema = CASES[0]
         for stream in (False, True):
             comp = await client.completions.create(
