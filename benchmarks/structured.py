@@ -1,10 +1,10 @@
 """Structured outputs: what a JSON schema costs, on the async engine in-process.
 
 The same prompts (tests/structured_cases.py: 20 bounded schemas, cycled to
-`--num-prompts`) at concurrency `--concurrency`, with and without their schema. The
-schema run comes first in each round so the plain run can generate exactly as many
-tokens per prompt (ignore_eos), which makes their tokens/s comparable; rounds alternate
-to spread the machine's noise over both. Printed: output tokens/s, TTFT mean / p99, and
+`--num-prompts`) at concurrency `--concurrency`, with and without their schema. An
+untimed warm-up run with the schemas fixes each prompt's output length; the plain runs
+generate exactly as many tokens (ignore_eos), which makes tokens/s comparable. Rounds
+alternate which run goes first to spread the machine's noise over both. Printed: output tokens/s, TTFT mean / p99, and
 the grammar's own time per constrained token (mask fill + mask application on the
 device thread, matcher advance on the loop), timed by wrapping those three functions.
 
@@ -163,12 +163,16 @@ async def main_async(args: argparse.Namespace) -> None:
     try:
         # Compiled outside the timed runs (the grammar cache keeps them).
         await engine.prepare_grammars([SamplingParams(json_schema=json.dumps(s)) for _, s in CASES])
-        progress = Progress(2 * args.rounds * len(prompts))
+        progress = Progress((2 * args.rounds + 1) * len(prompts))
+        # Untimed warm-up (first forwards at these shapes are slow); it also fixes each
+        # prompt's output length, which the plain runs then generate exactly.
+        lengths = (await run(engine, prompts, None, args, clock, progress)).tokens
+        clock.parts.clear()
         plain, schema = [], []
-        for _ in range(args.rounds):
-            s = await run(engine, prompts, None, args, clock, progress)
-            schema.append(s)
-            plain.append(await run(engine, prompts, s.tokens, args, clock, progress))
+        for r in range(args.rounds):  # alternate which goes first
+            for constrained in ((True, False) if r % 2 else (False, True)):
+                runs = schema if constrained else plain
+                runs.append(await run(engine, prompts, None if constrained else lengths, args, clock, progress))
     finally:
         await engine.shutdown()
     report(plain, schema, clock)
