@@ -10,7 +10,7 @@ below; they never reach into the scheduler or the pools.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import structlog
@@ -23,6 +23,8 @@ from kernel.components import Components, build_components, pick_device
 from kernel.config import Config, load_config
 from kernel.detokenizer import IncrementalDetokenizer
 from kernel.events import EventBus
+from kernel.grammar import GrammarError
+from kernel.grammar_gate import GrammarGate
 from kernel.logging_setup import setup_logging
 from kernel.output import Collected, OutputChunk, OutputProcessor
 from kernel.request import Request
@@ -31,8 +33,8 @@ from kernel.step_loop import StepLoop
 from kernel.storage_tier import StorageTier
 
 __all__ = [
-    "AsyncEngine", "BadPrompt", "ContextOverflow", "EngineInfo", "EngineUnavailable", "OutputChunk",
-    "PolicyError", "RequestError",
+    "AsyncEngine", "BadPrompt", "ContextOverflow", "EngineInfo", "EngineUnavailable", "GrammarError",
+    "OutputChunk", "PolicyError", "RequestError",
 ]
 
 log = structlog.get_logger("tierserve")
@@ -78,6 +80,8 @@ class AsyncEngine:
             parts.tokenizer, self.info.vocab_size, parts.context_length, self.info.pool_tokens, config.seed
         )
         self.output = OutputProcessor(self.events, self._stop_by_text)
+        self.grammars = GrammarGate(parts.tokenizer, self.info.vocab_size, config.structured, self._queue,
+                                    self.output.fail)
         self.loop = StepLoop(
             self.scheduler, device_thread, parts.runner, self.output,
             check_invariants=config.debug.check_invariants, halt=self._halt,
@@ -118,6 +122,7 @@ class AsyncEngine:
         if rid is not None and rid in self.output.streams:
             raise RequestError(f"request id {rid!r} is already in use")
         req = self.admission.build(prompt, params, rid, priority, namespace)
+        key = self.grammars.check(req.params)
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, req.params.skip_special_tokens, req.params.stop)
@@ -126,13 +131,25 @@ class AsyncEngine:
             req.finish("length")
             stream.end()
             return req.rid
+        if key is not None:
+            self.grammars.admit(req, key)  # queued now, or parked until its grammar is compiled
+        else:
+            self._queue(req)
+        return req.rid
+
+    def _queue(self, req: Request) -> None:
         self.scheduler.add(req)
         self.prompt_tokens += len(req.prompt_ids)
         log.debug("request_queued", rid=req.rid, prompt_tokens=len(req.prompt_ids))
         if self.events.active:
             self.events.emit("queued", req.rid, prompt_tokens=len(req.prompt_ids))
         self.loop.wake.set()
-        return req.rid
+
+    async def prepare_grammars(self, params: Iterable[SamplingParams]) -> None:
+        """Compile the grammars `params` name (off the loop, cached; kernel/grammar_gate.py);
+        raises GrammarError naming the problem. The HTTP layer awaits this before it
+        answers, so a bad grammar is a 400, never a broken stream."""
+        await self.grammars.prepare(params)
 
     async def stream(self, rid: str) -> AsyncIterator[OutputChunk]:
         """Output chunks of `rid` until it finishes; leaving early aborts it."""
@@ -178,11 +195,12 @@ class AsyncEngine:
     # ---- public surface for plugins (admin socket, metrics, HTTP) ---------------
     def is_idle(self) -> bool:
         """No request queued or running, and no tier copy in flight."""
-        return not self.scheduler.has_work() and (self.host is None or not self.host.busy)
+        idle = not self.scheduler.has_work() and not self.grammars.parked
+        return idle and (self.host is None or not self.host.busy)
 
     def num_requests(self) -> int:
         """Requests queued or running (what a queue limit counts)."""
-        return len(self.scheduler.waiting) + len(self.scheduler.running)
+        return len(self.scheduler.waiting) + len(self.scheduler.running) + len(self.grammars.parked)
 
     def cache_stats(self) -> dict[str, int]:
         """Engine-wide prefix-cache counters, in tokens (rates are for the reader)."""
@@ -313,6 +331,7 @@ class AsyncEngine:
         await asyncio.gather(self._loop_task, return_exceptions=True)  # a dead loop's error was reported
         for st in list(self.output.streams.values()):
             st.queue.put_nowait(EngineUnavailable("engine shut down"))
+        self.grammars.shutdown()
         if self.host is not None:
             await self._flush_tiers()
         self.device_thread.shutdown()

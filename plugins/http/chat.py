@@ -27,21 +27,16 @@ from plugins.http.protocol import (
     reject_unsupported,
 )
 from plugins.http.reply import JSON, Reply
+from plugins.http.response_format import ResponseFormat
 from plugins.http.sampling import PASSTHROUGH, build_params, expand, get_max_tokens
 from plugins.http.state import state_of
 from plugins.http.submission import token_limit
 
-NAMES = {"max_new_tokens": "max_completion_tokens", "top_logprobs_num": "top_logprobs"}
+NAMES = {"max_new_tokens": "max_completion_tokens", "top_logprobs_num": "top_logprobs",
+         "json_schema": "response_format"}
 _HARMLESS: dict[str, tuple[Any, ...]] = {
     "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
-    "response_format": ({"type": "text"},),
 }
-
-
-@dataclass(frozen=True)
-class ResponseFormat:
-    type: Literal["text"]  # plain text only: no JSON mode
-
 
 @dataclass(frozen=True)
 class ChatBody:
@@ -66,7 +61,7 @@ class ChatBody:
     tools: list[Any] | None = field(default=None, metadata={"schema": {"maxItems": 0}})
     functions: list[Any] | None = field(default=None, metadata={"schema": {"maxItems": 0}})
     tool_choice: Literal["none", "auto"] | None = None
-    response_format: ResponseFormat | None = None
+    response_format: ResponseFormat | None = None  # structured outputs (plugins/http/response_format.py)
 
 
 @dataclass(frozen=True)
