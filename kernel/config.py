@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from kernel import registry
+
 
 class ConfigError(ValueError):
     """A launch configuration that cannot be used; the message names the key."""
@@ -114,11 +116,18 @@ class ServerConfig:
     max_queued_requests: int = 1024
     api_key: str | None = None
     admin_api_key: str | None = None
+    # How the served model writes tool calls (registry kind tool_parser): read by
+    # /v1/chat/completions with tool_choice "auto".
+    tool_parser: str = "hermes"
 
     def validate(self) -> None:
         if not 0 < self.port < 65536:
             raise ConfigError(f"server.port must be in 1..65535, got {self.port}")
         _positive("server.max_queued_requests", self.max_queued_requests)
+        try:
+            registry.lookup("tool_parser", self.tool_parser)
+        except registry.RegistryError as exc:
+            raise ConfigError(f"server.tool_parser: {exc}") from None
 
 
 @dataclass(frozen=True)

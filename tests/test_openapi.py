@@ -183,7 +183,7 @@ class Recorder(dict[str, Any]):
 
 def stub_engine() -> Any:
     tokenizer = SimpleNamespace(apply_chat_template=lambda messages, add_generation_prompt: "text",
-                                encode=lambda text: [1, 2])
+                                encode=lambda text: [1, 2], chat_template=None)
     return SimpleNamespace(info=SimpleNamespace(model_name="m", context_length=64, pool_tokens=64, page_size=4),
                            tokenizer=tokenizer, snapshot=list, set_policy=lambda kind, name: None)
 
