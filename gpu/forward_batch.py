@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from gpu.grammar_mask import TokenMasker
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingRow:
@@ -35,6 +37,10 @@ class SamplingRow:
     prompt_ids: tuple[int, ...] = ()
     output_ids: tuple[int, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, added to the logits
+    # Structured outputs: the request's grammar matcher, read (never advanced) by the
+    # device thread to fill the row's allowed-token mask. NOTE: not a snapshot; safe
+    # because the loop advances it only after this step's tokens come back.
+    grammar: TokenMasker | None = None
 
     @property
     def needs_history(self) -> bool:

@@ -102,6 +102,7 @@ class ModelRunner:
             output_ids=[r.output_ids for r in rows],
             vocab_size=self.vocab_size,
             device=self.device,
+            maskers=[r.grammar for r in rows] if any(r.grammar is not None for r in rows) else (),
         )
         res = sample(logits, sb)
         return [

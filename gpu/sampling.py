@@ -5,9 +5,11 @@ only what some row needs, so the common case (all greedy, no penalties) is one a
 plus one log_softmax gather.
 
 Logprobs are always computed, from the model distribution after `logit_bias` (as OpenAI
-reports them) but before penalties, temperature or truncation: it costs one [B, V] pass,
-small next to a model step, and keeps the result shape the same for every row. Only a
-batch with a biased row pays for the bias (one scatter_add over its entries).
+reports them) and the grammar mask of structured outputs (gpu/grammar_mask.py: the
+constrained distribution) but before penalties, temperature or truncation: it costs one
+[B, V] pass, small next to a model step, and keeps the result shape the same for every
+row. Only a batch with a biased row pays for the bias (one scatter_add over its
+entries), and only one with a constrained row for the mask.
 
 Random draws are a pure function of (seed, step) per row: a counter-based hash of
 (row key, token id) gives each token its own uniform number, so a row draws the same
@@ -22,6 +24,8 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import torch
+
+from gpu.grammar_mask import TokenMask, TokenMasker, apply_token_mask, build_token_mask
 
 # Below this temperature logits/T overflows float32; such rows are treated as greedy.
 _MIN_TEMPERATURE = 1e-5
@@ -126,6 +130,8 @@ class SamplingBatch:
     # logit_bias of every biased row, flattened: flat indices row * V + id, and biases.
     bias_index: torch.Tensor | None = None
     bias_values: torch.Tensor | None = None
+    # Structured outputs: the allowed-token bitmask of the constrained rows.
+    token_mask: TokenMask | None = None
     top_logprobs_nums: tuple[int, ...] = ()
 
     @property
@@ -139,15 +145,17 @@ class SamplingBatch:
     @classmethod
     def build(cls, params: Sequence[SamplingSettings], seeds: list[int], steps: list[int],
               prompt_ids: Sequence[Sequence[int]], output_ids: Sequence[Sequence[int]], vocab_size: int,
-              device: torch.device) -> SamplingBatch:
+              device: torch.device, maskers: Sequence[TokenMasker | None] = ()) -> SamplingBatch:
+        """maskers: per row, the grammar constraining it (or None); empty: no row is."""
         n = len(params)
-        if not n == len(seeds) == len(steps) == len(prompt_ids) == len(output_ids):
+        if not n == len(seeds) == len(steps) == len(prompt_ids) == len(output_ids) or len(maskers) not in (0, n):
             raise ValueError("SamplingBatch.build: per-row lists differ in length")
         batch = cls(size=n, vocab_size=vocab_size,
                     top_logprobs_nums=tuple(p.top_logprobs_num for p in params))
         batch._set_random(params, seeds, steps, device)
         batch._set_penalties(params, prompt_ids, output_ids, device)
         batch._set_bias(params, device)
+        batch.token_mask = build_token_mask(maskers, vocab_size, device)
         return batch
 
     def _set_bias(self, params: Sequence[SamplingSettings], device: torch.device) -> None:
@@ -212,7 +220,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
     """Pick one token per row of `logits` [B, V]; the input tensor is not modified."""
     if logits.shape != (batch.size, batch.vocab_size):
         raise ValueError(f"logits shape {tuple(logits.shape)} != {(batch.size, batch.vocab_size)}")
-    logits = apply_bias(logits.float(), batch)
+    logits = apply_token_mask(apply_bias(logits.float(), batch), batch.token_mask)
     logprobs = torch.log_softmax(logits, dim=-1)
     scores = apply_penalties(logits, batch)
     tokens = scores.argmax(dim=-1) if batch.all_greedy else _draw(scores, batch)

@@ -10,7 +10,7 @@ below; they never reach into the scheduler or the pools.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import structlog
@@ -23,6 +23,7 @@ from kernel.components import Components, build_components, pick_device
 from kernel.config import Config, load_config
 from kernel.detokenizer import IncrementalDetokenizer
 from kernel.events import EventBus
+from kernel.grammar import GrammarCache, GrammarCompiler, GrammarError, GrammarKey, grammar_key
 from kernel.logging_setup import setup_logging
 from kernel.output import Collected, OutputChunk, OutputProcessor
 from kernel.request import Request
@@ -31,8 +32,8 @@ from kernel.step_loop import StepLoop
 from kernel.storage_tier import StorageTier
 
 __all__ = [
-    "AsyncEngine", "BadPrompt", "ContextOverflow", "EngineInfo", "EngineUnavailable", "OutputChunk",
-    "PolicyError", "RequestError",
+    "AsyncEngine", "BadPrompt", "ContextOverflow", "EngineInfo", "EngineUnavailable", "GrammarError",
+    "OutputChunk", "PolicyError", "RequestError",
 ]
 
 log = structlog.get_logger("tierserve")
@@ -78,6 +79,8 @@ class AsyncEngine:
             parts.tokenizer, self.info.vocab_size, parts.context_length, self.info.pool_tokens, config.seed
         )
         self.output = OutputProcessor(self.events, self._stop_by_text)
+        self.grammars = self._grammar_cache()
+        self._parked: dict[str, Request] = {}  # waiting for their grammar to compile (not queued)
         self.loop = StepLoop(
             self.scheduler, device_thread, parts.runner, self.output,
             check_invariants=config.debug.check_invariants, halt=self._halt,
@@ -118,6 +121,9 @@ class AsyncEngine:
         if rid is not None and rid in self.output.streams:
             raise RequestError(f"request id {rid!r} is already in use")
         req = self.admission.build(prompt, params, rid, priority, namespace)
+        key = grammar_key(req.params)
+        if key is not None:
+            self._grammars(key).check_size(key)
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, req.params.skip_special_tokens, req.params.stop)
@@ -126,13 +132,65 @@ class AsyncEngine:
             req.finish("length")
             stream.end()
             return req.rid
+        if key is not None and not self._attach_grammar(req, key):
+            return req.rid  # parked: queued once its grammar is compiled
+        self._queue(req)
+        return req.rid
+
+    def _queue(self, req: Request) -> None:
         self.scheduler.add(req)
         self.prompt_tokens += len(req.prompt_ids)
         log.debug("request_queued", rid=req.rid, prompt_tokens=len(req.prompt_ids))
         if self.events.active:
             self.events.emit("queued", req.rid, prompt_tokens=len(req.prompt_ids))
         self.loop.wake.set()
-        return req.rid
+
+    # ---- structured outputs (kernel/grammar.py) ---------------------------------
+    def _grammar_cache(self) -> GrammarCache | None:
+        tokenizer, conf = self.tokenizer, self.config.structured
+        if tokenizer is None:
+            return None
+        vocab = self.info.vocab_size
+        return GrammarCache(lambda: GrammarCompiler(tokenizer, vocab), conf.max_grammar_chars, conf.cache_size,
+                            conf.compile_threads)
+
+    def _grammars(self, key: GrammarKey) -> GrammarCache:
+        if self.grammars is None:
+            raise GrammarError(f"{key[0]} needs the model's tokenizer, and this model has none", key[0])
+        return self.grammars
+
+    async def prepare_grammars(self, params: Iterable[SamplingParams]) -> None:
+        """Compile the grammars `params` name (on worker threads, cached) so queuing them
+        does not wait; raises GrammarError naming the problem. The HTTP layer awaits this
+        before it answers, so a bad grammar is a 400, never a broken stream."""
+        keys = {key for p in params if (key := grammar_key(p)) is not None}
+        # shield: a caller that goes away must not cancel a compilation others share.
+        await asyncio.gather(*(asyncio.shield(self._grammars(k).compile(k)) for k in keys))
+
+    def _attach_grammar(self, req: Request, key: GrammarKey) -> bool:
+        """Give `req` its matcher if its grammar is compiled (True); else park it until it is."""
+        grammars = self._grammars(key)
+        compiled = grammars.ready(key)
+        if compiled is not None:
+            req.grammar = grammars.matcher(compiled)
+            return True
+        self._parked[req.rid] = req
+        grammars.compile(key).add_done_callback(lambda fut: self._unpark(req, fut))
+        return False
+
+    def _unpark(self, req: Request, fut: asyncio.Future[Any]) -> None:
+        self._parked.pop(req.rid, None)
+        if req.finished:  # aborted while it waited: its stream has ended
+            return
+        exc = EngineUnavailable("engine is shut down") if self._closed or fut.cancelled() else fut.exception()
+        if exc is not None:
+            req.finish("error")
+            req.error = str(exc)
+            self.output.fail(req, exc)
+            return
+        assert self.grammars is not None
+        req.grammar = self.grammars.matcher(fut.result())
+        self._queue(req)
 
     async def stream(self, rid: str) -> AsyncIterator[OutputChunk]:
         """Output chunks of `rid` until it finishes; leaving early aborts it."""
@@ -178,11 +236,12 @@ class AsyncEngine:
     # ---- public surface for plugins (admin socket, metrics, HTTP) ---------------
     def is_idle(self) -> bool:
         """No request queued or running, and no tier copy in flight."""
-        return not self.scheduler.has_work() and (self.host is None or not self.host.busy)
+        idle = not self.scheduler.has_work() and not self._parked
+        return idle and (self.host is None or not self.host.busy)
 
     def num_requests(self) -> int:
         """Requests queued or running (what a queue limit counts)."""
-        return len(self.scheduler.waiting) + len(self.scheduler.running)
+        return len(self.scheduler.waiting) + len(self.scheduler.running) + len(self._parked)
 
     def cache_stats(self) -> dict[str, int]:
         """Engine-wide prefix-cache counters, in tokens (rates are for the reader)."""
@@ -313,6 +372,8 @@ class AsyncEngine:
         await asyncio.gather(self._loop_task, return_exceptions=True)  # a dead loop's error was reported
         for st in list(self.output.streams.values()):
             st.queue.put_nowait(EngineUnavailable("engine shut down"))
+        if self.grammars is not None:
+            self.grammars.shutdown()
         if self.host is not None:
             await self._flush_tiers()
         self.device_thread.shutdown()

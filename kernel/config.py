@@ -203,6 +203,20 @@ class GraphsConfig:
 
 
 @dataclass(frozen=True)
+class StructuredConfig:
+    """Structured outputs (json_schema / regex / ebnf, kernel/grammar.py)."""
+
+    max_grammar_chars: int = 65536  # a longer schema, regex or grammar is a 400
+    cache_size: int = 256  # compiled grammars kept, by (kind, text), least recently used out
+    compile_threads: int = 1  # worker threads compiling grammars (never the event loop)
+
+    def validate(self) -> None:
+        _positive("structured.max_grammar_chars", self.max_grammar_chars)
+        _positive("structured.cache_size", self.cache_size)
+        _positive("structured.compile_threads", self.compile_threads)
+
+
+@dataclass(frozen=True)
 class DebugConfig:
     check_invariants: bool = False
 
@@ -227,14 +241,15 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     graphs: GraphsConfig = field(default_factory=GraphsConfig)
+    structured: StructuredConfig = field(default_factory=StructuredConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     deterministic: bool = False
     seed: int = 0
 
     def validate(self) -> None:
-        sections = (self.model, self.cache, self.hicache, self.scheduler, self.server, self.graphs, self.debug,
-                    self.logging)
+        sections = (self.model, self.cache, self.hicache, self.scheduler, self.server, self.graphs,
+                    self.structured, self.debug, self.logging)
         for section in sections:
             section.validate()
         if self.scheduler.chunked_prefill_size < self.cache.page_size:

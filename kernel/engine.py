@@ -55,6 +55,7 @@ class Engine:
     async def _generate_all(self, prompts: list[Prompt], params: list[Params]) -> list[dict[str, Any]]:
         # Validate every prompt before queueing any, so a bad one changes nothing.
         parsed = [SamplingParams.from_dict(p) for p in params]
+        await self.engine.prepare_grammars(parsed)  # a bad grammar raises here, before any is queued
         rids: list[str] = []
         try:
             for prompt, p in zip(prompts, parsed):

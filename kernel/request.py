@@ -11,6 +11,7 @@ from kernel.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from cache.radix_node import TreeNode
+    from kernel.grammar import RequestGrammar
 
 _arrival = itertools.count()
 
@@ -71,6 +72,8 @@ class Request:
     matched_stop: str | int | None = None
     error: str | None = None
     num_retractions: int = 0
+    # Structured outputs (kernel/grammar.py): its matcher, advanced with each output token.
+    grammar: RequestGrammar | None = None
 
     @property
     def total_len(self) -> int:

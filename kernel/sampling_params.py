@@ -8,6 +8,7 @@ answer 400 with a useful message instead of failing later inside a batched step.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from collections.abc import Mapping
@@ -51,6 +52,12 @@ class SamplingParams:
     # before anything else (greedy too); a {"id": bias} mapping is accepted and normalized.
     # Ids are checked against the vocabulary at admission (kernel/admission.py).
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Structured output, at most one: a JSON Schema (its JSON text; an object is serialized),
+    # a regular expression, or an EBNF grammar (xgrammar's GBNF dialect, rule `root`).
+    # Compiled and checked by kernel/grammar.py when the request is queued.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
@@ -93,6 +100,7 @@ _FIELDS = {f.name: f for f in dataclasses.fields(SamplingParams)}
 _FLOAT_FIELDS = frozenset(n for n, f in _FIELDS.items() if f.type == "float")
 _INT_FIELDS = frozenset(n for n, f in _FIELDS.items() if f.type == "int")
 _BOOL_FIELDS = frozenset(n for n, f in _FIELDS.items() if f.type == "bool")
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
 
 
 def _canonical_name(key: object) -> str:
@@ -119,6 +127,8 @@ def _coerce(name: str, value: Any) -> Any:
         if isinstance(value, list | tuple):
             return tuple(value)
         raise SamplingParamsError(f"stop must be a string or a list of strings, got {type(value).__name__}", "stop")
+    if name == "json_schema" and isinstance(value, dict | bool):
+        return json.dumps(value)
     if name == "stop_token_ids":
         if isinstance(value, list | tuple):
             return tuple(value)
@@ -180,6 +190,18 @@ def _check_types(p: SamplingParams) -> None:
         raise SamplingParamsError(
             f"stop_token_ids must be a list of integers, got {p.stop_token_ids!r}", "stop_token_ids"
         )
+    _check_grammar(p)
+
+
+def _check_grammar(p: SamplingParams) -> None:
+    given = [name for name in GRAMMAR_FIELDS if getattr(p, name) is not None]
+    for name in given:
+        value = getattr(p, name)
+        if not isinstance(value, str) or not value:
+            what = "a JSON Schema (an object, or its JSON text)" if name == "json_schema" else "a non-empty string"
+            raise SamplingParamsError(f"{name} must be {what}, got {value!r}", name)
+    if len(given) > 1:
+        raise SamplingParamsError(f"give at most one of json_schema, regex and ebnf, got {given}", given[1])
 
 
 def _check_ranges(p: SamplingParams) -> None:

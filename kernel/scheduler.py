@@ -19,6 +19,7 @@ from cache.req_table import ReqToTokenTable
 from gpu.forward_batch import SampledToken
 from kernel.chunk_planner import plan_chunk
 from kernel.config import SchedulerConfig
+from kernel.grammar import advance_grammar
 from kernel.hybrid_state import HybridState
 from kernel.policy import SchedulePolicy
 from kernel.prefix_reuse import PrefixReuse
@@ -334,6 +335,8 @@ class Scheduler:
         if req.params.top_logprobs_num:
             req.output_top_logprobs.append(token.top_logprobs)
         params = req.params
+        if req.grammar is not None and advance_grammar(req, token.token_id):
+            return
         if not params.ignore_eos and token.token_id in self.eos_ids or token.token_id in params.stop_token_ids:
             req.finish("stop", token.token_id)
         elif len(req.output_ids) >= params.max_new_tokens or req.total_len >= self.max_context:

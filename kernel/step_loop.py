@@ -162,7 +162,7 @@ def sampling_row(req: Request) -> SamplingRow:
         temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
         frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
         repetition_penalty=p.repetition_penalty, top_logprobs_num=p.top_logprobs_num,
-        seed=req.seed, step=len(req.output_ids), logit_bias=p.logit_bias,
+        seed=req.seed, step=len(req.output_ids), logit_bias=p.logit_bias, grammar=req.grammar,
     )
     if not row.needs_history:
         return row

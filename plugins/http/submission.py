@@ -99,6 +99,10 @@ async def submit(
             429, f"the server queue is full ({queued} requests, limit {max_queued}); retry later",
             code="queue_full", headers={"Retry-After": "1"},
         )
+    try:  # compiled before anything is queued or answered: a bad grammar is a 400
+        await engine.prepare_grammars(p for _, p in requests)
+    except SamplingParamsError as exc:
+        raise sampling_error(exc, names) from None
     rids: list[str] = []
     for prompt, params in requests:
         try:
