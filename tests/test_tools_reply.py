@@ -72,8 +72,7 @@ def streamed(tools: ToolUse, pieces: list[str], reason: str = "stop") -> tuple[d
                 slot["function"]["name"] = call.function.name
             slot["function"]["arguments"] += call.function.arguments or ""
         finish = choice.finish_reason or finish
-    message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None,
-                               "refusal": None}
+    message: dict[str, Any] = {"role": "assistant", "content": content or None, "refusal": None}
     if calls:
         message["tool_calls"] = [calls[i] for i in sorted(calls)]
     return message, finish

@@ -32,6 +32,7 @@ from plugins.http.sampling import PASSTHROUGH, build_params, expand, get_max_tok
 from plugins.http.state import state_of
 from plugins.http.submission import token_limit
 from plugins.http.tool_prompt import template_inputs
+from plugins.http.tool_schema import with_forced_call
 from plugins.http.tools import Function, NamedToolChoice, Tool, ToolUse, parse_tool_use
 
 NAMES = {"max_new_tokens": "max_completion_tokens", "top_logprobs_num": "top_logprobs"}
@@ -126,6 +127,7 @@ def parse_chat(body: dict[str, Any], engine: AsyncEngine) -> ChatRequest:
     prompt_ids = render_prompt(engine, body.get("messages"), functions=tools.rendered)
     params = build_params(body, limit or _room(engine, len(prompt_ids)),
                           (top_n or 0) if want_logprobs else None, names_of(body))
+    params = with_forced_call(params, tools)  # tool_choice required / named
     return ChatRequest(prompt_ids, get_n(body), params, want_logprobs, stream, include_usage, tools)
 
 

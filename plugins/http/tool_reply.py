@@ -143,7 +143,8 @@ def finish_reason(engine_reason: str | None, reader: CallReader) -> str | None:
 
 
 def whole_message(events: list[Event]) -> JSON:
-    """The assistant message the events add up to (content null when it only calls)."""
+    """The assistant message the events add up to (content null when there is none, as
+    the stream's opening delta says before it knows)."""
     content = "".join(e for e in events if isinstance(e, str))
     calls: list[JSON] = []
     for event in events:
@@ -151,7 +152,7 @@ def whole_message(events: list[Event]) -> JSON:
             calls.append({"id": event.id, "type": "function", "function": {"name": event.name, "arguments": ""}})
         elif isinstance(event, CallArgs):
             calls[event.index]["function"]["arguments"] += event.text
-    message: JSON = {"role": "assistant", "content": content if content or not calls else None, "refusal": None}
+    message: JSON = {"role": "assistant", "content": content or None, "refusal": None}
     if calls:
         message["tool_calls"] = calls
     return message
@@ -174,6 +175,9 @@ class ToolChatReply(ChatReply):
         super().__init__(engine, req.n, req.include_usage, req.logprobs)
         self.use, self.parser = use, parser
         self.readers: dict[int, CallReader] = {}  # per streamed choice
+
+    def opening_choices(self, choices: list[Choice]) -> list[JSON]:
+        return [delta_choice(c.index, {"role": "assistant", "content": None}) for c in choices]
 
     def whole_choice(self, choice: Choice) -> JSON:
         reader = reader_for(self.use, self.parser)
