@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import shutil
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -20,6 +22,7 @@ from plugins.http import tool_schema
 from plugins.http.errors import APIError
 from plugins.http.tools import NO_PARAMETERS, Function, parse_tool_use
 from tests.inprocess import Client, serve_http
+from tests.test_tools_prompt import TOOLS_TEMPLATE
 
 MESSAGES: list[Any] = [{"role": "user", "content": "Call a tool."}]
 TOOLS: list[Any] = [
@@ -135,3 +138,25 @@ def test_a_forced_call_cannot_be_combined_with_another_grammar() -> None:
     assert info.value.status == 400 and info.value.param == "tool_choice"
     auto = parse_tool_use({"tools": TOOLS})
     assert tool_schema.with_forced_call(SamplingParams(), auto) == SamplingParams()  # auto: nothing forced
+
+
+async def test_a_tools_aware_template_renders_the_request_tools(tiny_chat_folder: str, tmp_path: Path) -> None:
+    """A checkpoint whose template reads `tools` gets them (and the tool messages) itself:
+    the prompt the server counted is the template's own rendering, not the fallback's."""
+    folder = tmp_path / "tools_aware"
+    shutil.copytree(tiny_chat_folder, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TOOLS_TEMPLATE}))
+    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": true}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "2"}]
+    async with serve_http(str(folder)) as (engine, http):
+        tokenizer = engine.tokenizer
+        assert tokenizer is not None
+        expected = tokenizer.encode(tokenizer.apply_chat_template(
+            [*MESSAGES, {**history[1], "content": "", "tool_calls": [{**history[1]["tool_calls"][0], "function": {
+                "name": "add", "arguments": {"a": 1, "b": True}}}]}, history[2]], tools=TOOLS))
+        out = await openai_client(http).chat.completions.create(
+            model=engine.info.model_name, messages=history, tools=TOOLS, tool_choice=named("add"), max_tokens=60)
+        assert out.usage is not None and out.usage.prompt_tokens == len(expected)
+        check_call(out.choices[0].message, out.choices[0].finish_reason, "add")
