@@ -39,7 +39,7 @@ _BUILTIN_PACKAGES: dict[str, tuple[str, ...]] = {
     "tier_prefetch": ("handlers",),
     "state_strategy": ("handlers",),
     "storage": ("cache.storage", "plugins.storage"),
-    "tool_parser": ("handlers",),
+    "tool_parser": ("handlers.tool_parsers",),
 }
 _imported: set[str] = set()
 

@@ -18,7 +18,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from handlers.tool_parser_hermes import CLOSE, OPEN
+from handlers.tool_parsers.hermes import CLOSE, OPEN
 from plugins.http.tools import Function
 
 TOOLS_PROMPT = """# Functions
