@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -158,6 +159,7 @@ class GrammarCache:
                  threads: int) -> None:
         self._make_compiler = make_compiler
         self._compiler: GrammarCompiler | None = None
+        self._compiler_lock = threading.Lock()
         self.max_chars = max_chars
         self.capacity = capacity
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tierserve-grammar")
@@ -202,8 +204,9 @@ class GrammarCache:
         return self._compiler.matcher(compiled)
 
     def _compile(self, key: GrammarKey) -> Any:
-        if self._compiler is None:  # on the worker thread; races only build it twice
-            self._compiler = self._make_compiler()
+        with self._compiler_lock:  # on a worker thread: built once, by the first compilation
+            if self._compiler is None:
+                self._compiler = self._make_compiler()
         return self._compiler.compile(key)
 
     def _settle(self, key: GrammarKey, fut: asyncio.Future[Any]) -> None:

@@ -136,6 +136,9 @@ def test_a_forced_call_cannot_be_combined_with_another_grammar() -> None:
     with pytest.raises(APIError) as info:
         tool_schema.with_forced_call(SamplingParams(regex="a+"), use)
     assert info.value.status == 400 and info.value.param == "tool_choice"
+    with pytest.raises(APIError) as info:
+        tool_schema.with_forced_call(SamplingParams(json_schema='{"type": "object"}'), use)
+    assert "response_format" in info.value.message  # the chat client's name for it
     auto = parse_tool_use({"tools": TOOLS})
     assert tool_schema.with_forced_call(SamplingParams(), auto) == SamplingParams()  # auto: nothing forced
 

@@ -25,9 +25,9 @@ from plugins.http.protocol import (
     get_stream,
     parse_messages,
     read_body,
-    reject_unsupported,
 )
 from plugins.http.reply import JSON, Reply
+from plugins.http.response_format import ResponseFormat
 from plugins.http.sampling import PASSTHROUGH, build_params, expand, get_max_tokens
 from plugins.http.state import state_of
 from plugins.http.submission import token_limit
@@ -35,14 +35,8 @@ from plugins.http.tool_prompt import template_inputs
 from plugins.http.tool_schema import with_forced_call
 from plugins.http.tools import Function, NamedToolChoice, Tool, ToolUse, parse_tool_use
 
-NAMES = {"max_new_tokens": "max_completion_tokens", "top_logprobs_num": "top_logprobs"}
-_HARMLESS: dict[str, tuple[Any, ...]] = {"response_format": ({"type": "text"},)}
-
-
-@dataclass(frozen=True)
-class ResponseFormat:
-    type: Literal["text"]  # plain text only: no JSON mode
-
+NAMES = {"max_new_tokens": "max_completion_tokens", "top_logprobs_num": "top_logprobs",
+         "json_schema": "response_format"}
 
 @dataclass(frozen=True)
 class ChatBody:
@@ -70,8 +64,7 @@ class ChatBody:
     # The deprecated function-calling fields: refused (send tools / tool_choice).
     functions: list[Any] | None = field(default=None, metadata={"schema": {"maxItems": 0}})
     function_call: None = None
-    # Accepted only as "not used" (see _HARMLESS): refused rather than ignored otherwise.
-    response_format: ResponseFormat | None = None
+    response_format: ResponseFormat | None = None  # structured outputs (plugins/http/response_format.py)
 
 
 @dataclass(frozen=True)
@@ -116,7 +109,6 @@ def names_of(body: dict[str, Any]) -> dict[str, str]:
 
 def parse_chat(body: dict[str, Any], engine: AsyncEngine) -> ChatRequest:
     check_model(body, engine.info.model_name)
-    reject_unsupported(body, _HARMLESS)
     tools = parse_tool_use(body)
     want_logprobs = get_bool(body, "logprobs")
     top_n = get_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)

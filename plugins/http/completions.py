@@ -28,10 +28,11 @@ from plugins.http.protocol import (
     reject_unsupported,
 )
 from plugins.http.reply import JSON, Reply
+from plugins.http.response_format import ResponseFormat
 from plugins.http.sampling import PASSTHROUGH, build_params, expand, get_max_tokens
 from plugins.http.state import state_of
 
-NAMES = {"max_new_tokens": "max_tokens", "top_logprobs_num": "logprobs"}
+NAMES = {"max_new_tokens": "max_tokens", "top_logprobs_num": "logprobs", "json_schema": "response_format"}
 _HARMLESS: dict[str, tuple[Any, ...]] = {"suffix": ("",), "best_of": (1,)}
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -54,6 +55,7 @@ class CompletionBody:
     echo: bool | None = False  # not with logprobs
     stream: bool | None = False
     stream_options: StreamOptions | None = None  # only with stream
+    response_format: ResponseFormat | None = None  # structured outputs, as on chat (an extension)
     # Accepted only as "not used" (see _HARMLESS): refused rather than ignored otherwise.
     suffix: Literal[""] | None = None
     best_of: Literal[1] | None = None

@@ -45,6 +45,7 @@ Components = dict[str, Schema]
 # JSON shapes SamplingParams.from_dict turns into its field types (see `_coerce`).
 WIRE_TYPES: dict[tuple[type, str], Any] = {
     (SamplingParams, "stop"): str | list[str], (SamplingParams, "logit_bias"): dict[str, float],
+    (SamplingParams, "json_schema"): str | dict[str, Any],
 }
 # Schema words a field's type cannot say (a dataclass field's own metadata does this for
 # the HTTP bodies; SamplingParams lives in the kernel, which knows nothing of schemas).

@@ -9,13 +9,15 @@ from typing import Any
 from kernel.sampling_params import MAX_NEW_TOKENS_LIMIT, SamplingParams, SamplingParamsError
 from plugins.http.errors import sampling_error
 from plugins.http.protocol import Prompt, get_int
+from plugins.http.response_format import response_schema
 
 # Fields passed through under the engine's own names; top_k, min_p, repetition_penalty,
-# ignore_eos, stop_token_ids and skip_special_tokens are extensions OpenAI lacks.
+# ignore_eos, stop_token_ids, skip_special_tokens, regex and ebnf are extensions OpenAI
+# lacks (SGLang's). A JSON schema comes in as `response_format`.
 PASSTHROUGH = (
     "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
-    "logit_bias",
+    "logit_bias", "regex", "ebnf",
 )
 
 
@@ -29,6 +31,9 @@ def build_params(
 ) -> SamplingParams:
     fields = {k: body[k] for k in PASSTHROUGH if k in body}
     fields["max_new_tokens"] = max_new_tokens
+    schema = response_schema(body)
+    if schema is not None:
+        fields["json_schema"] = schema
     if top_logprobs is not None:
         fields["return_logprob"] = True
         fields["top_logprobs_num"] = top_logprobs

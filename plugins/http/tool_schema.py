@@ -41,9 +41,10 @@ def with_forced_call(params: SamplingParams, use: ToolUse) -> SamplingParams:
     if schema is None:
         return params
     given = [name for name in GRAMMAR_FIELDS if getattr(params, name) is not None]
-    if given:
+    if given:  # a chat request's json_schema is its response_format
+        field = "response_format" if given[0] == "json_schema" else given[0]
         raise bad_request(f"tool_choice {use.mode} generates the call under its own schema; it cannot be "
-                          f"combined with {given[0]}", param="tool_choice")
+                          f"combined with {field}", param="tool_choice")
     return dataclasses.replace(params, json_schema=schema)
 
 
