@@ -126,3 +126,14 @@ def test_content_streams_before_the_reply_ends() -> None:
 
 def test_the_parser_is_registered_by_name() -> None:
     assert "hermes" in registry.names("tool_parser")
+
+
+def test_planted_bug_not_holding_back_a_tag_start_breaks_the_split_test(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The split check is not vacuous: a parser that gives out a possible tag start
+    ("<tool") as content cannot take it back once the tag completes."""
+    from handlers.tool_parsers import hermes as module
+
+    text = REPLIES[0]
+    whole = parse(text)
+    monkeypatch.setattr(module, "held_prefix", lambda text, tag: 0)
+    assert any(streamed([text[:cut], text[cut:]]) != whole for cut in range(len(text) + 1))

@@ -37,7 +37,7 @@ def use(**body: Any) -> ToolUse:
 def reply(tools: ToolUse) -> ToolChatReply:
     engine: Any = SimpleNamespace(tokenizer=None, info=SimpleNamespace(model_name="m"))
     req = ChatRequest([1], 1, SamplingParams(), False, True, False, tools)
-    return ToolChatReply(engine, req, tools, registry.lookup("tool_parser", "hermes"))
+    return ToolChatReply(engine, req, registry.lookup("tool_parser", "hermes"))
 
 
 def chunk(text: str, finished: bool = False, reason: str | None = None) -> OutputChunk:

@@ -139,7 +139,7 @@ def chat_reply(engine: AsyncEngine, req: ChatRequest, tool_parser: str) -> ChatR
         return ChatReply(engine, req.n, req.include_usage, req.logprobs)
     from plugins.http.tool_reply import ToolChatReply  # it builds on ChatReply, below
 
-    return ToolChatReply(engine, req, req.tools, registry.lookup("tool_parser", tool_parser))
+    return ToolChatReply(engine, req, registry.lookup("tool_parser", tool_parser))
 
 
 class ChatReply(Reply):

@@ -171,9 +171,9 @@ def event_delta(event: Event) -> JSON:
 class ToolChatReply(ChatReply):
     """ChatReply for a request whose model may call tools (tool_choice other than none)."""
 
-    def __init__(self, engine: AsyncEngine, req: ChatRequest, use: ToolUse, parser: type[ToolParser]) -> None:
+    def __init__(self, engine: AsyncEngine, req: ChatRequest, parser: type[ToolParser]) -> None:
         super().__init__(engine, req.n, req.include_usage, req.logprobs)
-        self.use, self.parser = use, parser
+        self.use, self.parser = req.tools, parser
         self.readers: dict[int, CallReader] = {}  # per streamed choice
 
     def opening_choices(self, choices: list[Choice]) -> list[JSON]:
