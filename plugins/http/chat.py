@@ -38,6 +38,7 @@ from plugins.http.tools import Function, NamedToolChoice, Tool, ToolUse, parse_t
 NAMES = {"max_new_tokens": "max_completion_tokens", "top_logprobs_num": "top_logprobs",
          "json_schema": "response_format"}
 
+
 @dataclass(frozen=True)
 class ChatBody:
     """The JSON body `parse_chat` reads, field by field: /openapi.json's schema of it.
