@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from kernel import registry
+
 
 class ConfigError(ValueError):
     """A launch configuration that cannot be used; the message names the key."""
@@ -115,7 +117,10 @@ class ServerConfig:
     api_key: str | None = None
     admin_api_key: str | None = None
     drain_grace_s: float = 30.0  # SIGTERM: in-flight generations get this long, then are aborted
-    max_admin_clients: int = 16  # admin websockets open at once; one more is refused (HTTP 503)
+    max_admin_clients: int = 16  # admin websockets open at once; one more is refused (HTTP 429)
+    # How the served model writes tool calls (registry kind tool_parser): read by
+    # /v1/chat/completions with tool_choice "auto".
+    tool_parser: str = "hermes"
 
     def validate(self) -> None:
         if not 0 < self.port < 65536:
@@ -124,6 +129,10 @@ class ServerConfig:
         _positive("server.max_admin_clients", self.max_admin_clients)
         if self.drain_grace_s < 0:
             raise ConfigError(f"server.drain_grace_s must be >= 0, got {self.drain_grace_s}")
+        try:
+            registry.lookup("tool_parser", self.tool_parser)
+        except registry.RegistryError as exc:
+            raise ConfigError(f"server.tool_parser: {exc}") from None
 
 
 @dataclass(frozen=True)

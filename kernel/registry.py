@@ -24,6 +24,7 @@ KINDS = (
     "tier_prefetch",
     "state_strategy",
     "storage",
+    "tool_parser",
 )
 
 # Packages that hold the built-in handlers of each kind. On the first lookup of a kind
@@ -38,6 +39,7 @@ _BUILTIN_PACKAGES: dict[str, tuple[str, ...]] = {
     "tier_prefetch": ("handlers",),
     "state_strategy": ("handlers",),
     "storage": ("cache.storage", "plugins.storage"),
+    "tool_parser": ("handlers.tool_parsers",),
 }
 _imported: set[str] = set()
 

@@ -63,7 +63,7 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     (CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
     (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 30}, 400, "top_logprobs"),
     (CHAT, {"messages": USER, "max_completion_tokens": -5}, 400, "max_completion_tokens"),
-    (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools"),
+    (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools[0].function"),
     (CHAT, {"messages": USER, "model": 3}, 400, "model"),
     (GEN, {"sampling_params": {}}, 400, "text"),
     (GEN, {"text": "x", "input_ids": [1]}, 400, "text"),

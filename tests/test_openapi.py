@@ -57,7 +57,8 @@ BODIES: list[tuple[str, str, str, dict[str, Any], dict[str, Any]]] = [
      {"prompt": "hello", "max_tokens": "2"}),
     ("POST", "/v1/chat/completions", "ChatBody",
      {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "max_completion_tokens": 2,
-      "logprobs": True, "top_logprobs": 1, "seed": 3, "tool_choice": "none"},
+      "logprobs": True, "top_logprobs": 1, "seed": 3, "tool_choice": "none",
+      "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
      {"messages": [{"role": "user", "content": "hi"}], "logprobs": "yes"}),
     ("POST", "/generate", "GenerateBody",
      {"input_ids": [[1, 2, 3], [4, 5]], "sampling_params": {"max_new_tokens": 2, "top_k": 1, "stop": "x"},
@@ -183,7 +184,7 @@ class Recorder(dict[str, Any]):
 
 def stub_engine() -> Any:
     tokenizer = SimpleNamespace(apply_chat_template=lambda messages, add_generation_prompt: "text",
-                                encode=lambda text: [1, 2])
+                                encode=lambda text: [1, 2], chat_template=None)
     return SimpleNamespace(info=SimpleNamespace(model_name="m", context_length=64, pool_tokens=64, page_size=4),
                            tokenizer=tokenizer, snapshot=list, set_policy=lambda kind, name: None)
 

@@ -14,6 +14,8 @@ PLUGINS = Path(__file__).resolve().parent.parent / "plugins"
 ALLOWED_MODULES = {
     "kernel.async_engine", "kernel.config", "kernel.sampling_params", "kernel.events", "kernel.registry",
     "kernel.output", "kernel.cli", "cache.kv_events",
+    # The interface of the tool_parser registry kind (the chat route reads replies with it).
+    "kernel.tool_parser",
     # Storage backends that need a server implement the cache's storage interface.
     "cache.storage.base", "cache.storage.keys", "cache.storage.page_file",
 }

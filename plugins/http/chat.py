@@ -7,6 +7,7 @@ from typing import Any, ClassVar, Literal
 
 from aiohttp import web
 
+from kernel import registry
 from kernel.async_engine import AsyncEngine, OutputChunk
 from kernel.sampling_params import MAX_NEW_TOKENS_LIMIT, MAX_TOP_LOGPROBS, SamplingParams
 from plugins.http.choice import Choice
@@ -24,19 +25,19 @@ from plugins.http.protocol import (
     get_stream,
     parse_messages,
     read_body,
-    reject_unsupported,
 )
 from plugins.http.reply import JSON, Reply
 from plugins.http.response_format import ResponseFormat
 from plugins.http.sampling import PASSTHROUGH, build_params, expand, get_max_tokens
 from plugins.http.state import state_of
 from plugins.http.submission import token_limit
+from plugins.http.tool_prompt import template_inputs
+from plugins.http.tool_schema import with_forced_call
+from plugins.http.tools import Function, NamedToolChoice, Tool, ToolUse, parse_tool_use
 
 NAMES = {"max_new_tokens": "max_completion_tokens", "top_logprobs_num": "top_logprobs",
          "json_schema": "response_format"}
-_HARMLESS: dict[str, tuple[Any, ...]] = {
-    "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
-}
+
 
 @dataclass(frozen=True)
 class ChatBody:
@@ -57,10 +58,13 @@ class ChatBody:
     top_logprobs: int | None = field(default=None, metadata=bounds(0, MAX_TOP_LOGPROBS))  # needs logprobs
     stream: bool | None = False
     stream_options: StreamOptions | None = None  # only with stream
-    # Accepted only as "not used" (see _HARMLESS): refused rather than ignored otherwise.
-    tools: list[Any] | None = field(default=None, metadata={"schema": {"maxItems": 0}})
+    tools: list[Tool] | None = field(default=None, metadata={"schema": {"maxItems": 128}})
+    # default: "auto" with tools, "none" without (plugins/http/tools.py, tool_reply.py)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True  # false: at most one call per reply
+    # The deprecated function-calling fields: refused (send tools / tool_choice).
     functions: list[Any] | None = field(default=None, metadata={"schema": {"maxItems": 0}})
-    tool_choice: Literal["none", "auto"] | None = None
+    function_call: None = None
     response_format: ResponseFormat | None = None  # structured outputs (plugins/http/response_format.py)
 
 
@@ -72,16 +76,20 @@ class ChatRequest:
     logprobs: bool
     stream: bool
     include_usage: bool
+    tools: ToolUse
 
 
-def render_prompt(engine: AsyncEngine, messages: object, add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of `messages` rendered with the model's chat template."""
+def render_prompt(
+    engine: AsyncEngine, messages: object, add_generation_prompt: bool = True, functions: tuple[Function, ...] = (),
+) -> list[int]:
+    """Token ids of `messages` rendered with the model's chat template (`functions`
+    shown to the model, plugins/http/tool_prompt.py)."""
     tokenizer = engine.tokenizer
     if tokenizer is None:
         raise bad_request("this model has no tokenizer: send token ids to /v1/completions", param="messages")
-    parsed = parse_messages(messages)
+    parsed, extra = template_inputs(tokenizer.chat_template, parse_messages(messages), functions)
     try:
-        text = tokenizer.apply_chat_template(parsed, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(parsed, add_generation_prompt=add_generation_prompt, **extra)
     except ValueError as exc:  # no template, or the template refused these messages
         raise bad_request(str(exc), param="messages") from None
     return tokenizer.encode(text)
@@ -102,17 +110,18 @@ def names_of(body: dict[str, Any]) -> dict[str, str]:
 
 def parse_chat(body: dict[str, Any], engine: AsyncEngine) -> ChatRequest:
     check_model(body, engine.info.model_name)
-    reject_unsupported(body, _HARMLESS)
+    tools = parse_tool_use(body)
     want_logprobs = get_bool(body, "logprobs")
     top_n = get_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if top_n is not None and not want_logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
     stream, include_usage = get_stream(body)
     limit = get_max_tokens(body, "max_completion_tokens") or get_max_tokens(body, "max_tokens")
-    prompt_ids = render_prompt(engine, body.get("messages"))
+    prompt_ids = render_prompt(engine, body.get("messages"), functions=tools.rendered)
     params = build_params(body, limit or _room(engine, len(prompt_ids)),
                           (top_n or 0) if want_logprobs else None, names_of(body))
-    return ChatRequest(prompt_ids, get_n(body), params, want_logprobs, stream, include_usage)
+    params = with_forced_call(params, tools)  # tool_choice required / named
+    return ChatRequest(prompt_ids, get_n(body), params, want_logprobs, stream, include_usage, tools)
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
@@ -120,9 +129,18 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     engine = state.require_engine()
     body = await read_body(request)
     req = parse_chat(body, engine)
-    reply = ChatReply(engine, req.n, req.include_usage, req.logprobs)
+    reply = chat_reply(engine, req, state.config.server.tool_parser)
     async with state.generation(expand([req.prompt_ids], req.params, req.n), names_of(body)) as sub:
         return await reply.respond(request, sub, req.stream)
+
+
+def chat_reply(engine: AsyncEngine, req: ChatRequest, tool_parser: str) -> ChatReply:
+    """The reply builder: tool-aware when the model may call tools."""
+    if req.tools.mode == "none":
+        return ChatReply(engine, req.n, req.include_usage, req.logprobs)
+    from plugins.http.tool_reply import ToolChatReply  # it builds on ChatReply, below
+
+    return ToolChatReply(engine, req, registry.lookup("tool_parser", tool_parser))
 
 
 class ChatReply(Reply):
@@ -142,17 +160,17 @@ class ChatReply(Reply):
         }
 
     def opening_choices(self, choices: list[Choice]) -> list[JSON]:
-        return [_delta(c.index, {"role": "assistant", "content": ""}) for c in choices]
+        return [delta_choice(c.index, {"role": "assistant", "content": ""}) for c in choices]
 
     def delta_choices(self, index: int, chunk: OutputChunk) -> list[JSON]:
         out = []
         if chunk.text or (self.want_logprobs and chunk.token_ids):
             lps = self._logprobs(chunk.token_ids, chunk.logprobs, chunk.top_logprobs)
-            out.append(_delta(index, {"content": chunk.text}, lps))
+            out.append(delta_choice(index, {"content": chunk.text}, lps))
         if chunk.finished:  # OpenAI ends each choice with an empty delta and the reason
-            out.append(_delta(index, {}, finish=chunk.finish_reason))
+            out.append(delta_choice(index, {}, finish=chunk.finish_reason))
         return out
 
 
-def _delta(index: int, delta: JSON, logprobs: JSON | None = None, finish: str | None = None) -> JSON:
+def delta_choice(index: int, delta: JSON, logprobs: JSON | None = None, finish: str | None = None) -> JSON:
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}

@@ -12,6 +12,7 @@ from typing import Any, Literal, cast
 from aiohttp import web
 
 from plugins.http.errors import APIError, bad_request
+from plugins.http.tool_messages import MessageToolCall, check_tool_replies, tool_fields
 from plugins.jsonio import JSONBodyError, decode_object
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -42,6 +43,8 @@ class TextPart:
 class ChatMessage:
     role: str = field(metadata={"schema": {"minLength": 1}})  # "developer" is read as "system"
     content: str | list[TextPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant messages: the calls it made
+    tool_call_id: str | None = None  # tool messages: the call they answer
 
 
 async def read_body(request: web.Request) -> dict[str, Any]:
@@ -147,14 +150,17 @@ def parse_prompts(value: object, param: str = "prompt") -> list[Prompt]:
     return prompts
 
 
-def parse_messages(value: object) -> list[dict[str, str]]:
-    """OpenAI chat messages -> plain {role, content} dicts for the chat template."""
+def parse_messages(value: object) -> list[dict[str, Any]]:
+    """OpenAI chat messages -> plain {role, content} dicts for the chat template (plus
+    `tool_calls` / `tool_call_id` where given: plugins/http/tool_messages.py)."""
     if not isinstance(value, list) or not value:
         raise bad_request("messages must be a non-empty list of message objects", param="messages")
-    return [_parse_message(i, m) for i, m in enumerate(value)]
+    messages = [_parse_message(i, m) for i, m in enumerate(value)]
+    check_tool_replies(messages)
+    return messages
 
 
-def _parse_message(i: int, message: object) -> dict[str, str]:
+def _parse_message(i: int, message: object) -> dict[str, Any]:
     param = f"messages[{i}]"
     if not isinstance(message, dict):
         raise bad_request(f"{param} must be an object", param=param)
@@ -163,7 +169,8 @@ def _parse_message(i: int, message: object) -> dict[str, str]:
         raise bad_request(f"{param}.role must be a non-empty string", param=f"{param}.role")
     # Templates know "system"; "developer" is OpenAI's newer name for the same thing.
     role = "system" if role == "developer" else role
-    return {"role": role, "content": _content_text(message.get("content"), f"{param}.content")}
+    return {"role": role, "content": _content_text(message.get("content"), f"{param}.content"),
+            **tool_fields(role, message, param)}
 
 
 def _content_text(content: object, param: str) -> str:
