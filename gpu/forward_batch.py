@@ -35,6 +35,9 @@ class SamplingRow:
     prompt_ids: tuple[int, ...] = ()
     output_ids: tuple[int, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, added to the logits
+    # Whether the sampled token's logprob is reported (top logprobs imply it); when no row
+    # of a step asks, sampling skips the log_softmax and the logprob comes back NaN.
+    logprobs: bool = True
 
     @property
     def needs_history(self) -> bool:

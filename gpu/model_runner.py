@@ -102,6 +102,7 @@ class ModelRunner:
             output_ids=[r.output_ids for r in rows],
             vocab_size=self.vocab_size,
             device=self.device,
+            want_logprobs=[r.logprobs for r in rows],
         )
         res = sample(logits, sb)
         return [
