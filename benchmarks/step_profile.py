@@ -1,7 +1,9 @@
 """Where a step's time goes: model forward vs the Python around it.
 
 Runs the engine (packaged SmolLM2, the default config) on two workloads and splits
-every step's time into spans measured with `time.perf_counter`:
+every step's time into spans measured with `time.perf_counter` (or, with `--cpu-time`, each
+thread's CPU time, which other processes on a busy machine disturb far less; use it with
+`--set model.num_threads=1` so the device thread does all of the forward's work itself):
 
 - decode-heavy: `--decode-requests` requests with short prompts, all decoding together;
 - prefill-heavy: `--prefill-requests` long prompts with a few output tokens each.
@@ -42,19 +44,20 @@ ROWS = (*LOOP_SPANS, "loop rest", *DEVICE_SPANS, "device rest", "step wall")
 
 
 class Spans:
-    """Accumulated seconds per span name."""
+    """Accumulated seconds per span name, on `clock` (wall, or the calling thread's CPU time)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float]) -> None:
         self.total: dict[str, float] = defaultdict(float)
+        self.clock = clock
 
     def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
+            t0 = self.clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.total[name] += time.perf_counter() - t0
+                self.total[name] += self.clock() - t0
 
         return timed
 
@@ -95,6 +98,42 @@ def workload(kind: str, args: argparse.Namespace) -> list[tuple[list[int], int]]
     return [([rng.randint(100, 49000) for _ in range(rng.randint(*lens))], out) for _ in range(n)]
 
 
+async def measured_run(engine: Any, kind: str, args: argparse.Namespace, spans: Spans) -> dict[str, Any]:
+    """Run the workload; returns where the measured part started (time, step count, spans).
+    Decode-heavy: the measured part starts once every request has its first token, so
+    every measured step is all decodes. Prefill-heavy: all of it."""
+    greedy = {"temperature": 0.0, "ignore_eos": True}
+    rids = [engine.add_request(p, {**greedy, "max_new_tokens": n}) for p, n in workload(kind, args)]
+    mark: dict[str, Any] = {}
+    left = [len(rids)]
+
+    def start() -> None:
+        mark.update(t0=time.perf_counter(), steps=engine.loop.steps, spans=dict(spans.total))
+
+    async def consume(rid: str) -> None:
+        first = True
+        async for chunk in engine.stream(rid):
+            if first and chunk.token_ids:
+                first, left[0] = False, left[0] - 1
+                if left[0] == 0 and kind == "decode":
+                    start()
+
+    if kind == "prefill":
+        start()
+    await asyncio.gather(*(consume(r) for r in rids))
+    return mark
+
+
+def per_step(total: dict[str, float], wall: float, steps: int, cpu_time: bool) -> dict[str, float]:
+    """ms per step of every row of the table."""
+    ms = {name: total[name] / steps * 1e3 for name in (*LOOP_SPANS, *DEVICE_SPANS)}
+    # On CPU time the loop's await is not comparable with wall time: no "loop rest" then.
+    rest = wall - sum(total[n] for n in LOOP_SPANS) - total["await"]
+    ms["loop rest"] = float("nan") if cpu_time else rest / steps * 1e3
+    ms["device rest"] = (total["device"] - sum(total[n] for n in DEVICE_SPANS)) / steps * 1e3
+    return ms | {"step wall": wall / steps * 1e3, "steps": steps, "wall s": wall}
+
+
 async def profile(kind: str, args: argparse.Namespace) -> dict[str, float]:
     from kernel.async_engine import AsyncEngine
     from kernel.config import load_config, parse_set_args
@@ -102,48 +141,17 @@ async def profile(kind: str, args: argparse.Namespace) -> dict[str, float]:
     config = load_config(REPO / "config/default.yaml", parse_set_args(args.set))
     engine = await AsyncEngine.create(config)
     try:
-        params = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
-        await engine.generate(list(range(1000, 1064)), params)  # warm-up, not timed
-        spans = Spans()
+        warm = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+        await engine.generate(list(range(1000, 1064)), warm)  # warm-up, not timed
+        spans = Spans(time.thread_time if args.cpu_time else time.perf_counter)
         instrument(engine, spans)
-        reqs = workload(kind, args)
-        rids = [engine.add_request(p, {**params, "max_new_tokens": n}) for p, n in reqs]
-        started = asyncio.Event()
-        mark: dict[str, Any] = {}
-        waiting = {"n": len(rids)}
-
-        async def consume(rid: str) -> None:
-            first = True
-            async for chunk in engine.stream(rid):
-                if first and chunk.token_ids:
-                    first = False
-                    waiting["n"] -= 1
-                    if waiting["n"] == 0 and kind == "decode":
-                        started.set()
-
-        if kind == "prefill":
-            started.set()
-
-        async def start_mark() -> None:
-            await started.wait()
-            # Decode-heavy: count only the steps after every prompt is in (all rows decode).
-            mark.update(t0=time.perf_counter(), steps=engine.loop.steps, spans=dict(spans.total))
-
-        await asyncio.gather(start_mark(), *(consume(r) for r in rids))
+        mark = await measured_run(engine, kind, args, spans)
         wall = time.perf_counter() - mark["t0"]
         steps = engine.loop.steps - mark["steps"]
-        for name, before in mark["spans"].items():
-            spans.total[name] -= before
     finally:
         await engine.shutdown()
-    t = spans.total
-    ms = {name: t[name] / steps * 1e3 for name in (*LOOP_SPANS, *DEVICE_SPANS)}
-    ms["loop rest"] = (wall - sum(t[n] for n in LOOP_SPANS) - t["await"]) / steps * 1e3
-    ms["device rest"] = (t["device"] - sum(t[n] for n in DEVICE_SPANS)) / steps * 1e3
-    ms["step wall"] = wall / steps * 1e3
-    ms["steps"] = steps
-    ms["wall s"] = wall
-    return ms
+    total = {name: spans.total[name] - mark["spans"].get(name, 0.0) for name in spans.total}
+    return per_step(defaultdict(float, total), wall, steps, args.cpu_time)
 
 
 def child(args: argparse.Namespace) -> None:
@@ -189,6 +197,7 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--compare", type=Path, metavar="TREE", help="another checkout to run first")
     p.add_argument("--only", choices=("decode", "prefill"), help="one workload")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--cpu-time", action="store_true", help="spans in thread CPU time (see above)")
     p.add_argument("--child", choices=("decode", "prefill"), help=argparse.SUPPRESS)
     p.add_argument("--tree", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -197,6 +206,7 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
         for k, v in vars(args).items()
         if k in ("decode_requests", "decode_tokens", "prefill_requests", "prefill_len", "seed")
     ]
+    passed += ["--cpu-time"] if args.cpu_time else []
     passed += [f"--set={s}" for s in args.set]
     return args, passed
 
