@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from gpu.sampling import SamplingBatch, sample
+from gpu.sampling import SamplingBatch, argmax_rows, sample
 from kernel import Engine
 from kernel.request import Request
 from kernel.sampling_params import SamplingParams
@@ -93,3 +93,13 @@ def test_engine_tokens_same_with_and_without_logprobs(tiny_engine: Engine) -> No
     assert plain["output_ids"] == asked["output_ids"]
     lps = [lp for lp, _ in asked["meta_info"]["output_token_logprobs"]]
     assert len(lps) == 12 and all(lp <= 0.0 and not math.isnan(lp) for lp in lps)
+
+
+def test_argmax_rows_is_argmax_ties_and_nan_included() -> None:
+    x = torch.randn(64, 5000, generator=torch.Generator().manual_seed(1))
+    x[3, [10, 20, 4999]] = 100.0  # ties: the first one wins
+    x[5, :] = 1.0  # a row of ties
+    x[7, 123] = float("nan")  # NaN propagates as the maximum
+    x[9, 4999] = float("inf")
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert argmax_rows(x)[3] == 10 and argmax_rows(x)[5] == 0 and argmax_rows(x)[7] == 123
