@@ -22,7 +22,7 @@ from kernel.registry import register
 class _DecodeGroup(NamedTuple):
     tok: torch.Tensor  # flat token index of each decode request in the group
     page_idx: torch.Tensor  # [b, pages] page ids, padded with the zero page
-    mask: torch.Tensor  # [b, 1, 1, pages * page_size] keys inside each request's length
+    mask: torch.Tensor  # [b, 1, 1, pages * page_size] additive: 0 inside each request's length, else -inf
 
 
 # Decodes are grouped by length so that padding to a group's longest request wastes at
@@ -35,7 +35,7 @@ class _Extend(NamedTuple):
     num: int
     prefix: int
     kv_idx: torch.Tensor | None  # slots of [0, prefix + num) when prefix > 0
-    mask: torch.Tensor | None  # [num, prefix + num] bool when prefix > 0
+    mask: torch.Tensor | None  # [num, prefix + num] additive (0 / -inf) when prefix > 0
 
 
 @register("attention", "torch")
@@ -86,8 +86,14 @@ class TorchAttention(AttentionBackend):
         device = self.req_to_token.device
         total = prefix + num
         q_pos = torch.arange(prefix, total, device=device)[:, None]
-        mask = torch.arange(total, device=device)[None, :] <= q_pos
-        return _Extend(tok_start, num, prefix, self.req_to_token[row, :total], mask)
+        visible = torch.arange(total, device=device)[None, :] <= q_pos
+        return _Extend(tok_start, num, prefix, self.req_to_token[row, :total], self._additive(visible))
+
+    def _additive(self, visible: torch.Tensor) -> torch.Tensor:
+        """A boolean mask as SDPA's additive float mask, made once per step: SDPA would
+        otherwise convert a boolean mask in every layer's call."""
+        mask = torch.zeros(visible.shape, dtype=self.pool.k[0].dtype, device=visible.device)
+        return mask.masked_fill_(~visible, float("-inf"))
 
     def _group_decodes(
         self, dec: list[int], starts: list[int], rows: torch.Tensor, prefix_lens: Sequence[int]
@@ -114,7 +120,7 @@ class TorchAttention(AttentionBackend):
         page_valid = torch.arange(num_pages, device=device)[None, :] * ps < keys_t[:, None]
         # Table entries past a request's length are stale: read the zero page there.
         page_idx = torch.where(page_valid, first_slots // ps, 0)
-        mask = torch.arange(num_pages * ps, device=device)[None, :] < keys_t[:, None]
+        mask = self._additive(torch.arange(num_pages * ps, device=device)[None, :] < keys_t[:, None])
         toks = torch.tensor([starts[i] for i in order], dtype=torch.int64, device=device)
         groups = []
         for lo, hi in pairwise(bounds):
