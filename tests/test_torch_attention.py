@@ -69,14 +69,23 @@ def run(case: Case, seed: int) -> tuple[torch.Tensor, torch.Tensor, TorchAttenti
 
 @pytest.mark.parametrize(
     "case",
-    [MIXED, [(5, 1)], [(0, 7)], [(9, 3)], [(p, 1) for p in (1, 2, 3, 40, 41, 90, 7)]],
-    ids=["mixed", "one-decode", "fresh-prefill", "extend", "decodes-only"],
+    [
+        MIXED,
+        [(5, 1)],
+        [(30, 1), (28, 1), (25, 1)],
+        [(0, 7)],
+        [(9, 3)],
+        [(p, 1) for p in (1, 2, 3, 40, 41, 90, 7)],
+    ],
+    ids=["mixed", "one-decode", "one-group-in-order", "fresh-prefill", "extend", "decodes-only"],
 )
 def test_matches_dense_reference(case: Case) -> None:
     got, want, attn, _ = run(case, seed=3)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     if sum(e == 1 for _, e in case) > 3:
         assert len(attn._decodes) > 1, "the case should cut decodes into several length groups"
+    if len(case) <= 3 and all(e == 1 for _, e in case):  # the no-gather path of one in-order group
+        assert len(attn._decodes) == 1 and attn._decodes[0].tok is None
 
 
 def test_new_tokens_written_at_their_slots() -> None:

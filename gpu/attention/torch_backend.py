@@ -20,7 +20,7 @@ from kernel.registry import register
 
 
 class _DecodeGroup(NamedTuple):
-    tok: torch.Tensor  # flat token index of each decode request in the group
+    tok: torch.Tensor | None  # flat token index of each decode request; None: all tokens, in order
     page_idx: torch.Tensor  # [b, pages] page ids, padded with the zero page
     mask: torch.Tensor  # [b, 1, 1, pages * page_size] additive: 0 inside each request's length, else -inf
 
@@ -121,6 +121,10 @@ class TorchAttention(AttentionBackend):
         # Table entries past a request's length are stale: read the zero page there.
         page_idx = torch.where(page_valid, first_slots // ps, 0)
         mask = self._additive(torch.arange(num_pages * ps, device=device)[None, :] < keys_t[:, None])
+        if len(bounds) == 2 and order == list(range(len(starts) - 1)):
+            # One group holding every request of the step in batch order (batch-1 decode,
+            # equal lengths): no gather of its queries, no scatter of its outputs.
+            return [_DecodeGroup(None, page_idx, mask[:, None, None, :])]
         toks = torch.tensor([starts[i] for i in order], dtype=torch.int64, device=device)
         groups = []
         for lo, hi in pairwise(bounds):
@@ -132,8 +136,11 @@ class TorchAttention(AttentionBackend):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.pool.write(layer, self.out_cache_loc, k, v)
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
+        if self._decodes and self._decodes[0].tok is None:  # the step is this one group
+            return self._decode(self._decodes[0], q, k_cache, v_cache)
         out = torch.empty_like(q)
         for group in self._decodes:
+            assert group.tok is not None
             out.index_copy_(0, group.tok, self._decode(group, q, k_cache, v_cache))
         for ext in self._extends:
             sl = slice(ext.tok_start, ext.tok_start + ext.num)
@@ -180,6 +187,7 @@ class TorchAttention(AttentionBackend):
         k_buf, v_buf = self._gather_buffers(flat.numel(), k_cache)
         kd = torch.index_select(k_cache.view(by_page), 0, flat, out=k_buf).view(shape).transpose(1, 2)
         vd = torch.index_select(v_cache.view(by_page), 0, flat, out=v_buf).view(shape).transpose(1, 2)
-        qd = q.index_select(0, group.tok).view(batch, num_kv, num_heads // num_kv, head_dim)
+        qd = q if group.tok is None else q.index_select(0, group.tok)
+        qd = qd.reshape(batch, num_kv, num_heads // num_kv, head_dim)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask)
         return od.reshape(batch, num_heads, head_dim)
