@@ -42,6 +42,9 @@ class SamplingRow:
     # device thread to fill the row's allowed-token mask. NOTE: not a snapshot; safe
     # because the loop advances it only after this step's tokens come back.
     grammar: TokenMasker | None = None
+    # Whether the sampled token's logprob is reported (top logprobs imply it); when no row
+    # of a step asks, sampling skips the log_softmax and the logprob comes back NaN.
+    logprobs: bool = True
 
     @property
     def needs_history(self) -> bool:

@@ -132,6 +132,7 @@ class ModelRunner:
             vocab_size=self.vocab_size,
             device=self.device,
             maskers=[r.grammar for r in rows] if any(r.grammar is not None for r in rows) else (),
+            want_logprobs=[r.logprobs for r in rows],
         )
         res = sample(logits, sb)
         return [

@@ -1,15 +1,16 @@
 """Vectorized next-token sampling for a batch of rows with per-row parameters.
 
 `SamplingBatch.build` turns per-request parameters into tensors once per step, creating
-only what some row needs, so the common case (all greedy, no penalties) is one argmax
-plus one log_softmax gather.
+only what some row needs, so the common case (all greedy, no penalties, no logprobs) is
+one argmax.
 
-Logprobs are always computed, from the model distribution after `logit_bias` (as OpenAI
-reports them) and the grammar mask of structured outputs (gpu/grammar_mask.py: the
-constrained distribution) but before penalties, temperature or truncation: it costs one
-[B, V] pass, small next to a model step, and keeps the result shape the same for every
-row. Only a batch with a biased row pays for the bias (one scatter_add over its
-entries), and only one with a constrained row for the mask.
+Logprobs are computed only for the rows that ask for them (`logprob_rows`), from the
+model distribution after `logit_bias` (as OpenAI reports them) and the grammar mask of
+structured outputs (gpu/grammar_mask.py: the constrained distribution) but before
+penalties, temperature or truncation: a log_softmax over those rows only. The other rows
+report NaN (never a plausible value: a logprob nobody asked for must not pass for one).
+Only a batch with a biased row pays for the bias (one scatter_add over its entries), and
+only one with a constrained row for the mask.
 
 Random draws are a pure function of (seed, step) per row: a counter-based hash of
 (row key, token id) gives each token its own uniform number, so a row draws the same
@@ -19,6 +20,7 @@ noise bits), and a request recomputed after retraction repeats its draws exactly
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
@@ -133,6 +135,9 @@ class SamplingBatch:
     # Structured outputs: the allowed-token bitmask of the constrained rows.
     token_mask: TokenMask | None = None
     top_logprobs_nums: tuple[int, ...] = ()
+    # Rows whose logprobs are reported (None: every row), as indices.
+    logprob_rows: torch.Tensor | None = None
+    logprob_row_ids: tuple[int, ...] = ()
 
     @property
     def all_greedy(self) -> bool:
@@ -145,18 +150,31 @@ class SamplingBatch:
     @classmethod
     def build(cls, params: Sequence[SamplingSettings], seeds: list[int], steps: list[int],
               prompt_ids: Sequence[Sequence[int]], output_ids: Sequence[Sequence[int]], vocab_size: int,
-              device: torch.device, maskers: Sequence[TokenMasker | None] = ()) -> SamplingBatch:
-        """maskers: per row, the grammar constraining it (or None); empty: no row is."""
+              device: torch.device, maskers: Sequence[TokenMasker | None] = (),
+              want_logprobs: Sequence[bool] | None = None) -> SamplingBatch:
+        """maskers: per row, the grammar constraining it (or None); empty: no row is.
+        want_logprobs: per row, whether it reports logprobs (None: every row does; a row
+        asking for top logprobs always does)."""
         n = len(params)
         if not n == len(seeds) == len(steps) == len(prompt_ids) == len(output_ids) or len(maskers) not in (0, n):
             raise ValueError("SamplingBatch.build: per-row lists differ in length")
+        if want_logprobs is not None and len(want_logprobs) != n:
+            raise ValueError("SamplingBatch.build: per-row lists differ in length")
         batch = cls(size=n, vocab_size=vocab_size,
                     top_logprobs_nums=tuple(p.top_logprobs_num for p in params))
+        batch._set_logprob_rows(params, want_logprobs, device)
         batch._set_random(params, seeds, steps, device)
         batch._set_penalties(params, prompt_ids, output_ids, device)
         batch._set_bias(params, device)
         batch.token_mask = build_token_mask(maskers, vocab_size, device)
         return batch
+
+    def _set_logprob_rows(self, params: Sequence[SamplingSettings], want: Sequence[bool] | None,
+                          device: torch.device) -> None:
+        rows = tuple(i for i, p in enumerate(params) if want is None or want[i] or p.top_logprobs_num)
+        self.logprob_row_ids = rows
+        if len(rows) < self.size:
+            self.logprob_rows = torch.tensor(rows, dtype=torch.int64, device=device)
 
     def _set_bias(self, params: Sequence[SamplingSettings], device: torch.device) -> None:
         pairs = [(r * self.vocab_size + t, b) for r, p in enumerate(params) for t, b in p.logit_bias]
@@ -221,13 +239,30 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
     if logits.shape != (batch.size, batch.vocab_size):
         raise ValueError(f"logits shape {tuple(logits.shape)} != {(batch.size, batch.vocab_size)}")
     logits = apply_token_mask(apply_bias(logits.float(), batch), batch.token_mask)
-    logprobs = torch.log_softmax(logits, dim=-1)
     scores = apply_penalties(logits, batch)
-    tokens = scores.argmax(dim=-1) if batch.all_greedy else _draw(scores, batch)
-    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    tokens = argmax_rows(scores) if batch.all_greedy else _draw(scores, batch)
+    if not batch.logprob_row_ids:  # the common case: nobody asked, no log_softmax at all
+        return SampleResult(tokens.tolist(), [math.nan] * batch.size, [[] for _ in range(batch.size)])
+    rows = batch.logprob_rows
+    asked = logits if rows is None else logits.index_select(0, rows)
+    logprobs = torch.log_softmax(asked, dim=-1)
+    chosen = logprobs.gather(1, (tokens if rows is None else tokens[rows]).unsqueeze(1)).squeeze(1)
     # One device->host copy for both lists (float64 holds any token id exactly).
-    host = torch.stack([tokens.double(), chosen.double()]).tolist()
-    return SampleResult([int(t) for t in host[0]], host[1], _top_logprobs(logprobs, batch))
+    host = torch.cat([tokens.double(), chosen.double()]).tolist()
+    chosen_all = [math.nan] * batch.size
+    for r, lp in zip(batch.logprob_row_ids, host[batch.size :]):
+        chosen_all[r] = lp
+    return SampleResult([int(t) for t in host[: batch.size]], chosen_all, _top_logprobs(logprobs, batch))
+
+
+def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
+    """The first index of each row's maximum, as `argmax(dim=-1)` gives it.
+
+    NOTE: `max(dim)` returns the same index (the first maximal value, NaN propagating)
+    and on CPU runs ~3x faster than `argmax` over a 49k vocabulary (a vectorized
+    reduction); greedy sampling is this one pass.
+    """
+    return scores.max(dim=-1).indices
 
 
 def apply_bias(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -256,12 +291,12 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 def _draw(scores: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Greedy argmax for every row, overwritten by a random draw on the random rows."""
     assert batch.random_rows is not None and batch.draw_keys is not None and batch.temperature is not None
-    tokens = scores.argmax(dim=-1)
+    tokens = argmax_rows(scores)
     rows = scores.index_select(0, batch.random_rows)
     rows = _truncate(rows / batch.temperature, batch)
     noise = gumbel_noise(batch.draw_keys, batch.vocab_size, scores.device)
     # Gumbel-max: argmax(log p + G) is an exact draw from softmax(rows).
-    tokens[batch.random_rows] = (rows + noise).argmax(dim=-1)
+    tokens[batch.random_rows] = argmax_rows(rows + noise)
     return tokens
 
 
@@ -287,9 +322,14 @@ def _truncate(rows: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def _top_logprobs(logprobs: torch.Tensor, batch: SamplingBatch) -> list[list[tuple[int, float]]]:
-    most = max(batch.top_logprobs_nums, default=0)
+    """logprobs: [len(batch.logprob_row_ids), V], the rows that report them."""
+    tops: list[list[tuple[int, float]]] = [[] for _ in range(batch.size)]
+    nums = [batch.top_logprobs_nums[r] for r in batch.logprob_row_ids]
+    most = max(nums, default=0)
     if most == 0:
-        return [[] for _ in range(batch.size)]
+        return tops
     values, ids = logprobs.topk(min(most, batch.vocab_size), dim=-1)
     host_values, host_ids = values.tolist(), ids.tolist()
-    return [list(zip(host_ids[i][:n], host_values[i][:n])) for i, n in enumerate(batch.top_logprobs_nums)]
+    for i, (r, n) in enumerate(zip(batch.logprob_row_ids, nums)):
+        tops[r] = list(zip(host_ids[i][:n], host_values[i][:n]))
+    return tops

@@ -31,7 +31,7 @@ class AttentionBackend(ABC):
     """
 
     supports_static = False
-    persistent = ("req_to_token",)  # tensor attributes that are not per-step metadata
+    persistent: tuple[str, ...] = ("req_to_token",)  # tensor attributes that are not per-step metadata
 
     def __init__(self, pool: KVPool, req_to_token: torch.Tensor) -> None:
         self.pool = pool

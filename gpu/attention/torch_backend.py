@@ -8,6 +8,7 @@ waste far more than the loop costs).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate, pairwise
 from typing import NamedTuple
 
 import torch
@@ -19,9 +20,9 @@ from kernel.registry import register
 
 
 class _DecodeGroup(NamedTuple):
-    tok: torch.Tensor  # flat token index of each decode request in the group
+    tok: torch.Tensor | None  # flat token index of each decode request; None: all tokens, in order
     page_idx: torch.Tensor  # [b, pages] page ids, padded with the zero page
-    mask: torch.Tensor  # [b, 1, 1, pages * page_size] keys inside each request's length
+    mask: torch.Tensor  # [b, 1, 1, pages * page_size] additive: 0 inside each request's length, else -inf
 
 
 # Decodes are grouped by length so that padding to a group's longest request wastes at
@@ -34,74 +35,112 @@ class _Extend(NamedTuple):
     num: int
     prefix: int
     kv_idx: torch.Tensor | None  # slots of [0, prefix + num) when prefix > 0
-    mask: torch.Tensor | None  # [num, prefix + num] bool when prefix > 0
+    mask: torch.Tensor | None  # [num, prefix + num] additive (0 / -inf) when prefix > 0
 
 
 @register("attention", "torch")
 class TorchAttention(AttentionBackend):
+    persistent = ("req_to_token", "_gather_k", "_gather_v")  # scratch, not per-step metadata
+
     def __init__(self, pool: KVPool, req_to_token: torch.Tensor) -> None:
         super().__init__(pool, req_to_token)
         self.out_cache_loc = torch.empty(0, dtype=torch.int64)
         self._decodes: list[_DecodeGroup] = []
         self._extends: list[_Extend] = []
+        self._gather_k = torch.empty(0, dtype=pool.k[0].dtype if pool.k else torch.float32)
+        self._gather_v = torch.empty_like(self._gather_k)
 
     def prepare(self, rows: Sequence[int], prefix_lens: Sequence[int], extend_lens: Sequence[int]) -> None:
+        # NOTE: a few tensor ops per step whatever the batch size: no per-request tensor
+        # work here (a step of 64 decodes would otherwise pay ~64 slices and a concat).
         device = self.req_to_token.device
-        table = self.req_to_token
-        locs, dec_tok, dec_rows, dec_lens = [], [], [], []
-        self._extends = []
-        tok = 0
-        for row, prefix, num in zip(rows, prefix_lens, extend_lens):
-            locs.append(table[row, prefix : prefix + num])
-            if num == 1:
-                dec_tok.append(tok)
-                dec_rows.append(row)
-                dec_lens.append(prefix + 1)
-            elif prefix == 0:
-                self._extends.append(_Extend(tok, num, 0, None, None))
-            else:
-                total = prefix + num
-                q_pos = torch.arange(prefix, total, device=device)[:, None]
-                mask = torch.arange(total, device=device)[None, :] <= q_pos
-                self._extends.append(_Extend(tok, num, prefix, table[row, :total], mask))
-            tok += num
-        self.out_cache_loc = torch.cat(locs) if locs else torch.empty(0, dtype=torch.int64)
-        self._decodes = self._group_decodes(dec_tok, dec_rows, dec_lens)
-
-    def _group_decodes(self, toks: list[int], rows: list[int], lens: list[int]) -> list[_DecodeGroup]:
-        order = sorted(range(len(toks)), key=lambda i: -lens[i])
-        groups: list[list[int]] = []
-        for i in order:
-            if not groups or lens[i] < _GROUP_FILL * lens[groups[-1][0]]:
-                groups.append([])
-            groups[-1].append(i)
-        return [
-            self._decode_group([toks[i] for i in g], [rows[i] for i in g], [lens[i] for i in g]) for g in groups
+        rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
+        prefix_t = torch.tensor(prefix_lens, dtype=torch.int64, device=device)
+        extend_t = torch.tensor(extend_lens, dtype=torch.int64, device=device)
+        self.out_cache_loc = self._cache_locs(rows_t, prefix_t, extend_t, sum(extend_lens))
+        starts = list(accumulate(extend_lens, initial=0))
+        dec = [i for i, num in enumerate(extend_lens) if num == 1]
+        self._decodes = self._group_decodes(dec, starts, rows_t, prefix_lens) if dec else []
+        self._extends = [
+            self._extend(rows[i], starts[i], num, prefix_lens[i])
+            for i, num in enumerate(extend_lens)
+            if num > 1
         ]
 
-    def _decode_group(self, toks: list[int], rows: list[int], lens: list[int]) -> _DecodeGroup:
-        """Page ids of each decode request, padded to the group's longest with the zero page.
+    def _cache_locs(
+        self, rows: torch.Tensor, prefix: torch.Tensor, extend: torch.Tensor, tokens: int
+    ) -> torch.Tensor:
+        """KV slot of every new token: its request's table row at its position."""
+        if tokens == rows.shape[0]:  # decodes only: one token per request, at prefix
+            return self.req_to_token[rows, prefix]
+        starts = torch.cumsum(extend, 0) - extend
+        offsets = torch.arange(tokens, device=rows.device) - torch.repeat_interleave(
+            starts, extend, output_size=tokens
+        )
+        positions = torch.repeat_interleave(prefix, extend, output_size=tokens) + offsets
+        return self.req_to_token[torch.repeat_interleave(rows, extend, output_size=tokens), positions]
+
+    def _extend(self, row: int, tok_start: int, num: int, prefix: int) -> _Extend:
+        if prefix == 0:
+            return _Extend(tok_start, num, 0, None, None)
+        device = self.req_to_token.device
+        total = prefix + num
+        q_pos = torch.arange(prefix, total, device=device)[:, None]
+        visible = torch.arange(total, device=device)[None, :] <= q_pos
+        return _Extend(tok_start, num, prefix, self.req_to_token[row, :total], self._additive(visible))
+
+    def _additive(self, visible: torch.Tensor) -> torch.Tensor:
+        """A boolean mask as SDPA's additive float mask, made once per step: SDPA would
+        otherwise convert a boolean mask in every layer's call."""
+        mask = torch.zeros(visible.shape, dtype=self.pool.k[0].dtype, device=visible.device)
+        return mask.masked_fill_(~visible, float("-inf"))
+
+    def _group_decodes(
+        self, dec: list[int], starts: list[int], rows: torch.Tensor, prefix_lens: Sequence[int]
+    ) -> list[_DecodeGroup]:
+        """Decode requests sorted by length, cut into groups; the metadata of all groups
+        is built at once and each group takes its slice of it.
 
         Decode reads whole pages (page_size * kv_heads * head_dim contiguous values), which
         copies several times faster than gathering token rows one by one.
         """
         device = self.req_to_token.device
         ps = self.pool.page_size
-        lens_t = torch.tensor(lens, device=device)
-        num_pages = -(-max(lens) // ps)
-        first_slots = self.req_to_token[torch.tensor(rows, device=device), : num_pages * ps : ps]
-        page_valid = torch.arange(num_pages, device=device)[None, :] * ps < lens_t[:, None]
+        order = sorted(dec, key=lambda i: -prefix_lens[i])
+        keys = [prefix_lens[i] + 1 for i in order]  # keys per decode, its new token included
+        bounds = [0]  # group g is order[bounds[g]:bounds[g + 1]]
+        for k in range(1, len(order)):
+            if keys[k] < _GROUP_FILL * keys[bounds[-1]]:
+                bounds.append(k)
+        bounds.append(len(order))
+        keys_t = torch.tensor(keys, dtype=torch.int64, device=device)
+        num_pages = -(-keys[0] // ps)
+        order_rows = rows.index_select(0, torch.tensor(order, dtype=torch.int64, device=device))
+        first_slots = self.req_to_token[order_rows, : num_pages * ps : ps]
+        page_valid = torch.arange(num_pages, device=device)[None, :] * ps < keys_t[:, None]
         # Table entries past a request's length are stale: read the zero page there.
         page_idx = torch.where(page_valid, first_slots // ps, 0)
-        key_pos = torch.arange(num_pages * ps, device=device)
-        mask = (key_pos[None, :] < lens_t[:, None])[:, None, None, :]
-        return _DecodeGroup(torch.tensor(toks, device=device), page_idx, mask)
+        mask = self._additive(torch.arange(num_pages * ps, device=device)[None, :] < keys_t[:, None])
+        if len(bounds) == 2 and order == list(range(len(starts) - 1)):
+            # One group holding every request of the step in batch order (batch-1 decode,
+            # equal lengths): no gather of its queries, no scatter of its outputs.
+            return [_DecodeGroup(None, page_idx, mask[:, None, None, :])]
+        toks = torch.tensor([starts[i] for i in order], dtype=torch.int64, device=device)
+        groups = []
+        for lo, hi in pairwise(bounds):
+            pages = -(-keys[lo] // ps)
+            group_mask = mask[lo:hi, None, None, : pages * ps]
+            groups.append(_DecodeGroup(toks[lo:hi], page_idx[lo:hi, :pages].contiguous(), group_mask))
+        return groups
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.pool.write(layer, self.out_cache_loc, k, v)
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
+        if self._decodes and self._decodes[0].tok is None:  # the step is this one group
+            return self._decode(self._decodes[0], q, k_cache, v_cache)
         out = torch.empty_like(q)
         for group in self._decodes:
+            assert group.tok is not None
             out.index_copy_(0, group.tok, self._decode(group, q, k_cache, v_cache))
         for ext in self._extends:
             sl = slice(ext.tok_start, ext.tok_start + ext.num)
@@ -115,6 +154,20 @@ class TorchAttention(AttentionBackend):
                 oe = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=ext.mask, enable_gqa=True)
             out[sl] = oe[0].transpose(0, 1)
         return out
+
+    def _gather_buffers(self, pages: int, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reused K and V buffers of `pages` whole pages for one decode group's gather.
+
+        NOTE: a fresh multi-MB buffer per group and layer costs page faults and zeroing
+        each time (the allocator hands big blocks back to the OS); one pair that grows to
+        the largest group seen and is reused keeps the gather a plain copy. Groups run one
+        after another, each done with the buffers before the next gathers.
+        """
+        width = self.pool.page_size * cache.shape[1] * cache.shape[2]
+        if self._gather_k.shape[0] < pages or self._gather_k.dtype != cache.dtype:
+            self._gather_k = torch.empty((pages, width), dtype=cache.dtype, device=cache.device)
+            self._gather_v = torch.empty_like(self._gather_k)
+        return self._gather_k[:pages], self._gather_v[:pages]
 
     def _decode(
         self, group: _DecodeGroup, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
@@ -131,8 +184,10 @@ class TorchAttention(AttentionBackend):
         flat = group.page_idx.view(-1)
         by_page = (self.pool.num_pages, -1)
         shape = (batch, num_pages * self.pool.page_size, num_kv, head_dim)
-        kd = k_cache.view(by_page).index_select(0, flat).view(shape).transpose(1, 2)
-        vd = v_cache.view(by_page).index_select(0, flat).view(shape).transpose(1, 2)
-        qd = q.index_select(0, group.tok).view(batch, num_kv, num_heads // num_kv, head_dim)
+        k_buf, v_buf = self._gather_buffers(flat.numel(), k_cache)
+        kd = torch.index_select(k_cache.view(by_page), 0, flat, out=k_buf).view(shape).transpose(1, 2)
+        vd = torch.index_select(v_cache.view(by_page), 0, flat, out=v_buf).view(shape).transpose(1, 2)
+        qd = q if group.tok is None else q.index_select(0, group.tok)
+        qd = qd.reshape(batch, num_kv, num_heads // num_kv, head_dim)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask)
         return od.reshape(batch, num_heads, head_dim)
