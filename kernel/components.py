@@ -23,10 +23,12 @@ from gpu.attention.base import AttentionBackend
 from gpu.graphs.runner import GraphRunner
 from gpu.loader import load_checkpoint
 from gpu.model_runner import ModelRunner
+from gpu.quant.dispatch import QuantSpec
 from gpu.tokenizer import Tokenizer
 from kernel import registry
 from kernel.config import Config, ConfigError
 from kernel.host_tier import HostTier
+from kernel.numerics_choice import Numerics, log_numerics, resolve_dtype, resolve_quantization, wants_blocks
 from kernel.hybrid_state import HybridState
 from kernel.prefix_reuse import PrefixReuse
 from kernel.scheduler import Scheduler
@@ -35,8 +37,6 @@ from kernel.storage_tier import StorageTier
 from kernel.tier_policy import PrefetchPolicy
 
 log = structlog.get_logger("tierserve")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Components(NamedTuple):
@@ -55,17 +55,22 @@ def pick_device(config: Config) -> torch.device:
 
 
 def build_components(config: Config, device: torch.device) -> Components:
-    dtype = _DTYPES[config.model.dtype]
+    dtype = resolve_dtype(config, device)
     if config.graphs.mode == "cuda" and (device.type != "cuda" or not torch.cuda.is_available()):
         raise ConfigError(
             f"graphs.mode: cuda needs a CUDA device, and the model runs on {device.type} "
             "(no CUDA here); use graphs.mode: emulate (static shapes on CPU) or off"
         )
-    ckpt = load_checkpoint(config.model.path, dtype)
+    ckpt = load_checkpoint(config.model.path, dtype, keep_blocks=wants_blocks(config))
     arch = ckpt.arch
     context = min(config.model.context_length or arch.max_position_embeddings, arch.max_position_embeddings)
     model_cls = registry.lookup("model", arch.architecture)
-    model = model_cls(arch, ckpt.weights, dtype, device, deterministic=config.deterministic)
+    quantization = resolve_quantization(config, device, model_cls, bool(ckpt.blocks))
+    log_numerics(config, Numerics(dtype, quantization))
+    extra: dict[str, Any] = {}
+    if quantization != "none":
+        extra["quantization"] = QuantSpec(quantization, ckpt.blocks, keep_dense=not config.deterministic)
+    model = model_cls(arch, ckpt.weights, dtype, device, deterministic=config.deterministic, **extra)
     tokenizer = ckpt.tokenizer
     model_id = weights_fingerprint(ckpt.weights) if config.hicache.storage != "none" else ""
     del ckpt  # the model holds its own (fused) copies; drop the loader's
