@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpu.quant.linears import Int4Linear, Int8Linear  # noqa: E402
+from gpu.quant.linears import Int4Linear, Int8Linear
 
 SHAPES = ((576, 576), (576, 1536), (1536, 576), (576, 49152))  # (K, N) of SmolLM2's linears
 

@@ -28,8 +28,8 @@ from gpu.tokenizer import Tokenizer
 from kernel import registry
 from kernel.config import Config, ConfigError
 from kernel.host_tier import HostTier
-from kernel.numerics_choice import Numerics, log_numerics, resolve_dtype, resolve_quantization, wants_blocks
 from kernel.hybrid_state import HybridState
+from kernel.numerics_choice import Numerics, log_numerics, resolve_dtype, resolve_quantization, wants_blocks
 from kernel.prefix_reuse import PrefixReuse
 from kernel.scheduler import Scheduler
 from kernel.storage_io import weights_fingerprint

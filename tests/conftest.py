@@ -43,6 +43,15 @@ def smollm_engine() -> Iterator[object]:
 
 
 @pytest.fixture(scope="session")
+def fp32_greedy(smollm_engine: object) -> list[dict[str, object]]:
+    """The float32 engine's greedy outputs on the fixed prompt set the bf16 and quantized
+    paths are compared against (tests/numerics_compare.py)."""
+    from tests.numerics_compare import PARAMS, PROMPTS
+
+    return smollm_engine.generate(PROMPTS, PARAMS)  # type: ignore[attr-defined,no-any-return]
+
+
+@pytest.fixture(scope="session")
 def hf_smollm() -> object:
     import torch
     from transformers import AutoModelForCausalLM

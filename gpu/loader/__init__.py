@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import NamedTuple
 
 import torch
@@ -25,7 +27,7 @@ class Checkpoint(NamedTuple):
     tokenizer: Tokenizer | None
     # Raw GGUF Q4_0/Q4_1 blocks of the 2-D weights stored that way (only when asked for:
     # the 4-bit linears serve them as they are), rows in the same order as `weights`.
-    blocks: dict[str, Q4Blocks] = {}
+    blocks: Mapping[str, Q4Blocks] = MappingProxyType({})
 
 
 def resolve_model_path(path: str) -> str:

@@ -21,7 +21,7 @@ depend on how many rows share its step.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import NamedTuple, Union
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +44,7 @@ class QuantizedWeight(NamedTuple):
     dense: torch.Tensor | None  # the float weight in the compute dtype, for many-row batches
 
 
-LinearWeight = Union[torch.Tensor, QuantizedWeight]
+LinearWeight = torch.Tensor | QuantizedWeight
 Linear = Callable[..., torch.Tensor]
 
 

@@ -17,8 +17,6 @@ chooses between them and a dense copy per call.
 
 from __future__ import annotations
 
-from typing import Union
-
 import torch
 
 GROUP = 32  # elements per 4-bit group along K (= a GGUF block)
@@ -87,4 +85,4 @@ class Int4Linear:
         return self.packed.nbytes + self.scales_and_zeros.nbytes
 
 
-QuantLinear = Union[Int8Linear, Int4Linear]
+QuantLinear = Int8Linear | Int4Linear
