@@ -13,7 +13,6 @@ speed relative to bfloat16 (> 1: faster than bfloat16).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -29,7 +28,7 @@ from gpu.quant.linears import Int4Linear, Int8Linear
 SHAPES = ((576, 576), (576, 1536), (1536, 576), (576, 49152))  # (K, N) of SmolLM2's linears
 
 
-def median_ms(fn: Callable[[], torch.Tensor], times: list[float]) -> None:
+def time_ms(fn: Callable[[], torch.Tensor], times: list[float]) -> None:
     start = time.perf_counter()
     fn()
     times.append((time.perf_counter() - start) * 1e3)
@@ -53,8 +52,8 @@ def bench_shape(m: int, k: int, n: int, rounds: int) -> dict[str, float]:
             fn()
         for _ in range(rounds):
             for name, fn in cases.items():
-                median_ms(fn, times[name])
-    return {name: statistics.median(t) for name, t in times.items()}
+                time_ms(fn, times[name])
+    return {name: min(t) for name, t in times.items()}
 
 
 def main() -> None:

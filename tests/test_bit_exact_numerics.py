@@ -18,9 +18,12 @@ import torch
 import torch.nn.functional as F
 
 from gpu.models import llama
-from gpu.quant.dispatch import QUANT_MAX_ROWS, LinearWeight, QuantizedWeight
+from gpu.quant.dispatch import LinearWeight, QuantizedWeight
 from kernel import Engine
+from tests.conftest import HYBRID_FAMILIES
 from tests.test_bit_exact import guard_branching, guard_decode_hit, guard_prefill_hit, make
+from tests.test_bit_exact_hybrid import guard_prefill_hit as hybrid_prefill_hit
+from tests.test_bit_exact_hybrid import make as make_hybrid
 
 NUMERICS = {
     "bf16": {"model.dtype": "bfloat16"},
@@ -56,7 +59,7 @@ def test_red_per_shape_dispatch_in_deterministic_mode(tiny_chat_folder: str, mon
         def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
             if isinstance(weight, torch.Tensor):
                 return dense_linear(x, weight, bias)
-            if x.shape[0] <= QUANT_MAX_ROWS:
+            if x.shape[0] <= weight.quant.max_rows:
                 return weight.quant(x, bias)
             return F.linear(x, weight.quant.dequantize().to(x.dtype), bias)
 
@@ -67,5 +70,17 @@ def test_red_per_shape_dispatch_in_deterministic_mode(tiny_chat_folder: str, mon
     try:
         with pytest.raises(AssertionError, match="bit-exact guard"):
             guard_branching(engine)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_hybrid_models_in_bf16_hit_bit_exact(hybrid_folders: dict[str, str], family: str) -> None:
+    """Hybrid models run in bf16 (recurrent states stay float32, cache/state_pool.py) and a
+    prefill hit that resumes from a cached state is bit-identical to a cold run."""
+    engine = make_hybrid(hybrid_folders[family], "extra_buffer", **{"model.dtype": "bfloat16"})
+    try:
+        assert engine.engine.parts.runner.model.dtype == torch.bfloat16
+        hybrid_prefill_hit(engine)
     finally:
         engine.shutdown()

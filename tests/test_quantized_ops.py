@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from gpu.quant import gguf_blocks
-from gpu.quant.dispatch import QUANT_MAX_ROWS, QuantizedWeight, make_linear, quant_tiled
+from gpu.quant.dispatch import QuantizedWeight, make_linear, quant_tiled
 from gpu.quant.gguf_blocks import Q4Blocks, cat_blocks
 from gpu.quant.linears import Int4Linear, Int8Linear
 
@@ -107,11 +107,12 @@ def test_quant_tiled_rows_do_not_depend_on_the_batch(layer_cls: type) -> None:
         assert torch.equal(quant_tiled(layer, x[rows], None), full[rows])
 
 
-def test_dispatch_small_batches_quantized_large_dense() -> None:
+@pytest.mark.parametrize("layer_cls", [Int4Linear, Int8Linear])
+def test_dispatch_small_batches_quantized_large_dense(layer_cls: type) -> None:
     w = torch.randn(N, K) * 0.02
-    weight = QuantizedWeight(Int8Linear.quantize(w, torch.float32), w)
+    weight = QuantizedWeight(layer_cls.quantize(w, torch.float32), w)
     linear = make_linear(torch.nn.functional.linear, deterministic=False)
-    small, large = torch.randn(QUANT_MAX_ROWS, K), torch.randn(QUANT_MAX_ROWS + 1, K)
+    small, large = torch.randn(layer_cls.max_rows, K), torch.randn(layer_cls.max_rows + 1, K)
     assert torch.equal(linear(small, weight), weight.quant(small))
     assert torch.equal(linear(large, weight), torch.nn.functional.linear(large, w))
     det = make_linear(torch.nn.functional.linear, deterministic=True)

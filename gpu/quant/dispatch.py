@@ -8,7 +8,8 @@ matmul runs.
 - `int8`: every linear runs int8 per output channel, requantized from the float weight.
 
 Per call (non-deterministic mode): the quantized op only for batches of at most
-`QUANT_MAX_ROWS` rows, where weight bytes bound the time (decode); larger batches are
+`max_rows` rows (4 for int8, 8 for int4: the crossovers measured by
+benchmarks/quant_linear.py), where weight bytes bound the time (decode); larger batches are
 compute-bound and bfloat16/float32 GEMMs beat the quantized ops there
 (benchmarks/quant_linear.py), so the layer keeps its dense weight for them too: memory is
 the dense weight plus the quantized one (+25 % over bf16 for int4, +50 % for int8).
@@ -29,8 +30,6 @@ import torch.nn.functional as F
 from gpu.batch_invariant import LINEAR_TILE
 from gpu.quant.gguf_blocks import Q4Blocks, cat_blocks
 from gpu.quant.linears import Int4Linear, Int8Linear, QuantLinear
-
-QUANT_MAX_ROWS = 8  # rows up to which the quantized op beats the dense GEMM (quant_linear.py)
 
 
 class QuantSpec(NamedTuple):
@@ -71,7 +70,7 @@ def make_linear(dense_linear: Linear, deterministic: bool) -> Linear:
             return dense_linear(x, weight, bias)
         if deterministic:
             return quant_tiled(weight.quant, x, bias)
-        if x.shape[0] <= QUANT_MAX_ROWS or weight.dense is None:
+        if x.shape[0] <= weight.quant.max_rows or weight.dense is None:
             return weight.quant(x, bias)
         return dense_linear(x, weight.dense, bias)
 

@@ -24,6 +24,10 @@ _INNER_K_TILES = 2  # packing parameter of the CPU int4 op (K must be a multiple
 
 
 class Int8Linear:
+    # Rows up to which the op beats a bf16 GEMM (benchmarks/quant_linear.py): above that
+    # the step is compute-bound and the dense weight is faster.
+    max_rows = 4
+
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor) -> None:
         assert qweight.dtype == torch.int8 and qweight.dim() == 2
         self.qweight = qweight.contiguous()
@@ -52,6 +56,8 @@ class Int8Linear:
 
 
 class Int4Linear:
+    max_rows = 8  # see Int8Linear.max_rows
+
     def __init__(self, nibbles: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> None:
         """nibbles: int32 [N, K] in 0..15; scales, zeros: [N, K / GROUP] (op convention above)."""
         n, k = nibbles.shape
