@@ -48,6 +48,14 @@ class Components(NamedTuple):
     model_name: str
 
 
+def storage_model_id(weights: dict[str, torch.Tensor], quantization: str) -> str:
+    """The weights' fingerprint, plus the quantization when there is one: quantized linears
+    compute other KV from the same file, so their pages must never be served to (or from)
+    a server without it."""
+    fingerprint = weights_fingerprint(weights)
+    return fingerprint if quantization == "none" else f"{fingerprint}+{quantization}"
+
+
 def pick_device(config: Config) -> torch.device:
     if config.model.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -72,7 +80,7 @@ def build_components(config: Config, device: torch.device) -> Components:
         extra["quantization"] = QuantSpec(quantization, ckpt.blocks, keep_dense=not config.deterministic)
     model = model_cls(arch, ckpt.weights, dtype, device, deterministic=config.deterministic, **extra)
     tokenizer = ckpt.tokenizer
-    model_id = weights_fingerprint(ckpt.weights) if config.hicache.storage != "none" else ""
+    model_id = storage_model_id(ckpt.weights, quantization) if config.hicache.storage != "none" else ""
     del ckpt  # the model holds its own (fused) copies; drop the loader's
     page_size = config.cache.page_size
     kv_layers = getattr(model, "num_kv_layers", arch.num_layers)  # hybrids: attention layers only

@@ -10,8 +10,10 @@ import torch
 from gpu import numerics
 from gpu.models.lfm2 import Lfm2Model
 from gpu.models.llama import LlamaModel
+from kernel.components import storage_model_id
 from kernel.config import ConfigError, load_config
 from kernel.numerics_choice import resolve_dtype, resolve_quantization
+from kernel.storage_io import weights_fingerprint
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 AVX2_EPYC = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c"})
@@ -106,3 +108,11 @@ def test_explicit_quantization_that_cannot_run_is_a_config_error(
 def test_unknown_quantization_is_rejected() -> None:
     with pytest.raises(ConfigError, match="model.quantization"):
         load_config(None, {"model.quantization": "int3"})
+
+
+def test_storage_model_id_names_the_quantization() -> None:
+    """KV pages computed with quantized linears never meet those of the dense model."""
+    weights = {"w": torch.arange(8, dtype=torch.float32)}
+    ids = {q: storage_model_id(weights, q) for q in ("none", "int8", "int4")}
+    assert len(set(ids.values())) == 3
+    assert ids["none"] == weights_fingerprint(weights)  # unquantized keys are unchanged

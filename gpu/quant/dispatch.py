@@ -85,9 +85,3 @@ def quant_tiled(layer: QuantLinear, x: torch.Tensor, bias: torch.Tensor | None) 
     out = torch.cat([layer(tile) for tile in xp.split(LINEAR_TILE)])[:n]
     return out + bias if bias is not None else out
 
-
-def weight_bytes(weight: LinearWeight) -> int:
-    """Bytes one many-row or one few-row call reads at most (for sizing and reports)."""
-    if isinstance(weight, torch.Tensor):
-        return weight.nbytes
-    return weight.quant.nbytes() + (weight.dense.nbytes if weight.dense is not None else 0)
