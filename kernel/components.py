@@ -23,11 +23,13 @@ from gpu.attention.base import AttentionBackend
 from gpu.graphs.runner import GraphRunner
 from gpu.loader import load_checkpoint
 from gpu.model_runner import ModelRunner
+from gpu.quant.dispatch import QuantSpec
 from gpu.tokenizer import Tokenizer
 from kernel import registry
 from kernel.config import Config, ConfigError
 from kernel.host_tier import HostTier
 from kernel.hybrid_state import HybridState
+from kernel.numerics_choice import Numerics, log_numerics, resolve_dtype, resolve_quantization, wants_blocks
 from kernel.prefix_reuse import PrefixReuse
 from kernel.scheduler import Scheduler
 from kernel.storage_io import weights_fingerprint
@@ -35,8 +37,6 @@ from kernel.storage_tier import StorageTier
 from kernel.tier_policy import PrefetchPolicy
 
 log = structlog.get_logger("tierserve")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Components(NamedTuple):
@@ -48,6 +48,14 @@ class Components(NamedTuple):
     model_name: str
 
 
+def storage_model_id(weights: dict[str, torch.Tensor], quantization: str) -> str:
+    """The weights' fingerprint, plus the quantization when there is one: quantized linears
+    compute other KV from the same file, so their pages must never be served to (or from)
+    a server without it."""
+    fingerprint = weights_fingerprint(weights)
+    return fingerprint if quantization == "none" else f"{fingerprint}+{quantization}"
+
+
 def pick_device(config: Config) -> torch.device:
     if config.model.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -55,19 +63,24 @@ def pick_device(config: Config) -> torch.device:
 
 
 def build_components(config: Config, device: torch.device) -> Components:
-    dtype = _DTYPES[config.model.dtype]
+    dtype = resolve_dtype(config, device)
     if config.graphs.mode == "cuda" and (device.type != "cuda" or not torch.cuda.is_available()):
         raise ConfigError(
             f"graphs.mode: cuda needs a CUDA device, and the model runs on {device.type} "
             "(no CUDA here); use graphs.mode: emulate (static shapes on CPU) or off"
         )
-    ckpt = load_checkpoint(config.model.path, dtype)
+    ckpt = load_checkpoint(config.model.path, dtype, keep_blocks=wants_blocks(config))
     arch = ckpt.arch
     context = min(config.model.context_length or arch.max_position_embeddings, arch.max_position_embeddings)
     model_cls = registry.lookup("model", arch.architecture)
-    model = model_cls(arch, ckpt.weights, dtype, device, deterministic=config.deterministic)
+    quantization = resolve_quantization(config, device, model_cls, bool(ckpt.blocks))
+    log_numerics(config, Numerics(dtype, quantization))
+    extra: dict[str, Any] = {}
+    if quantization != "none":
+        extra["quantization"] = QuantSpec(quantization, ckpt.blocks, keep_dense=not config.deterministic)
+    model = model_cls(arch, ckpt.weights, dtype, device, deterministic=config.deterministic, **extra)
     tokenizer = ckpt.tokenizer
-    model_id = weights_fingerprint(ckpt.weights) if config.hicache.storage != "none" else ""
+    model_id = storage_model_id(ckpt.weights, quantization) if config.hicache.storage != "none" else ""
     del ckpt  # the model holds its own (fused) copies; drop the loader's
     page_size = config.cache.page_size
     kv_layers = getattr(model, "num_kv_layers", arch.num_layers)  # hybrids: attention layers only

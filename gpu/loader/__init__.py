@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import NamedTuple
 
 import torch
 
 from gpu.model_config import ModelArchConfig
+from gpu.quant.gguf_blocks import Q4Blocks
 from gpu.tokenizer import Tokenizer
 
 PACKAGE_PREFIX = "package:"
@@ -22,6 +25,9 @@ class Checkpoint(NamedTuple):
     arch: ModelArchConfig
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer | None
+    # Raw GGUF Q4_0/Q4_1 blocks of the 2-D weights stored that way (only when asked for:
+    # the 4-bit linears serve them as they are), rows in the same order as `weights`.
+    blocks: Mapping[str, Q4Blocks] = MappingProxyType({})
 
 
 def resolve_model_path(path: str) -> str:
@@ -38,8 +44,9 @@ def resolve_model_path(path: str) -> str:
     return resolved
 
 
-def load_checkpoint(path: str, dtype: torch.dtype) -> Checkpoint:
-    """Load a `.gguf` file or a Hugging Face folder (config.json + *.safetensors)."""
+def load_checkpoint(path: str, dtype: torch.dtype, keep_blocks: bool = False) -> Checkpoint:
+    """Load a `.gguf` file or a Hugging Face folder (config.json + *.safetensors);
+    `keep_blocks`: also a GGUF file's raw Q4 blocks (a folder has none)."""
     resolved = resolve_model_path(path)
     # Imported here: the format modules import Checkpoint from this package.
     if os.path.isdir(resolved):
@@ -49,7 +56,7 @@ def load_checkpoint(path: str, dtype: torch.dtype) -> Checkpoint:
     if resolved.endswith(".gguf"):
         from gpu.loader.gguf import load_gguf
 
-        return load_gguf(resolved, dtype)
+        return load_gguf(resolved, dtype, keep_blocks)
     raise ValueError(f"model path {path!r} is neither a .gguf file nor a Hugging Face folder")
 
 

@@ -23,6 +23,7 @@ from gguf.quants import dequantize
 from gpu.loader import Checkpoint
 from gpu.loader.gguf_tokenizer import build_gguf_tokenizer
 from gpu.model_config import ModelArchConfig
+from gpu.quant.gguf_blocks import Q4Blocks, is_q4
 from gpu.tokenizer import Tokenizer
 
 log = structlog.get_logger("tierserve")
@@ -73,13 +74,31 @@ def open_gguf(path: str) -> GGUFReader:
     return _PlainArrayReader(path)
 
 
-def load_gguf(path: str, dtype: torch.dtype) -> Checkpoint:
-    """Read a GGUF checkpoint into float `dtype` weights with Hugging Face names."""
+def load_gguf(path: str, dtype: torch.dtype, keep_blocks: bool = False) -> Checkpoint:
+    """Read a GGUF checkpoint into float `dtype` weights with Hugging Face names (and, with
+    `keep_blocks`, the raw blocks of its Q4 weights)."""
     reader = open_gguf(path)
     meta = read_metadata(reader)
     arch = build_arch_config(meta, reader.tensors)
     weights = load_weights(reader.tensors, arch, dtype)
-    return Checkpoint(arch=arch, weights=weights, tokenizer=build_gguf_tokenizer(meta))
+    blocks = load_q4_blocks(reader.tensors, arch) if keep_blocks else {}
+    return Checkpoint(arch=arch, weights=weights, tokenizer=build_gguf_tokenizer(meta), blocks=blocks)
+
+
+def load_q4_blocks(tensors: list[ReaderTensor], arch: ModelArchConfig) -> dict[str, Q4Blocks]:
+    """Raw Q4_0/Q4_1 blocks of every 2-D weight stored that way, as uint8 [rows, row bytes]
+    (a block never crosses a row, so the q/k row permutation applies to them unchanged)."""
+    blocks: dict[str, Q4Blocks] = {}
+    for t in tensors:
+        kind = t.tensor_type.name
+        if t.name in _IGNORED or not is_q4(kind) or len(t.shape) != 2:
+            continue
+        name = hf_name(t.name)
+        data = torch.from_numpy(np.array(t.data, dtype=np.uint8))
+        if arch.architecture == "llama":
+            data = _undo_rope_permutation(name, data, arch)
+        blocks[name] = Q4Blocks(kind, data)
+    return blocks
 
 
 def load_gguf_tokenizer(path: str) -> Tokenizer | None:

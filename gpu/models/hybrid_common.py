@@ -15,16 +15,25 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from gpu.quant.dispatch import LinearWeight, QuantSpec, build_linear
+
 Linear = Callable[..., torch.Tensor]
 
 
 class Weights:
     """Checkpoint tensors by name, moved to the compute device and dtype on first use."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+        quant: QuantSpec | None = None,
+    ) -> None:
         self._weights = weights
         self.dtype = dtype
         self.device = device
+        self.quant = quant
 
     def __contains__(self, name: str) -> bool:
         return name in self._weights
@@ -39,6 +48,10 @@ class Weights:
 
     def cat(self, names: list[str]) -> torch.Tensor:
         return torch.cat([self.get(n) for n in names])
+
+    def linear(self, names: list[str]) -> LinearWeight:
+        """The weight of a linear fused from `names`: dense, or quantized per `quant`."""
+        return build_linear(self.quant, names, self.cat(names))
 
 
 def _inv_rms(xf: torch.Tensor, eps: float) -> torch.Tensor:
@@ -85,7 +98,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, rest), dim=-1)
 
 
-def swiglu(linear: Linear, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def swiglu(linear: Linear, x: torch.Tensor, gate_up: LinearWeight, down: LinearWeight) -> torch.Tensor:
     gate, up = linear(x, gate_up).chunk(2, dim=-1)
     return linear(F.silu(gate) * up, down)
 

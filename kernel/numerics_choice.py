@@ -1,0 +1,60 @@
+"""Resolve `model.dtype` and `model.quantization` (either may be `auto`) for one launch.
+
+The rules live in gpu/numerics.py; this module applies them to a config and says why a
+requested combination cannot run (a ConfigError naming the key).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import structlog
+import torch
+
+from gpu.numerics import auto_dtype, auto_quantization, int4_op_available, int8_op_available
+from kernel.config import Config, ConfigError
+
+log = structlog.get_logger("tierserve")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Numerics(NamedTuple):
+    dtype: torch.dtype
+    quantization: str  # "none" | "int8" | "int4" (resolved)
+
+
+def resolve_dtype(config: Config, device: torch.device) -> torch.dtype:
+    name = config.model.dtype
+    return DTYPES[auto_dtype(device) if name == "auto" else name]
+
+
+def wants_blocks(config: Config) -> bool:
+    """Whether the loader should keep a GGUF's raw Q4 blocks (auto may pick int4)."""
+    return config.model.quantization in ("auto", "int4")
+
+
+def resolve_quantization(config: Config, device: torch.device, model_cls: Any, has_q4_blocks: bool) -> str:
+    mode = config.model.quantization
+    quantizable = bool(getattr(model_cls, "quantizable", False))
+    if mode == "auto":
+        return auto_quantization(device, has_q4_blocks) if quantizable else "none"
+    if mode == "none":
+        return mode
+    if not quantizable:
+        raise ConfigError(f"model.quantization: {mode} is supported for the Llama family only")
+    if device.type != "cpu":
+        raise ConfigError(f"model.quantization: {mode} runs torch's CPU ops; the model runs on {device.type}")
+    if not (int4_op_available() if mode == "int4" else int8_op_available()):
+        raise ConfigError(f"model.quantization: {mode} needs a torch with the {mode} CPU matmul op")
+    return mode
+
+
+def log_numerics(config: Config, numerics: Numerics) -> None:
+    log.info(
+        "numerics",
+        dtype=str(numerics.dtype).removeprefix("torch."),
+        dtype_setting=config.model.dtype,
+        quantization=numerics.quantization,
+        quantization_setting=config.model.quantization,
+    )
