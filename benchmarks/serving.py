@@ -241,8 +241,11 @@ class Progress:
         self.t0 = self.last = time.perf_counter()
 
     def tick(self, rec: Record) -> None:
+        self.step(rec.ok)
+
+    def step(self, ok: bool = True) -> None:
         self.done += 1
-        self.failed += not rec.ok
+        self.failed += not ok
         now = time.perf_counter()
         if self.due(now):
             self.last = now
