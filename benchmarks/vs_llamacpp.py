@@ -36,7 +36,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import aiohttp
 
@@ -145,7 +145,13 @@ def free_port() -> int:
 
 
 class Server:
-    """A server subprocess in its own session (its threads and children stop with it)."""
+    """A server subprocess in its own session (its threads and children stop with it).
+
+    Every live one is in `LIVE`, so a SIGTERM/SIGINT to this script stops them too (a server
+    left behind would share the CPUs with the next system's run).
+    """
+
+    LIVE: ClassVar[set[Server]] = set()
 
     def __init__(self, system: System, log_dir: Path) -> None:
         self.port = free_port()
@@ -155,6 +161,7 @@ class Server:
         with self.log_path.open("w") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
                                          start_new_session=True)
+        Server.LIVE.add(self)
 
     @property
     def base_url(self) -> str:
@@ -175,6 +182,7 @@ class Server:
         raise SystemExit(f"server not healthy after {timeout:.0f}s; see {self.log_path}")
 
     def stop(self) -> None:
+        Server.LIVE.discard(self)
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
@@ -266,8 +274,16 @@ def systems(args: argparse.Namespace, tree: llamacpp_build.LlamaCpp, packaged: P
     return out
 
 
+def stop_servers_and_exit(signum: int, _frame: object) -> None:
+    for server in list(Server.LIVE):
+        server.stop()
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, stop_servers_and_exit)
+    signal.signal(signal.SIGINT, stop_servers_and_exit)
     tree = llamacpp_build.build(args.cache, args.jobs, not args.no_progress)
     packaged = model_file()
     all_systems = systems(args, tree, packaged)
