@@ -114,7 +114,9 @@ def llama_server(label: str, binary: Path, model: Path, slots: int, threads: int
     _, read, kind = gguf_sizes(model)
     argv = (str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", "{port}",
             "--parallel", str(slots), "-c", str(slots * SLOT_CONTEXT), "--cont-batching",
-            "-t", str(threads), "-tb", str(threads), "--no-webui")
+            "-t", str(threads), "-tb", str(threads), "--no-webui",
+            # No host-RAM prompt cache: with distinct prompts it can't hit, only copy slot states.
+            "--cache-ram", "0")
     return System(label, "llama-server", kind, read, argv)
 
 
@@ -297,7 +299,11 @@ def main(argv: list[str] | None = None) -> None:
     rounds: dict[str, list[dict[str, Any]]] = {s.label: [] for s in all_systems}
     for _ in range(args.rounds):
         for system in all_systems:
-            rounds[system.label].append(run_loop(measure(system, workload, args)))
+            result = run_loop(measure(system, workload, args))
+            rounds[system.label].append(result)
+            print(f"  {system.label}: {result['output_tok_per_s']:.1f} out tok/s, TTFT mean "
+                  f"{result['ttft_mean_s'] or 0:.2f} s, batch-1 {result['decode_tok_s'] or 0:.1f} tok/s, "
+                  f"{result['completed']}/{len(workload)} ok", flush=True)
     params, _, _ = gguf_sizes(packaged)
     rows = [report.add_bounds(report.median_rows(rs), bounds, params) for rs in rounds.values()]
     show(rows, bounds, args)
