@@ -134,9 +134,11 @@ def build(cache: Path, jobs: int, show_progress: bool) -> LlamaCpp:
     if not (tree.build_dir / "build.ninja").exists():
         print(f"configuring llama.cpp (llama-cpp-python {LLAMA_CPP_PYTHON}) in {tree.build_dir}")
         run_checked(cmake_args(tree))
+    # Built once: delete the build folder to rebuild (ninja would re-run the server's
+    # always-dirty UI step on every call).
     if not all(tree.binary(t).exists() for t in TARGETS):
         print(f"building {', '.join(TARGETS)} with {jobs} jobs (once; cached in {tree.root})")
-    compile_targets(tree, jobs, show_progress)  # a no-op when up to date
+        compile_targets(tree, jobs, show_progress)
     for target in TARGETS:
         check_no_amx(tree.binary(target))
     version = subprocess.run([str(tree.binary("llama-server")), "--version"], check=False, capture_output=True, text=True)

@@ -220,7 +220,7 @@ async def measure(system: System, workload: list[Prompt], args: argparse.Namespa
             if not warm.ok:
                 raise SystemExit(f"{system.label}: warm-up failed: {warm.error}")
             decode = await measure_batch1(session, target, batch1_prompts(args.batch1_repeats, args.seed))
-            progress = Progress(system.label[:12], len(workload), not args.no_progress)
+            progress = Progress(system.label, len(workload), not args.no_progress)
             records, duration = await open_loop(
                 workload, lambda p: send(session, target, p), float("inf"), len(workload), progress,
                 random.Random(0),
