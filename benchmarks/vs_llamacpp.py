@@ -36,7 +36,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import aiohttp
 
@@ -147,13 +147,7 @@ def free_port() -> int:
 
 
 class Server:
-    """A server subprocess in its own session (its threads and children stop with it).
-
-    Every live one is in `LIVE`, so a SIGTERM/SIGINT to this script stops them too (a server
-    left behind would share the CPUs with the next system's run).
-    """
-
-    LIVE: ClassVar[set[Server]] = set()
+    """A server subprocess in its own session (its threads and children stop with it)."""
 
     def __init__(self, system: System, log_dir: Path) -> None:
         self.port = free_port()
@@ -163,7 +157,6 @@ class Server:
         with self.log_path.open("w") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
                                          start_new_session=True)
-        Server.LIVE.add(self)
 
     @property
     def base_url(self) -> str:
@@ -184,7 +177,6 @@ class Server:
         raise SystemExit(f"server not healthy after {timeout:.0f}s; see {self.log_path}")
 
     def stop(self) -> None:
-        Server.LIVE.discard(self)
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
@@ -206,6 +198,21 @@ async def measure_batch1(session: aiohttp.ClientSession, target: Target, prompts
         if rec.ok and (rate := decode_tok_s(rec.tpot())) is not None:
             rates.append(rate)
     return max(rates, default=None)  # best of the repeats: a shared machine only slows a run
+
+
+async def measure_stoppable(system: System, workload: list[Prompt], args: argparse.Namespace) -> dict[str, Any]:
+    """`measure`, cancelled by SIGTERM/SIGINT so that its `finally` stops the server (one left
+    behind would share the CPUs with the next run). uvloop runs no `signal.signal` handler
+    while it waits, hence the loop's own."""
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    assert task is not None
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        return await measure(system, workload, args)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
 
 
 async def measure(system: System, workload: list[Prompt], args: argparse.Namespace) -> dict[str, Any]:
@@ -276,16 +283,8 @@ def systems(args: argparse.Namespace, tree: llamacpp_build.LlamaCpp, packaged: P
     return out
 
 
-def stop_servers_and_exit(signum: int, _frame: object) -> None:
-    for server in list(Server.LIVE):
-        server.stop()
-    raise SystemExit(128 + signum)
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, stop_servers_and_exit)
-    signal.signal(signal.SIGINT, stop_servers_and_exit)
     tree = llamacpp_build.build(args.cache, args.jobs, not args.no_progress)
     packaged = model_file()
     all_systems = systems(args, tree, packaged)
@@ -299,7 +298,10 @@ def main(argv: list[str] | None = None) -> None:
     rounds: dict[str, list[dict[str, Any]]] = {s.label: [] for s in all_systems}
     for _ in range(args.rounds):
         for system in all_systems:
-            result = run_loop(measure(system, workload, args))
+            try:
+                result = run_loop(measure_stoppable(system, workload, args))
+            except asyncio.CancelledError:
+                raise SystemExit(f"stopped during {system.label}; its server is stopped") from None
             rounds[system.label].append(result)
             print(f"  {system.label}: {result['output_tok_per_s']:.1f} out tok/s, TTFT mean "
                   f"{result['ttft_mean_s'] or 0:.2f} s, batch-1 {result['decode_tok_s'] or 0:.1f} tok/s, "
