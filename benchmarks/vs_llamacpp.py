@@ -34,11 +34,13 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import gguf
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # `python benchmarks/vs_llamacpp.py` puts benchmarks/, not the repo, on the path
@@ -96,10 +98,6 @@ def gguf_sizes(path: Path) -> tuple[int, int, str]:
 
     A tied embedding is read whole by the LM head every step; an untied one only a row.
     """
-    from collections import Counter
-
-    import gguf
-
     tensors = gguf.GGUFReader(str(path)).tensors
     params = sum(int(t.n_elements) for t in tensors)
     read = sum(int(t.n_bytes) for t in tensors)
