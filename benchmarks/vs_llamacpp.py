@@ -195,6 +195,8 @@ async def measure_batch1(session: aiohttp.ClientSession, target: Target, prompts
         rec = await send(session, target, prompt)
         if rec.ok and (rate := decode_tok_s(rec.tpot())) is not None:
             rates.append(rate)
+        elif rec.error:
+            print(f"  batch-1 request failed: {rec.error}")
     return max(rates, default=None)  # best of the repeats: a shared machine only slows a run
 
 
@@ -217,7 +219,10 @@ async def measure(system: System, workload: list[Prompt], args: argparse.Namespa
     server = Server(system, args.log_dir)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=600)
     try:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+        # A fresh connection per request: reusing one the server closed after a stream fails the
+        # next request at once (seen with llama-server's batch-1 request after the warm-up).
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             await server.ready(session)
             target = Target(f"{server.base_url}/v1", await served_model(session, server.base_url),
                             "completions", True, {})
