@@ -116,7 +116,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
     except ImportError:
         print("no plot: matplotlib is not installed (pip install -e '.[bench]')")
         return False
-    panels = (("useful output tok/s (32 concurrent)", "output_tok_per_s", 1),
+    panels = (("useful output tok/s", "output_tok_per_s", 1),
               ("mean TTFT, s", "ttft_mean_s", 1), ("ITL p99, ms", "itl_p99_s", 1e3),
               ("batch-1 decode tok/s (bar) vs bandwidth bound (dash)", "decode_tok_s", 1))
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
@@ -130,8 +130,8 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
                 ax.hlines(r["decode_bound_tok_s"], i - 0.4, i + 0.4, colors="k", linestyles="dashed")
         ax.set_title(name)
         ax.set_xticks(range(len(rows)), labels, rotation=20, ha="right", fontsize=8)
-        for i, v in enumerate(values):
-            ax.annotate(f"{v:.1f}", (i, v), ha="center", va="bottom", fontsize=8)
+        for i, (v, r) in enumerate(zip(values, rows)):  # "-": this run has no such number
+            ax.annotate("-" if r.get(key) is None else f"{v:.1f}", (i, v), ha="center", va="bottom", fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
