@@ -11,9 +11,12 @@ OpenMP master of every forward) and the OpenMP workers it starts inherit that ma
 NOTE: the event loop does not get a core of its own. Between steps the device thread
 sleeps on its job queue, so planning, detokenizing and streaming run while the device
 thread is idle; during a forward the loop's overlapped work (detokenizing step N while
-N+1 runs) is small next to the forward, and taking a whole core from the forward for it
-costs more than it saves on a small machine. benchmarks/vs_llamacpp.py measures it
-(`--tierserve-variant threads-1:model.num_threads=1`).
+N+1 runs) competes with one OpenMP worker. Whether a core for the loop (or fewer threads)
+pays is measured by benchmarks/vs_llamacpp.py
+(`--tierserve-variant threads-1:model.num_threads=1`): on the shared, overloaded 2-core
+dev machine one thread was ~4x faster than two (a descheduled OpenMP thread stalls every
+parallel region), which says nothing yet about a quiet machine; the default stays one
+thread per core until a quiet-machine run decides.
 """
 
 from __future__ import annotations
