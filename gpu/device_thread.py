@@ -15,10 +15,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from cache.copy_worker import Stream, resolve_future
 from cache.host_pool import stream_ctx
+from gpu.cpu_threads import ThreadPlan, apply_on_this_thread, plan_threads
 
 
 class DeviceThread:
@@ -28,7 +27,8 @@ class DeviceThread:
     ) -> None:
         self._jobs: queue.Queue[tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future] | None]
         self._jobs = queue.Queue()
-        self._num_threads = num_threads
+        # `num_threads` None: one intra-op thread per core of the affinity mask.
+        self.threads: ThreadPlan = plan_threads(num_threads)
         self._stream_factory = stream_factory
         self.stream: Stream | None = None  # set on the thread, before the first job runs
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
@@ -65,8 +65,7 @@ class DeviceThread:
         self._thread.join(timeout=30)
 
     def _main(self) -> None:
-        if self._num_threads:
-            torch.set_num_threads(self._num_threads)
+        apply_on_this_thread(self.threads)
         if self._stream_factory is not None:
             self.stream = self._stream_factory()
         while True:

@@ -107,7 +107,10 @@ class AsyncEngine:
         parts = await asyncio.get_running_loop().run_in_executor(
             None, lambda: device_thread.call(lambda: build_components(config, torch_device))
         )
-        log.info("engine_ready", pages=parts.num_pages, context=parts.context_length)
+        log.info(
+            "engine_ready", pages=parts.num_pages, context=parts.context_length,
+            intra_op_threads=device_thread.threads.intra_op, cpus=len(device_thread.threads.cpus),
+        )
         return cls(config, parts, device_thread)
 
     # ---- requests ---------------------------------------------------------------

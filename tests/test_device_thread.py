@@ -9,8 +9,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
 import gpu.device_thread as device_mod
+from gpu import cpu_threads
 from gpu.device_thread import DeviceThread
 
 
@@ -60,3 +62,23 @@ async def test_a_failing_job_reaches_the_caller_and_the_thread_goes_on() -> None
         assert await thread.submit(lambda: 2) == 2
     finally:
         thread.shutdown()
+
+
+def test_intra_op_threads_follow_the_affinity_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A CPU-set container: 3 of the machine's cores are ours, whatever os.cpu_count says.
+    monkeypatch.setattr(cpu_threads.os, "sched_getaffinity", lambda pid: {5, 2, 7}, raising=False)
+    assert cpu_threads.plan_threads(None) == cpu_threads.ThreadPlan((2, 5, 7), 3)
+    assert cpu_threads.plan_threads(1).intra_op == 1  # model.num_threads wins when set
+
+
+def test_the_device_thread_runs_with_the_planned_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = torch.get_num_threads()
+    monkeypatch.setattr(cpu_threads.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    thread = DeviceThread()
+    try:
+        assert thread.threads.intra_op == 1
+        # OpenMP's count is per thread: read it on the device thread itself.
+        assert thread.call(torch.get_num_threads) == 1
+    finally:
+        thread.shutdown()
+        torch.set_num_threads(before)

@@ -1,0 +1,103 @@
+"""benchmarks/vs_llamacpp.py's pure parts: the workload, the bound arithmetic, the ratios
+against the best peer, and the AMX scan of the built binaries. Nothing is built or served."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from benchmarks import llamacpp_build, machine_bounds
+from benchmarks import vs_llamacpp as bench
+from benchmarks import vs_llamacpp_report as report
+
+
+def test_the_workload_is_seeded_distinct_and_in_range() -> None:
+    prompts = bench.make_workload(32, seed=0)
+    assert prompts == bench.make_workload(32, seed=0)
+    assert prompts != bench.make_workload(32, seed=1)
+    for p in prompts:
+        assert isinstance(p.body, str)
+        assert 100 <= len(p.body.split()) <= 300
+        assert 64 <= p.output_len <= 128
+    # No two prompts share a first KV page (16 tokens ~ 16 words): neither server gets a hit.
+    assert len({tuple(str(p.body).split()[:16]) for p in prompts}) == 32
+    # The batch-1 prompts are not workload prompts either.
+    assert not {p.body for p in bench.batch1_prompts(2, 0)} & {p.body for p in prompts}
+
+
+def test_batch1_decode_rate_is_the_inverse_of_time_per_output_token() -> None:
+    assert bench.decode_tok_s(0.025) == pytest.approx(40.0)
+    assert bench.decode_tok_s(None) is None
+
+
+def test_variants_parse_and_bad_ones_are_refused() -> None:
+    assert bench.parse_variant("t1:model.num_threads=1,model.dtype=bfloat16") == (
+        "t1", ["model.num_threads=1", "model.dtype=bfloat16"])
+    for bad in ("t1", "t1:", ":model.dtype=float32", "t1:model.dtype"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench.parse_variant(bad)
+
+
+def test_tierserve_reads_its_weights_in_its_compute_dtype() -> None:
+    assert bench.tierserve("a", 1000, []).weight_bytes == 4000
+    bf16 = bench.tierserve("b", 1000, ["model.dtype=bfloat16"])
+    assert (bf16.weight_bytes, bf16.weight_dtype) == (2000, "bfloat16")
+    assert "server.port={port}" in bf16.argv
+
+
+def test_bounds_match_the_issue_arithmetic() -> None:
+    # 135M fp32 parameters (540 MB) at 24 GB/s: batch-1 decode is bounded near 45 tok/s.
+    params = 135_000_000
+    assert machine_bounds.decode_bound_tok_s(params * 4, 24.0) == pytest.approx(44.4, abs=0.1)
+    assert machine_bounds.bandwidth_fraction(22.2, params * 4, 24.0) == pytest.approx(0.5, abs=0.01)
+    # 1000 tokens through 135M parameters in 2 s: 135 GFLOP/s, 2/3 of a 202.5 GFLOP/s bound.
+    assert machine_bounds.achieved_gflops(params, 1000, 2.0) == pytest.approx(135.0)
+    assert machine_bounds.compute_fraction(params, 1000, 2.0, 202.5) == pytest.approx(2 / 3)
+    b = machine_bounds.Bounds(fp32_gflops=200, bf16_gflops=700, read_gb_s=24)
+    assert (b.gflops_for("F32"), b.gflops_for("float32"), b.gflops_for("BF16"), b.gflops_for("Q4_1")) == (
+        200, 200, 700, 700)
+
+
+def row(label: str, system: str, tok_s: float, ttft: float, decode: float | None) -> dict[str, object]:
+    return {"label": label, "system": system, "output_tok_per_s": tok_s, "ttft_mean_s": ttft,
+            "decode_tok_s": decode}
+
+
+def test_ratios_compare_with_the_best_peer_of_each_metric() -> None:
+    peers = [row("F32", "llama-server", 60, 13.5, 39.3), row("Q4_1", "llama-server", 41, 26.0, 82.9)]
+    r = report.ratios(row("ts", "tierserve", 180, 4.0, 90.0), peers)
+    assert (r["vs_throughput"], r["vs_decode"]) == ("F32", "Q4_1")  # throughput peer, decode peer
+    assert r["throughput"] == pytest.approx(3.0)
+    assert r["ttft"] == pytest.approx(4.0 / 13.5)
+    assert r["decode"] == pytest.approx(90 / 82.9)
+    assert r["met"] == {"throughput": True, "ttft": True, "decode": True}
+    short = report.ratios(row("ts", "tierserve", 113.1, 6.1, 30.8), peers)
+    assert short["met"] == {"throughput": False, "ttft": False, "decode": False}
+
+
+def test_rounds_reduce_to_medians_and_bounds_are_added() -> None:
+    rounds = [{"label": "x", "output_tok_per_s": v, "decode_tok_s": d} for v, d in ((1, None), (5, 2.0), (3, 4.0))]
+    assert report.median_rows(rounds) == {"label": "x", "output_tok_per_s": 3, "decode_tok_s": 3.0}
+    r = {"prompt_tokens": 900, "output_tokens": 100, "duration_s": 2.0, "weight_dtype": "F32",
+         "weight_bytes": 540_000_000, "decode_tok_s": 22.2}
+    out = report.add_bounds(r, machine_bounds.Bounds(202.5, 700, 24), 135_000_000)
+    assert out["compute_frac"] == pytest.approx(2 / 3)
+    assert out["bandwidth_frac"] == pytest.approx(0.5, abs=0.01)
+    header, _, line = report.table([out | {"label": "x"}]).splitlines()
+    cells = dict(zip((c.strip() for c in header.split("|")), (c.strip() for c in line.split("|"))))
+    assert (cells["compute %"], cells["b1 BW %"], cells["b1 bound tok/s"], cells["out tok/s"]) == (
+        "67", "50", "44", "-")  # a number this run lacks prints as "-"
+
+
+def test_the_amx_scan_finds_tile_instructions_and_nothing_else() -> None:
+    amx = b"  4011a0:\ttileloadd (%rsi,%rdx,1),%tmm0\n  4011a8:\ttdpbssd %tmm2,%tmm1,%tmm0\n"
+    avx512 = b"  4011b0:\tvpdpbusd %zmm1,%zmm2,%zmm3\n  4011b8:\tvdpbf16ps %zmm1,%zmm2,%zmm3\n"
+    assert set(llamacpp_build.AMX_MNEMONIC.findall(amx)) == {b"tileloadd", b"tdpbssd"}
+    assert llamacpp_build.AMX_MNEMONIC.findall(avx512) == []
+
+
+def test_ninja_progress_lines_are_parsed() -> None:
+    m = llamacpp_build.NINJA_STEP.match("[17/210] Building CXX object x.o")
+    assert m is not None and (m[1], m[2]) == ("17", "210")
+    assert llamacpp_build.NINJA_STEP.match("FAILED: x.o") is None
