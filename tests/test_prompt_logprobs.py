@@ -8,7 +8,6 @@ Planted bugs (match not capped, capped one token too far, targets off by one) go
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,9 +15,12 @@ import torch
 
 import gpu.prompt_logprobs as device_side
 import kernel.prompt_logprobs as kernel_side
+import tests.test_bit_exact as bit_exact
 from kernel import Engine, prefix_reuse
 from tests.conftest import GRAPHS_EMULATE, HYBRID_FAMILIES, HYBRID_OVERRIDES, TINY_OVERRIDES
 
+make = bit_exact.make
+det = bit_exact.det  # the fixture: a deterministic radix engine on the tiny chat model
 PAGE = TINY_OVERRIDES["cache.page_size"]
 CHUNK = TINY_OVERRIDES["scheduler.chunked_prefill_size"]
 
@@ -57,16 +59,6 @@ def ref(tiny_chat_folder: str) -> list[float]:
     return reference(tiny_chat_folder, IDS)
 
 
-def make(folder: str, **extra: Any) -> Engine:
-    return Engine(None, {"model.path": folder, **TINY_OVERRIDES, "deterministic": True,
-                         "cache.prefix": "radix", **extra})
-
-
-@pytest.fixture(scope="module")
-def det(tiny_chat_folder: str) -> Iterator[Engine]:
-    engine = make(tiny_chat_folder)
-    yield engine
-    engine.shutdown()
 
 
 def assert_close(ours: list[float | None], ref: list[float]) -> None:
