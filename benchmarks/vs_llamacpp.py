@@ -41,6 +41,8 @@ from typing import Any
 
 import aiohttp
 import gguf
+import torch
+import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # `python benchmarks/vs_llamacpp.py` puts benchmarks/, not the repo, on the path
@@ -49,6 +51,7 @@ from benchmarks import llamacpp_build, machine_bounds
 from benchmarks import vs_llamacpp_report as report
 from benchmarks.serving import WORDS, Level, Progress, Prompt, Target, open_loop, run_loop, send, summarize
 from benchmarks.throughput import model_file, warn_if_busy
+from gpu import numerics
 
 PROMPT_WORDS = (100, 300)
 OUTPUT_TOKENS = (64, 128)
@@ -118,12 +121,34 @@ def llama_server(label: str, binary: Path, model: Path, slots: int, threads: int
     return System(label, "llama-server", kind, read, argv)
 
 
-def tierserve(label: str, params: int, overrides: list[str]) -> System:
-    dtype = next((o.split("=", 1)[1] for o in overrides if o.startswith("model.dtype=")), "float32")
+def tierserve(label: str, packaged: Path, overrides: list[str]) -> System:
+    """`tierserve serve` with the default config; its numerics resolved by the engine's own
+    rules (gpu/numerics.py), so the bandwidth bound counts the bytes it really reads."""
+    dtype, quant = tierserve_numerics(packaged, overrides)
+    params, gguf_read, _ = gguf_sizes(packaged)
+    # int4: the checkpoint's Q4 blocks as stored (and its Q8_0 head as int8 per channel),
+    # i.e. the GGUF's own bytes; int8: one byte a weight; otherwise the dense dtype.
+    read = gguf_read if quant == "int4" else params * (1 if quant == "int8" else 4 if dtype == "float32" else 2)
     sets = [a for o in ["server.port={port}", *overrides] for a in ("--set", o)]
     argv = (sys.executable, "-m", "plugins.cli", "serve", "--config", str(TIERSERVE_CONFIG), *sets)
     env = (("PYTHONPATH", str(REPO)),)  # this checkout's packages, not another editable install's
-    return System(label, "tierserve", dtype, params * (4 if dtype == "float32" else 2), argv, env)
+    kind = dtype if quant == "none" else f"{dtype}+{quant}"
+    return System(label, "tierserve", kind, read, argv, env)
+
+
+def tierserve_numerics(packaged: Path, overrides: list[str]) -> tuple[str, str]:
+    """(dtype, quantization) a CPU launch of the default config with `overrides` runs."""
+    config = yaml.safe_load(TIERSERVE_CONFIG.read_text())["model"]
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key in ("model.dtype", "model.quantization"):
+            config[key.split(".")[1]] = value
+    cpu = torch.device("cpu")
+    dtype = numerics.auto_dtype(cpu) if config.get("dtype", "auto") == "auto" else config["dtype"]
+    quant = config.get("quantization", "auto")
+    if quant == "auto":
+        quant = numerics.auto_quantization(cpu, gguf_sizes(packaged)[2].startswith("Q4"))
+    return dtype, quant
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
@@ -274,15 +299,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def systems(args: argparse.Namespace, tree: llamacpp_build.LlamaCpp, packaged: Path) -> list[System]:
     threads, slots = len(os.sched_getaffinity(0)), args.requests
-    params, _, packaged_kind = gguf_sizes(packaged)
+    _, _, packaged_kind = gguf_sizes(packaged)
     binary = tree.binary("llama-server")
     out = []
     for ftype in [t for t in args.llama_types.split(",") if t]:
         model = llamacpp_build.requantize(tree, packaged, ftype)
         out.append(llama_server(f"llama-server {ftype}", binary, model, slots, threads))
     out.append(llama_server(f"llama-server {packaged_kind} (packaged)", binary, packaged, slots, threads))
-    out.append(tierserve("tierserve default", params, []))
-    out += [tierserve(f"tierserve {label}", params, overrides) for label, overrides in args.tierserve_variant]
+    out.append(tierserve("tierserve default", packaged, []))
+    out += [tierserve(f"tierserve {label}", packaged, overrides) for label, overrides in args.tierserve_variant]
     return out
 
 

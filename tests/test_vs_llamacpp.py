@@ -4,6 +4,7 @@ against the best peer, and the AMX scan of the built binaries. Nothing is built 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -39,11 +40,23 @@ def test_variants_parse_and_bad_ones_are_refused() -> None:
             bench.parse_variant(bad)
 
 
-def test_tierserve_reads_its_weights_in_its_compute_dtype() -> None:
-    assert bench.tierserve("a", 1000, []).weight_bytes == 4000
-    bf16 = bench.tierserve("b", 1000, ["model.dtype=bfloat16"])
-    assert (bf16.weight_bytes, bf16.weight_dtype) == (2000, "bfloat16")
-    assert "server.port={port}" in bf16.argv
+def test_tierserve_reads_its_weights_as_its_numerics_resolve(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bandwidth bound counts what the engine's own rules make it read: dense bytes per
+    weight of the resolved dtype, one byte a weight for int8, the GGUF's blocks for int4."""
+    monkeypatch.setattr(bench, "gguf_sizes", lambda path: (1000, 600, "Q4_1"))
+    monkeypatch.setattr(bench.numerics, "auto_dtype", lambda device: "bfloat16")
+    monkeypatch.setattr(bench.numerics, "auto_quantization", lambda device, q4: "int4" if q4 else "none")
+    packaged = Path("model.gguf")
+    cases = {
+        (): (600, "bfloat16+int4"),  # the default config: auto / auto
+        ("model.quantization=none",): (2000, "bfloat16"),
+        ("model.dtype=float32", "model.quantization=none"): (4000, "float32"),
+        ("model.dtype=float32", "model.quantization=int8"): (1000, "float32+int8"),
+    }
+    for overrides, expected in cases.items():
+        system = bench.tierserve("t", packaged, list(overrides))
+        assert (system.weight_bytes, system.weight_dtype) == expected, overrides
+    assert "server.port={port}" in system.argv
 
 
 def test_bounds_match_the_issue_arithmetic() -> None:
