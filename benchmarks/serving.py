@@ -225,6 +225,28 @@ async def send(session: aiohttp.ClientSession, target: Target, prompt: Prompt) -
     return rec
 
 
+# ---- servers -----------------------------------------------------------------------------
+
+
+async def wait_healthy(session: aiohttp.ClientSession, base_url: str, exited: Callable[[], int | None],
+                       timeout_s: float, poll_s: float) -> str | None:
+    """Poll `base_url`/health until it answers 200: None then, else why not ("exited with N"
+    while `exited()` gives the process's exit code, or "not healthy after T s")."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        code = exited()
+        if code is not None:
+            return f"exited with {code}"
+        try:
+            async with session.get(f"{base_url}/health") as resp:
+                if resp.status == 200:
+                    return None
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(poll_s)
+    return f"not healthy after {timeout_s:.0f} s"
+
+
 # ---- progress --------------------------------------------------------------------------
 
 

@@ -16,6 +16,8 @@ from typing import Any
 import aiohttp
 import yaml
 
+from benchmarks.serving import wait_healthy
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -39,18 +41,9 @@ class SoakServer:
                                      cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
 
     async def wait_healthy(self, session: aiohttp.ClientSession, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                async with session.get(self.url + "/health") as resp:
-                    if resp.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.1)
-        raise RuntimeError(f"server not healthy after {timeout_s} s:\n{self.log_tail()}")
+        problem = await wait_healthy(session, self.url, self.proc.poll, timeout_s, 0.1)
+        if problem is not None:
+            raise RuntimeError(f"server {problem}:\n{self.log_tail()}")
 
     def rss_mib(self) -> float:
         """VmRSS of the server process, MiB (Linux /proc)."""

@@ -29,6 +29,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.serving import Progress
 from benchmarks.throughput import add_engine_args, engine_config, percentile, warn_if_busy
 from tests.structured_cases import CASES, MAX_TOKENS
 
@@ -77,20 +78,8 @@ class RunResult:
         return sum(self.tokens) / self.wall_s
 
 
-class Progress:
-    def __init__(self, total: int) -> None:
-        self.total, self.done = total, 0
-
-    def tick(self, label: str) -> None:
-        self.done += 1
-        filled = 30 * self.done // self.total
-        end = "\n" if self.done == self.total else ""
-        print(f"\r{label:<10} [{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total}", end=end,
-              file=sys.stderr, flush=True)
-
-
 async def one(engine: Any, prompt: str, params: dict[str, Any], gate: asyncio.Semaphore,
-              progress: Progress, label: str) -> tuple[float, str, int]:
+              progress: Progress) -> tuple[float, str, int]:
     async with gate:
         t0 = time.perf_counter()
         rid = engine.add_request(prompt, params)
@@ -100,7 +89,7 @@ async def one(engine: Any, prompt: str, params: dict[str, Any], gate: asyncio.Se
                 first = time.perf_counter() - t0
             text += chunk.text
             tokens = chunk.completion_tokens
-    progress.tick(label)
+    progress.tick()
     return first or 0.0, text, tokens
 
 
@@ -114,7 +103,7 @@ async def run(engine: Any, prompts: list[tuple[str, dict[str, Any]]], lengths: l
             params = {"temperature": 0, "max_new_tokens": MAX_TOKENS, "json_schema": json.dumps(schema)}
         else:
             params = {"temperature": 0, "max_new_tokens": max(lengths[i], 1), "ignore_eos": True}
-        jobs.append(one(engine, prompt, params, gate, progress, "plain" if lengths else "schema"))
+        jobs.append(one(engine, prompt, params, gate, progress))
     ok, why = engine.flush_cache()  # no run reuses another's prompts from the prefix cache
     assert ok, why
     before, t0 = clock.seconds, time.perf_counter()
@@ -163,12 +152,13 @@ async def main_async(args: argparse.Namespace) -> None:
     try:
         # Compiled outside the timed runs (the grammar cache keeps them).
         await engine.prepare_grammars([SamplingParams(json_schema=json.dumps(s)) for _, s in CASES])
-        progress = Progress((2 * args.rounds + 1) * len(prompts))
+        progress = Progress("structured", (2 * args.rounds + 1) * len(prompts), enabled=True)
         # Untimed warm-up (first forwards at these shapes are slow); it also fixes each
         # prompt's output length, which the plain runs then generate exactly.
         lengths = (await run(engine, prompts, None, args, clock, progress)).tokens
         clock.parts.clear()
-        plain, schema = [], []
+        plain: list[RunResult] = []
+        schema: list[RunResult] = []
         for r in range(args.rounds):  # alternate which goes first
             for constrained in ((True, False) if r % 2 else (False, True)):
                 runs = schema if constrained else plain

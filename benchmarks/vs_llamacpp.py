@@ -33,7 +33,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,7 +48,18 @@ sys.path.insert(0, str(REPO))  # `python benchmarks/vs_llamacpp.py` puts benchma
 
 from benchmarks import llamacpp_build, machine_bounds
 from benchmarks import vs_llamacpp_report as report
-from benchmarks.serving import WORDS, Level, Progress, Prompt, Target, open_loop, run_loop, send, summarize
+from benchmarks.serving import (
+    WORDS,
+    Level,
+    Progress,
+    Prompt,
+    Target,
+    open_loop,
+    run_loop,
+    send,
+    summarize,
+    wait_healthy,
+)
 from benchmarks.throughput import model_file, warn_if_busy
 from gpu import numerics
 
@@ -186,18 +196,9 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     async def ready(self, session: aiohttp.ClientSession, timeout: float = 600) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"server exited ({self.proc.returncode}); see {self.log_path}")
-            try:
-                async with session.get(f"{self.base_url}/health") as resp:
-                    if resp.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.5)
-        raise SystemExit(f"server not healthy after {timeout:.0f}s; see {self.log_path}")
+        problem = await wait_healthy(session, self.base_url, self.proc.poll, timeout, 0.5)
+        if problem is not None:
+            raise SystemExit(f"server {problem}; see {self.log_path}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
