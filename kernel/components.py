@@ -29,7 +29,14 @@ from kernel import registry
 from kernel.config import Config, ConfigError
 from kernel.host_tier import HostTier
 from kernel.hybrid_state import HybridState
-from kernel.numerics_choice import Numerics, log_numerics, resolve_dtype, resolve_quantization, wants_blocks
+from kernel.numerics_choice import (
+    Numerics,
+    log_numerics,
+    resolve_dtype,
+    resolve_quantization,
+    use_cpu_kernels,
+    wants_blocks,
+)
 from kernel.prefix_reuse import PrefixReuse
 from kernel.scheduler import Scheduler
 from kernel.storage_io import weights_fingerprint
@@ -75,9 +82,14 @@ def build_components(config: Config, device: torch.device) -> Components:
     model_cls = registry.lookup("model", arch.architecture)
     quantization = resolve_quantization(config, device, model_cls, bool(ckpt.blocks))
     log_numerics(config, Numerics(dtype, quantization))
+    cpu_kernels = use_cpu_kernels(config, device)
     extra: dict[str, Any] = {}
     if quantization != "none":
-        extra["quantization"] = QuantSpec(quantization, ckpt.blocks, keep_dense=not config.deterministic)
+        extra["quantization"] = QuantSpec(
+            quantization, ckpt.blocks, keep_dense=not config.deterministic, cpu_kernels=cpu_kernels
+        )
+    if getattr(model_cls, "accepts_cpu_kernels", False):
+        extra["cpu_kernels"] = cpu_kernels
     model = model_cls(arch, ckpt.weights, dtype, device, deterministic=config.deterministic, **extra)
     tokenizer = ckpt.tokenizer
     model_id = storage_model_id(ckpt.weights, quantization) if config.hicache.storage != "none" else ""
@@ -90,7 +102,7 @@ def build_components(config: Config, device: torch.device) -> Components:
     table = ReqToTokenTable(config.scheduler.max_running_requests + 1, max_ctx_padded, device)
     # Deterministic mode needs batch-invariant attention too, whatever backend is named.
     attention_name = "deterministic" if config.deterministic else config.model.attention
-    attention = registry.lookup("attention", attention_name)(pool, table.table)
+    attention = registry.lookup("attention", attention_name)(pool, table.table, cpu_kernels=cpu_kernels)
     policy = registry.lookup("schedule", config.scheduler.policy)(
         lpm_fallback_queue=config.scheduler.lpm_fallback_queue
     )

@@ -37,9 +37,13 @@ class ModelConfig:
     context_length: int | None = None
     served_name: str | None = None
     num_threads: int | None = None
+    # auto: tierserve's C++ CPU kernels (gpu/kernels/cpu/, built on first use) on CPU
+    # outside deterministic mode; off: plain torch ops only.
+    cpu_kernels: str = "auto"
 
     def validate(self) -> None:
         _choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+        _choice("model.cpu_kernels", self.cpu_kernels, ("auto", "off"))
         _choice("model.quantization", self.quantization, ("auto", "none", "int8", "int4"))
         _choice("model.device", self.device, ("auto", "cpu", "cuda"))
         _positive("model.context_length", self.context_length, allow_none=True)

@@ -50,6 +50,12 @@ def resolve_quantization(config: Config, device: torch.device, model_cls: Any, h
     return mode
 
 
+def use_cpu_kernels(config: Config, device: torch.device) -> bool:
+    """Whether the model, its quantized linears and the attention backend try tierserve's
+    C++ CPU kernels (gpu/kernels/cpu/: each falls back to torch ops if its build fails)."""
+    return config.model.cpu_kernels == "auto" and device.type == "cpu" and not config.deterministic
+
+
 def log_numerics(config: Config, numerics: Numerics) -> None:
     log.info(
         "numerics",

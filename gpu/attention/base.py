@@ -33,9 +33,11 @@ class AttentionBackend(ABC):
     supports_static = False
     persistent: tuple[str, ...] = ("req_to_token",)  # tensor attributes that are not per-step metadata
 
-    def __init__(self, pool: KVPool, req_to_token: torch.Tensor) -> None:
+    def __init__(self, pool: KVPool, req_to_token: torch.Tensor, cpu_kernels: bool = False) -> None:
         self.pool = pool
         self.req_to_token = req_to_token
+        # May try tierserve's C++ CPU kernels (gpu/kernels/cpu/); a backend without any ignores it.
+        self.cpu_kernels = cpu_kernels
 
     @abstractmethod
     def prepare(self, rows: Sequence[int], prefix_lens: Sequence[int], extend_lens: Sequence[int]) -> None: ...

@@ -42,8 +42,8 @@ class DeterministicAttention(AttentionBackend):
 
     supports_static = True
 
-    def __init__(self, pool: KVPool, req_to_token: torch.Tensor) -> None:
-        super().__init__(pool, req_to_token)
+    def __init__(self, pool: KVPool, req_to_token: torch.Tensor, cpu_kernels: bool = False) -> None:
+        super().__init__(pool, req_to_token, cpu_kernels)
         self.out_cache_loc = torch.empty(0, dtype=torch.int64)
         self._tile_tok = torch.empty(0, dtype=torch.int64)  # [tiles, QUERY_TILE] flat token, -1 pad
         self._key_slots = torch.empty(0, dtype=torch.int64)  # [tiles, blocks, KEY_BLOCK]

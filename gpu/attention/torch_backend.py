@@ -42,8 +42,8 @@ class _Extend(NamedTuple):
 class TorchAttention(AttentionBackend):
     persistent = ("req_to_token", "_gather_k", "_gather_v")  # scratch, not per-step metadata
 
-    def __init__(self, pool: KVPool, req_to_token: torch.Tensor) -> None:
-        super().__init__(pool, req_to_token)
+    def __init__(self, pool: KVPool, req_to_token: torch.Tensor, cpu_kernels: bool = False) -> None:
+        super().__init__(pool, req_to_token, cpu_kernels)
         self.out_cache_loc = torch.empty(0, dtype=torch.int64)
         self._decodes: list[_DecodeGroup] = []
         self._extends: list[_Extend] = []

@@ -63,8 +63,8 @@ def load_kernels(device: torch.device) -> ModuleType:
 
 @register("attention", "triton")
 class TritonAttention(AttentionBackend):
-    def __init__(self, pool: KVPool, req_to_token: torch.Tensor) -> None:
-        super().__init__(pool, req_to_token)
+    def __init__(self, pool: KVPool, req_to_token: torch.Tensor, cpu_kernels: bool = False) -> None:
+        super().__init__(pool, req_to_token, cpu_kernels)
         device = pool.k[0].device if pool.k else req_to_token.device
         self.kernels = load_kernels(device)
         self.decode_split = DECODE_SPLIT  # tests shrink it to exercise many splits

@@ -34,6 +34,7 @@ class _Layer(NamedTuple):
 @register("model", "llama", "qwen2", "qwen3")
 class LlamaModel:
     quantizable = True  # accepts `quantization` (model.quantization int8 / int4)
+    accepts_cpu_kernels = True  # accepts `cpu_kernels` (model.cpu_kernels)
 
     def __init__(
         self,
@@ -43,8 +44,10 @@ class LlamaModel:
         device: torch.device,
         deterministic: bool = False,
         quantization: QuantSpec | None = None,
+        cpu_kernels: bool = False,
     ) -> None:
         self.arch = arch
+        self.cpu_kernels = cpu_kernels  # may use gpu/kernels/cpu/ (never in deterministic mode)
         # Deterministic mode: every matmul is batch-invariant (see gpu/batch_invariant.py).
         self.linear = make_linear(linear_tiled if deterministic else F.linear, deterministic)
         self.dtype = dtype

@@ -36,6 +36,7 @@ class QuantSpec(NamedTuple):
     mode: str  # "int8" | "int4"
     blocks: Mapping[str, Q4Blocks]  # raw Q4 blocks by Hugging Face name (int4 only)
     keep_dense: bool  # False in deterministic mode (the dense copy would never run)
+    cpu_kernels: bool = False  # try tierserve's C++ CPU kernels (gpu/kernels/cpu/)
 
 
 class QuantizedWeight(NamedTuple):
