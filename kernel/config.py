@@ -368,5 +368,9 @@ def _coerce(key: str, hint: Any, value: Any) -> Any:
             return float(value)
         if option is str and isinstance(value, str):
             return value
+    if str in options and bool not in options and isinstance(value, bool):
+        # YAML 1.1 reads a bare `off` / `on` (and yes/no) as a boolean: `graphs.mode: off`
+        # means the string the choice lists; the key's own check rejects any other word.
+        return "on" if value else "off"
     names = " or ".join(getattr(o, "__name__", str(o)) for o in options)
     raise ConfigError(f"{key} must be {names}, got {value!r}")

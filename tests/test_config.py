@@ -53,6 +53,20 @@ def test_bad_config_fails_naming_the_key(override: dict, named: str) -> None:
         load_config(CONFIG, override)
 
 
+def test_bare_off_is_the_word_not_a_boolean(tmp_path: Path) -> None:
+    """YAML 1.1 reads `off` as false: a string choice still gets the word."""
+    path = tmp_path / "x.yaml"
+    path.write_text("graphs:\n  mode: off\nmodel:\n  cpu_kernels: off\n")
+    cfg = load_config(path)
+    assert cfg.graphs.mode == "off" and cfg.model.cpu_kernels == "off"
+    cfg = load_config(CONFIG, parse_set_args(["model.cpu_kernels=off", "graphs.mode=off"]))
+    assert cfg.model.cpu_kernels == "off" and cfg.graphs.mode == "off"
+    with pytest.raises(ConfigError, match=r"model\.cpu_kernels"):
+        load_config(CONFIG, {"model.cpu_kernels": True})  # `on` is no choice of this key
+    with pytest.raises(ConfigError, match=r"deterministic"):
+        load_config(CONFIG, {"deterministic": "off"})  # a bool key still wants a boolean
+
+
 def test_unknown_key_in_yaml_file(tmp_path: Path) -> None:
     path = tmp_path / "x.yaml"
     path.write_text("scheduler:\n  chunk_size: 4\n")
