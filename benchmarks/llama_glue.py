@@ -1,0 +1,112 @@
+"""Batch-1 decode with the fused C++ glue (model.cpu_kernels: auto) vs without (off).
+
+Builds two engines from the same config (default: config/default.yaml, the packaged
+SmolLM2 in bf16 + int4), `model.cpu_kernels` off and auto, and runs one greedy request of
+`--tokens` new tokens on each in turn, `--rounds` times (off, auto, off, auto, ...) so
+both see the same machine load. Prints per mode the median decode tok/s (first streamed
+token to last) and the median model forward ms per step, and auto/off ratios.
+
+    .venv/bin/python benchmarks/llama_glue.py
+    .venv/bin/python benchmarks/llama_glue.py --rounds 8 --tokens 256 --set model.num_threads=1
+
+NOTE: the other C++ kernels (attention, quantized linears) follow model.cpu_kernels too, so
+on a tree that has them this measures all of them together; the forward time per step is
+the model's alone either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.serving import Progress  # noqa: E402
+
+MODES = ("off", "auto")
+
+
+class ForwardTimer:
+    """Wall seconds of each call of the engine's model forward (the device thread's)."""
+
+    def __init__(self, runner: Any) -> None:
+        self.seconds: list[float] = []
+        forward = runner.model.forward
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            out = forward(*args, **kwargs)
+            self.seconds.append(time.perf_counter() - t0)
+            return out
+
+        runner.model.forward = timed
+
+
+async def build(config: str, sets: list[str], mode: str) -> tuple[Any, ForwardTimer]:
+    from kernel.async_engine import AsyncEngine
+    from kernel.config import load_config, parse_set_args
+
+    engine = await AsyncEngine.create(load_config(config, {**parse_set_args(sets), "model.cpu_kernels": mode}))
+    timer = ForwardTimer(engine.parts.runner)
+    return engine, timer
+
+
+async def decode_once(engine: Any, timer: ForwardTimer, prompt: list[int], tokens: int) -> tuple[float, float]:
+    """(decode tok/s, median forward ms of the decode steps) of one greedy request."""
+    params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": tokens}
+    timer.seconds.clear()
+    stamps = [time.perf_counter() async for _ in engine.stream(engine.add_request(prompt, params))]
+    decode_steps = timer.seconds[1:]  # the first forward is the prompt's prefill
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0]), statistics.median(decode_steps) * 1e3
+
+
+async def run(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
+    engines = {mode: await build(args.config, args.set, mode) for mode in MODES}
+    results: dict[str, dict[str, list[float]]] = {mode: {"tok_s": [], "fwd_ms": []} for mode in MODES}
+    progress = Progress("decode", args.rounds * len(MODES), enabled=True)
+    try:
+        for engine, timer in engines.values():  # warm-up: first-call costs, caches
+            await decode_once(engine, timer, list(range(1000, 1100)), 8)
+        for r in range(args.rounds):
+            prompt = list(range(2000, 2100 + r))  # a new prompt each round: no prefix hit
+            for mode, (engine, timer) in engines.items():
+                tok_s, fwd_ms = await decode_once(engine, timer, prompt, args.tokens)
+                results[mode]["tok_s"].append(tok_s)
+                results[mode]["fwd_ms"].append(fwd_ms)
+                progress.tick()
+    finally:
+        progress.close()
+        for engine, _ in engines.values():
+            await engine.shutdown()
+    return results
+
+
+def report(results: dict[str, dict[str, list[float]]]) -> None:
+    med = {mode: {k: statistics.median(v) for k, v in r.items()} for mode, r in results.items()}
+    print(f"{'mode':>6} {'decode tok/s':>13} {'forward ms/step':>16}")
+    for mode in MODES:
+        print(f"{mode:>6} {med[mode]['tok_s']:13.1f} {med[mode]['fwd_ms']:16.2f}")
+    off, auto = med["off"], med["auto"]
+    print(f"auto/off: tok/s x{auto['tok_s'] / off['tok_s']:.3f}, forward time x{auto['fwd_ms'] / off['fwd_ms']:.3f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(REPO / "config" / "default.yaml"))
+    parser.add_argument("--set", action="append", default=[], help="config override key=value (repeatable)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=128)
+    args = parser.parse_args()
+    import uvloop
+
+    report(uvloop.run(run(args)))
+
+
+if __name__ == "__main__":
+    main()
