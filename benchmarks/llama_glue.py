@@ -4,7 +4,8 @@ Builds two engines from the same config (default: config/default.yaml, the packa
 SmolLM2 in bf16 + int4), `model.cpu_kernels` off and auto, and runs one greedy request of
 `--tokens` new tokens on each in turn, `--rounds` times (off, auto, off, auto, ...) so
 both see the same machine load. Prints per mode the median decode tok/s (first streamed
-token to last) and the median model forward ms per step, and auto/off ratios.
+token to last), the median model forward ms per decode step and the prefill's forward ms
+(a ~100-token prompt), and auto/off ratios.
 
     .venv/bin/python benchmarks/llama_glue.py
     .venv/bin/python benchmarks/llama_glue.py --rounds 8 --tokens 256 --set model.num_threads=1
@@ -17,7 +18,6 @@ the model's alone either way.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
 import sys
 import time
@@ -27,9 +27,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.serving import Progress  # noqa: E402
+from benchmarks.serving import Progress
 
 MODES = ("off", "auto")
+COLUMNS = ("tok_s", "fwd_ms", "prefill_ms")
 
 
 class ForwardTimer:
@@ -52,23 +53,29 @@ async def build(config: str, sets: list[str], mode: str) -> tuple[Any, ForwardTi
     from kernel.async_engine import AsyncEngine
     from kernel.config import load_config, parse_set_args
 
-    engine = await AsyncEngine.create(load_config(config, {**parse_set_args(sets), "model.cpu_kernels": mode}))
+    engine = await AsyncEngine.create(
+        load_config(config, {**parse_set_args(sets), "model.cpu_kernels": mode})
+    )
     timer = ForwardTimer(engine.parts.runner)
     return engine, timer
 
 
-async def decode_once(engine: Any, timer: ForwardTimer, prompt: list[int], tokens: int) -> tuple[float, float]:
-    """(decode tok/s, median forward ms of the decode steps) of one greedy request."""
+async def decode_once(
+    engine: Any, timer: ForwardTimer, prompt: list[int], tokens: int
+) -> tuple[float, float, float]:
+    """(decode tok/s, median forward ms of the decode steps, the prefill's forward ms) of one
+    greedy request."""
     params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": tokens}
     timer.seconds.clear()
     stamps = [time.perf_counter() async for _ in engine.stream(engine.add_request(prompt, params))]
     decode_steps = timer.seconds[1:]  # the first forward is the prompt's prefill
-    return (len(stamps) - 1) / (stamps[-1] - stamps[0]), statistics.median(decode_steps) * 1e3
+    tok_s = (len(stamps) - 1) / (stamps[-1] - stamps[0])
+    return tok_s, statistics.median(decode_steps) * 1e3, timer.seconds[0] * 1e3
 
 
 async def run(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
     engines = {mode: await build(args.config, args.set, mode) for mode in MODES}
-    results: dict[str, dict[str, list[float]]] = {mode: {"tok_s": [], "fwd_ms": []} for mode in MODES}
+    results: dict[str, dict[str, list[float]]] = {mode: {k: [] for k in COLUMNS} for mode in MODES}
     progress = Progress("decode", args.rounds * len(MODES), enabled=True)
     try:
         for engine, timer in engines.values():  # warm-up: first-call costs, caches
@@ -76,9 +83,8 @@ async def run(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
         for r in range(args.rounds):
             prompt = list(range(2000, 2100 + r))  # a new prompt each round: no prefix hit
             for mode, (engine, timer) in engines.items():
-                tok_s, fwd_ms = await decode_once(engine, timer, prompt, args.tokens)
-                results[mode]["tok_s"].append(tok_s)
-                results[mode]["fwd_ms"].append(fwd_ms)
+                for key, value in zip(COLUMNS, await decode_once(engine, timer, prompt, args.tokens)):
+                    results[mode][key].append(value)
                 progress.tick()
     finally:
         progress.close()
@@ -89,11 +95,15 @@ async def run(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
 
 def report(results: dict[str, dict[str, list[float]]]) -> None:
     med = {mode: {k: statistics.median(v) for k, v in r.items()} for mode, r in results.items()}
-    print(f"{'mode':>6} {'decode tok/s':>13} {'forward ms/step':>16}")
+    print(f"{'mode':>6} {'decode tok/s':>13} {'forward ms/step':>16} {'prefill ms':>11}")
     for mode in MODES:
-        print(f"{mode:>6} {med[mode]['tok_s']:13.1f} {med[mode]['fwd_ms']:16.2f}")
+        m = med[mode]
+        print(f"{mode:>6} {m['tok_s']:13.1f} {m['fwd_ms']:16.2f} {m['prefill_ms']:11.1f}")
     off, auto = med["off"], med["auto"]
-    print(f"auto/off: tok/s x{auto['tok_s'] / off['tok_s']:.3f}, forward time x{auto['fwd_ms'] / off['fwd_ms']:.3f}")
+    print(
+        f"auto/off: tok/s x{auto['tok_s'] / off['tok_s']:.3f}, decode forward time x{auto['fwd_ms'] / off['fwd_ms']:.3f},"
+        f" prefill forward time x{auto['prefill_ms'] / off['prefill_ms']:.3f}"
+    )
 
 
 def main() -> None:
