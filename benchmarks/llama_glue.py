@@ -8,7 +8,8 @@ token to last), the median model forward ms per decode step and the prefill's fo
 (a ~100-token prompt), and auto/off ratios.
 
     .venv/bin/python benchmarks/llama_glue.py
-    .venv/bin/python benchmarks/llama_glue.py --rounds 8 --tokens 256 --set model.num_threads=1
+    .venv/bin/python benchmarks/llama_glue.py --rounds 8 --tokens 256
+    .venv/bin/python benchmarks/llama_glue.py --cpu-time --set model.num_threads=1   # busy machine
 
 NOTE: the other C++ kernels (attention, quantized linears) follow model.cpu_kernels too, so
 on a tree that has them this measures all of them together; the forward time per step is
@@ -21,6 +22,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,29 +36,30 @@ COLUMNS = ("tok_s", "fwd_ms", "prefill_ms")
 
 
 class ForwardTimer:
-    """Wall seconds of each call of the engine's model forward (the device thread's)."""
+    """Seconds of each call of the engine's model forward (the device thread's), on `clock`:
+    wall time, or with --cpu-time the device thread's CPU time."""
 
-    def __init__(self, runner: Any) -> None:
+    def __init__(self, runner: Any, clock: Callable[[], float]) -> None:
         self.seconds: list[float] = []
         forward = runner.model.forward
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
+            t0 = clock()
             out = forward(*args, **kwargs)
-            self.seconds.append(time.perf_counter() - t0)
+            self.seconds.append(clock() - t0)
             return out
 
         runner.model.forward = timed
 
 
-async def build(config: str, sets: list[str], mode: str) -> tuple[Any, ForwardTimer]:
+async def build(args: argparse.Namespace, mode: str) -> tuple[Any, ForwardTimer]:
     from kernel.async_engine import AsyncEngine
     from kernel.config import load_config, parse_set_args
 
     engine = await AsyncEngine.create(
-        load_config(config, {**parse_set_args(sets), "model.cpu_kernels": mode})
+        load_config(args.config, {**parse_set_args(args.set), "model.cpu_kernels": mode})
     )
-    timer = ForwardTimer(engine.parts.runner)
+    timer = ForwardTimer(engine.parts.runner, time.thread_time if args.cpu_time else time.perf_counter)
     return engine, timer
 
 
@@ -74,7 +77,7 @@ async def decode_once(
 
 
 async def run(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
-    engines = {mode: await build(args.config, args.set, mode) for mode in MODES}
+    engines = {mode: await build(args, mode) for mode in MODES}
     results: dict[str, dict[str, list[float]]] = {mode: {k: [] for k in COLUMNS} for mode in MODES}
     progress = Progress("decode", args.rounds * len(MODES), enabled=True)
     try:
@@ -112,6 +115,12 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], help="config override key=value (repeatable)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="forward times as the device thread's CPU time (steadier on a busy machine; use with"
+        " --set model.num_threads=1 so that thread does all of the forward's work)",
+    )
     args = parser.parse_args()
     import uvloop
 
