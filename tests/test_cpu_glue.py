@@ -9,7 +9,7 @@ Tolerances (measured on random and extreme inputs, then given ~4x headroom):
   alike (measured: equal on all but ~4 in a million norm elements, where the float32
   statistic straddles a rounding boundary); RoPE and the residual sum bit-equal (the same
   roundings of exact products);
-- engine, float32, auto vs off: greedy tokens equal, logprobs within 1e-4 (measured ~1e-6).
+- engine, float32, auto vs off: greedy tokens equal, logprobs within 1e-4 (measured 4.8e-7 on all three).
 """
 
 from __future__ import annotations
