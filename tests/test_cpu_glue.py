@@ -199,6 +199,20 @@ def test_rope_matches_torch(dtype: torch.dtype, rows: int, heads: int, kv_heads:
             assert_near(got, ref, scale=qkv.abs().amax().item())
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_reads_cos_sin_as_views_of_one_table(dtype: torch.dtype) -> None:
+    """As LlamaModel passes them: cos and sin are the halves of one gathered [T, D] table."""
+    qkv, cos, sin = rope_inputs(7, 9, 3, 64, dtype)
+    table = torch.cat([cos, sin], dim=-1)
+    fused = glue.rope(qkv, table[:, :32], table[:, 32:], 9, 3)
+    for got, ref in zip(fused, torch_rope(qkv, cos, sin, 9, 3)):
+        assert (
+            torch.equal(got, ref)
+            if dtype == torch.bfloat16
+            else torch.allclose(got, ref, rtol=0, atol=2e-6 * 8)
+        )
+
+
 def test_rope_rejects_a_mismatched_width() -> None:
     qkv, cos, sin = rope_inputs(3, 9, 3, 64, torch.float32)
     with pytest.raises(RuntimeError, match="width"):

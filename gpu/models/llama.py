@@ -80,7 +80,9 @@ class LlamaModel:
                     down=w.linear([p + "mlp.down_proj.weight"]),
                 )
             )
-        self.cos, self.sin = _rope_table(arch, device)
+        # cos | sin of every position, cast to the compute dtype once here (the reference casts
+        # after the gather: the same values), so a step gathers its rows in one op.
+        self.rope_table = torch.cat(_rope_table(arch, device), dim=-1).to(dtype)
 
     def forward(
         self,
@@ -96,8 +98,9 @@ class LlamaModel:
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         """The last layer's hidden states of every token (before the final norm)."""
-        # In the compute dtype, as the reference does (a no-op in float32): q, k stay bf16 in bf16.
-        cos, sin = self.cos[positions].to(self.dtype), self.sin[positions].to(self.dtype)
+        # In the compute dtype, as the reference does: q, k stay bf16 in bf16.
+        rope = self.rope_table[positions]
+        cos, sin = rope[:, : self.arch.head_dim // 2], rope[:, self.arch.head_dim // 2 :]
         h = self.embed[input_ids]
         if self.fused:
             return self._fused_layers(h, cos, sin, attn)
