@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from gpu.attention.base import AttentionBackend
 from gpu.batch_invariant import linear_tiled
 from gpu.model_config import ModelArchConfig
+from gpu.models import llama_glue as glue
 from gpu.models.hybrid_common import Weights, swiglu
 from gpu.quant.dispatch import LinearWeight, QuantSpec, build_linear, make_linear
 from kernel.registry import register
@@ -48,6 +49,8 @@ class LlamaModel:
     ) -> None:
         self.arch = arch
         self.cpu_kernels = cpu_kernels  # may use gpu/kernels/cpu/ (never in deterministic mode)
+        # The fused C++ glue (norms, residual adds, RoPE, SiLU*up) where it can run.
+        self.fused = glue.available(cpu_kernels, dtype, device)
         # Deterministic mode: every matmul is batch-invariant (see gpu/batch_invariant.py).
         self.linear = make_linear(linear_tiled if deterministic else F.linear, deterministic)
         self.dtype = dtype
@@ -77,7 +80,9 @@ class LlamaModel:
                     down=w.linear([p + "mlp.down_proj.weight"]),
                 )
             )
-        self.cos, self.sin = _rope_table(arch, device)
+        # cos | sin of every position, cast to the compute dtype once here (the reference casts
+        # after the gather: the same values), so a step gathers its rows in one op.
+        self.rope_table = torch.cat(_rope_table(arch, device), dim=-1).to(dtype)
 
     def forward(
         self,
@@ -89,33 +94,78 @@ class LlamaModel:
         """Hidden states for all tokens; float32 logits only for `logits_indices` rows."""
         return self.logits(self.hidden(input_ids, positions, attn).index_select(0, logits_indices))
 
-    def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+    def hidden(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
         """The last layer's hidden states of every token (before the final norm)."""
-        arch = self.arch
-        n_q = arch.num_heads * arch.head_dim
-        n_kv = arch.num_kv_heads * arch.head_dim
-        # In the compute dtype, as the reference does (a no-op in float32): q, k stay bf16 in bf16.
-        cos, sin = self.cos[positions].to(self.dtype), self.sin[positions].to(self.dtype)
+        # In the compute dtype, as the reference does: q, k stay bf16 in bf16.
+        rope = self.rope_table[positions]
+        cos, sin = rope[:, : self.arch.head_dim // 2], rope[:, self.arch.head_dim // 2 :]
         h = self.embed[input_ids]
+        if self.fused:
+            return self._fused_layers(h, cos, sin, attn)
         for i, layer in enumerate(self.layers):
             x = self._rms_norm(h, layer.input_norm)
-            qkv = self.linear(x, layer.qkv, layer.qkv_bias)
-            q = qkv[:, :n_q].view(-1, arch.num_heads, arch.head_dim)
-            k = qkv[:, n_q : n_q + n_kv].view(-1, arch.num_kv_heads, arch.head_dim)
-            v = qkv[:, n_q + n_kv :].view(-1, arch.num_kv_heads, arch.head_dim)
-            if layer.q_norm is not None and layer.k_norm is not None:
-                q = self._rms_norm(q, layer.q_norm)
-                k = self._rms_norm(k, layer.k_norm)
-            q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
-            o = attn.forward(i, q, k, v.contiguous())
-            h = h + self.linear(o.reshape(-1, n_q), layer.o)
+            h = h + self._attention(i, layer, x, cos, sin, attn)
             x = self._rms_norm(h, layer.post_norm)
             h = h + swiglu(self.linear, x, layer.gate_up, layer.down)
         return h
 
+    def _fused_layers(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        """The layers with the C++ glue: each residual add fused with the norm after it,
+        across layer boundaries too (the last layer's add is a plain one: `hidden` returns
+        the states before the final norm)."""
+        eps = self.arch.rms_norm_eps
+        x = glue.rms_norm(h, self.layers[0].input_norm, eps)
+        for i, layer in enumerate(self.layers):
+            h, x = glue.add_rms_norm(h, self._attention(i, layer, x, cos, sin, attn), layer.post_norm, eps)
+            mlp = self.linear(glue.silu_mul(self.linear(x, layer.gate_up)), layer.down)
+            if i + 1 == len(self.layers):
+                return h + mlp
+            h, x = glue.add_rms_norm(h, mlp, self.layers[i + 1].input_norm, eps)
+        return h
+
+    def _attention(
+        self,
+        i: int,
+        layer: _Layer,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        """Layer i's attention block on its normed input x: o_proj(attention(RoPE(qkv)))."""
+        arch = self.arch
+        qkv = self.linear(x, layer.qkv, layer.qkv_bias)
+        if self.fused and layer.q_norm is None:
+            q, k, v = glue.rope(qkv, cos, sin, arch.num_heads, arch.num_kv_heads)
+        else:
+            q, k, v = self._split_rope(layer, qkv, cos, sin)
+        o = attn.forward(i, q, k, v)
+        return self.linear(o.reshape(-1, arch.num_heads * arch.head_dim), layer.o)
+
+    def _split_rope(
+        self, layer: _Layer, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k (QK-normed where the model has it, then rotated) and v, in torch ops."""
+        arch = self.arch
+        n_q = arch.num_heads * arch.head_dim
+        n_kv = arch.num_kv_heads * arch.head_dim
+        q = qkv[:, :n_q].view(-1, arch.num_heads, arch.head_dim)
+        k = qkv[:, n_q : n_q + n_kv].view(-1, arch.num_kv_heads, arch.head_dim)
+        v = qkv[:, n_q + n_kv :].view(-1, arch.num_kv_heads, arch.head_dim)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q = self._rms_norm(q, layer.q_norm)
+            k = self._rms_norm(k, layer.k_norm)
+        return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v.contiguous()
+
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
         """float32 logits of some rows of `hidden`: the final norm, then the lm_head (both
         row-wise, so a row's logits do not depend on which other rows are with it)."""
+        if self.fused:
+            return self.linear(glue.rms_norm(rows, self.norm, self.arch.rms_norm_eps), self.lm_head).float()
         return self.linear(self._rms_norm(rows, self.norm), self.lm_head).float()
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
