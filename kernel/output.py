@@ -190,7 +190,7 @@ class OutputProcessor:
         if self.events.active:
             self.events.emit(
                 "finished", req.rid, reason=req.finish_reason, prompt_tokens=len(req.prompt_ids),
-                completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens,
+                completion_tokens=req.num_generated, cached_tokens=req.cached_tokens,
             )
 
     def fail(self, req: Request, exc: BaseException) -> None:
