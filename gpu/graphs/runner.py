@@ -46,6 +46,7 @@ ATTN = "attention."  # prefix of the attention backend's buffers in the registry
 # backend's metadata); hybrid-only buffers are checked only for hybrid models.
 BATCH_FIELDS: dict[str, tuple[str, ...]] = {
     "input_ids": ("input_ids",),
+    "placeholders": ("input_ids",),  # resolved into input_ids before the copy (gpu/step_inputs.py)
     "rows": (ATTN + "*",),
     "prefix_lens": ("positions", ATTN + "*"),
     "extend_lens": ("positions", ATTN + "*"),
