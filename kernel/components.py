@@ -138,6 +138,7 @@ def build_components(config: Config, device: torch.device) -> Components:
                 prefix.host.state_pending = lambda slot: any(dst == slot for _, dst in hybrid.copies)
     runner = ModelRunner(model, pool, attention, states)
     overlap = resolve_overlap(config.scheduler.overlap, device, hybrid=states is not None)
+    log.info("overlap_scheduling", on=overlap, setting=config.scheduler.overlap, hybrid=states is not None)
     runner.inputs = _step_inputs(config, device, table.num_rows, overlap)
     runner.graphs = _graph_runner(config, model, attention, states, device)
     if runner.graphs is not None:
