@@ -84,6 +84,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # admitted (hold a table row), oldest first
         self.num_retractions = 0
+        self.drain = False  # overlap: a retraction waits for the steps in flight (see _newest)
 
     # ---- queue ------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -276,11 +277,16 @@ class Scheduler:
         self.waiting.append(req)
 
     def _newest(self, exclude: set[int] | Sequence[int]) -> Request | None:
-        """The retraction victim: the newest running request not excluded and not in
-        flight. NOTE: a request in flight (overlap scheduling) is never retracted — its
-        step still writes its pages; None when only such requests are left."""
-        candidates = [r for r in self.running if id(r) not in exclude and not r.inflight]
-        return max(candidates, key=lambda r: r.arrival) if candidates else None
+        """The retraction victim: the newest running request not excluded. NOTE: a
+        request in flight (overlap scheduling) is never retracted — its step still
+        writes its pages: None then, and `drain` asks the loop to land the steps in
+        flight before it plans again, so the same victim is retracted then."""
+        candidates = [r for r in self.running if id(r) not in exclude]
+        victim = max(candidates, key=lambda r: r.arrival)
+        if victim.inflight:
+            self.drain = True
+            return None
+        return victim
 
     def _retract(self, req: Request) -> Request:
         """Free a running request's pages and re-queue it; it recomputes later."""

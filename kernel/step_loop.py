@@ -79,6 +79,11 @@ class StepLoop:
         """Plan and submit N+1, then await, apply and emit N while N+1 runs."""
         inflight: tuple[StepPlan, asyncio.Future[Any]] | None = None
         while True:
+            if self.scheduler.drain:  # a retraction waits for the step in flight:
+                self.scheduler.drain = False  # land it, then plan as without overlap
+                if inflight is not None:
+                    self.output.emit(await self.land(*inflight))
+                    inflight = None
             plan = self.plan()
             step = self.submit(plan)
             if inflight is not None:

@@ -109,20 +109,22 @@ def test_overlap_changes_no_output(engines: dict[str, Engine]) -> None:
     assert engines["off"].engine.loop.overlapped == 0
 
 
-def test_overlap_under_memory_pressure_retracts_and_changes_nothing(tiny_chat_folder: str) -> None:
+def under_pressure(folder: str, mode: str) -> tuple[list[dict[str, Any]], int]:
+    """6 requests that grow to ~42 tokens each in 24 usable pages of 4 tokens."""
     prompts = [[100 + i * 7 + j for j in range(10 + i)] for i in range(6)]
-    params = {**GREEDY, "max_new_tokens": 30}
-    outs, retractions = {}, {}
-    for mode in ("off", "on"):
-        # 24 usable pages of 4 tokens for 6 requests that grow to ~42 tokens each.
-        engine = make(tiny_chat_folder, mode, **{"cache.num_pages": 25})
-        try:
-            outs[mode] = engine.generate(prompts, params)
-            retractions[mode] = engine.engine.scheduler.num_retractions
-        finally:
-            engine.shutdown()
-    assert retractions["off"] > 0 and retractions["on"] > 0
-    assert_same_outputs(outs["on"], outs["off"])  # type: ignore[arg-type]
+    engine = make(folder, mode, **{"cache.num_pages": 25})
+    try:
+        outs = engine.generate(prompts, {**GREEDY, "max_new_tokens": 30})
+        assert isinstance(outs, list)
+        return outs, engine.engine.scheduler.num_retractions
+    finally:
+        engine.shutdown()
+
+
+def test_overlap_under_memory_pressure_retracts_and_changes_nothing(tiny_chat_folder: str) -> None:
+    (ref, retracted_off), (got, retracted_on) = under_pressure(tiny_chat_folder, "off"), under_pressure(tiny_chat_folder, "on")
+    assert retracted_off > 0 and retracted_on > 0
+    assert_same_outputs(got, ref)
 
 
 def test_overlap_in_graph_buckets(tiny_chat_folder: str) -> None:
@@ -259,3 +261,15 @@ def test_red_when_a_dropped_tokens_kv_is_cached(tiny_chat_folder: str, monkeypat
     finally:
         for engine in pair.values():
             engine.shutdown()
+
+
+def test_red_when_a_request_in_flight_is_retracted(tiny_chat_folder: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bug: the victim search forgets that the newest request's step is in flight."""
+    def careless(self: Scheduler, exclude: Any) -> Any:
+        return max((r for r in self.running if id(r) not in exclude), key=lambda r: r.arrival)
+
+    ref, _ = under_pressure(tiny_chat_folder, "off")
+    monkeypatch.setattr(Scheduler, "_newest", careless)
+    with pytest.raises(AssertionError):  # the retracted request lands without its row: the engine halts
+        got, _ = under_pressure(tiny_chat_folder, "on")
+        assert_same_outputs(got, ref)
