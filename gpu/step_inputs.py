@@ -44,9 +44,10 @@ class PinnedStaging:
     its stream at the end of every job (gpu/device_thread.py), so the previous step's
     copies out of it are complete by then. Not exercised on CPU (nothing to pin)."""
 
-    def __init__(self, max_len: int, device: torch.device, rows: int = 3) -> None:
+    def __init__(self, max_len: int, device: torch.device, rows: int = 3, pin: bool = True) -> None:
         self.device = device
-        self.buffers = torch.empty((rows, max_len), dtype=torch.int64, pin_memory=True)
+        # pin=False only for tests of the staging logic on a machine without CUDA.
+        self.buffers = torch.empty((rows, max_len), dtype=torch.int64, pin_memory=pin)
 
     def upload(self, *host: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if any(t.numel() > self.buffers.shape[1] for t in host) or len(host) > self.buffers.shape[0]:

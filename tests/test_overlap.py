@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from gpu.forward_batch import ForwardBatch, PrefillChunk, placeholder
-from gpu.step_inputs import NextTokens
+from gpu.forward_batch import ForwardBatch, PrefillChunk, SamplingRow, placeholder
+from gpu.step_inputs import NextTokens, PinnedStaging, StepInputs
 from kernel import Engine
 from kernel.config import ConfigError, load_config
 from kernel.overlap import resolve_overlap
@@ -30,6 +30,7 @@ from tests.conftest import GRAPHS_EMULATE, TINY_OVERRIDES, graph_replays
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True, "return_logprob": True}
 SAMPLED = {**GREEDY, "temperature": 0.8, "top_p": 0.95, "seed": 7}
 PAGE = TINY_OVERRIDES["cache.page_size"]
+SAMPLE_ROW = SamplingRow(0.0, 1.0, 0, 0.0, 0.0, 0.0, 1.0, 0, seed=0, step=0)
 SHARED = [300 + i for i in range(24)]  # a prefix several prompts share (page-aligned: 6 pages)
 
 
@@ -181,6 +182,24 @@ def test_next_tokens_resolve_per_row() -> None:
     nt.record([4, 1], torch.tensor([77, 55]))
     ids = torch.tensor([9, placeholder(1), 8, placeholder(4)])
     assert nt.resolve(ids).tolist() == [9, 55, 8, 77]
+
+
+def test_staging_copies_each_step_and_falls_back_when_too_long() -> None:
+    """The staging logic (CUDA pins the rows and copies without blocking; neither runs here)."""
+    cpu = torch.device("cpu")
+    staging = PinnedStaging(4, cpu, pin=False)
+    ids, pos = staging.upload(torch.tensor([5, 6, 7]), torch.tensor([0, 1, 2]))
+    assert ids.tolist() == [5, 6, 7] and pos.tolist() == [0, 1, 2]
+    assert staging.upload(torch.tensor([9]))[0].tolist() == [9]  # a shorter step reuses the row
+    assert staging.upload(torch.arange(6))[0].tolist() == list(range(6))  # longer than sized: plain copy
+    inputs = StepInputs(cpu, None, staging)
+    batch = ForwardBatch.build([PrefillChunk((3, 4), 1, 0), PrefillChunk((placeholder(2),), 2, 7)], [(0, SAMPLE_ROW)])
+    with pytest.raises(ValueError, match="overlap scheduling is off"):
+        inputs.build(batch)
+    inputs.next_tokens = NextTokens(4, cpu)
+    inputs.next_tokens.record([2], torch.tensor([42]))
+    ids, pos, last = inputs.build(batch)
+    assert (ids.tolist(), pos.tolist(), last.tolist()) == ([3, 4, 42], [0, 1, 7], [1])
 
 
 def test_overlap_setting_is_validated_and_resolved() -> None:
