@@ -314,6 +314,7 @@ class Scheduler:
     def apply(self, plan: StepPlan, sampled: Sequence[SampledToken]) -> list[Request]:
         """Record a finished step; returns the requests that got a new token."""
         produced: list[Request] = []
+        self.prefix.free_deferred()  # deferred while this step ran (overlap)
         tokens = iter(sampled)
         for chunk in plan.chunks:
             req = chunk.req
@@ -381,6 +382,7 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Invariants 1 and 3: aligned chunk cuts and exact page accounting."""
         held: list[int] = [p for r in self.running for p in r.pages[r.shared_pages :]]
+        held += self.prefix.deferred  # duplicates a step in flight may still read
         host = self.prefix.host
         if host is not None:
             held += host.held_pages()  # pages loads in flight are filling

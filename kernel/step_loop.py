@@ -171,6 +171,7 @@ class StepLoop:
             self.scheduler.check_integrity()
 
     def fail(self, plan: StepPlan, exc: Exception) -> None:
+        self.scheduler.prefix.free_deferred()
         for chunk in plan.chunks:
             req = chunk.req
             req.inflight -= 1

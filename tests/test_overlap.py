@@ -22,7 +22,12 @@ from gpu.forward_batch import ForwardBatch, PrefillChunk, SamplingRow, placehold
 from gpu.step_inputs import NextTokens, PinnedStaging, StepInputs
 from kernel import Engine
 from kernel.config import ConfigError, load_config
+from kernel.detokenizer import IncrementalDetokenizer
+from kernel.events import EventBus
+from kernel.output import OutputProcessor
 from kernel.overlap import resolve_overlap
+from kernel.prefix_reuse import PrefixReuse
+from kernel.request import Request
 from kernel.sampling_params import SamplingParams
 from kernel.scheduler import Scheduler
 from tests.conftest import GRAPHS_EMULATE, TINY_OVERRIDES, graph_replays
@@ -140,6 +145,34 @@ def test_overlap_in_graph_buckets(tiny_chat_folder: str) -> None:
         finally:
             engine.shutdown()
     assert replays["on"] > 0 and replays["off"] > 0
+    assert_same_outputs(outs["on"], outs["off"])  # type: ignore[arg-type]
+
+
+def test_duplicate_pages_wait_for_the_look_ahead_step(tiny_chat_folder: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two requests prefill the same prompt side by side (no waiting for each other): the
+    second one's copies of the cached pages are freed only once its next chunk, already
+    in flight, has landed; the accounting holds after every step and outputs are equal."""
+    deferred: list[int] = []
+    real_free = PrefixReuse.free_deferred
+
+    def spy(self: PrefixReuse) -> None:
+        deferred.append(len(self.deferred))
+        real_free(self)
+
+    monkeypatch.setattr(PrefixReuse, "free_deferred", spy)
+    prompt = [200 + (7 * j) % 97 for j in range(60)]
+    outs = {}
+    for mode in ("off", "on"):
+        engine = make(tiny_chat_folder, mode, **{"scheduler.share_prefix_min_tokens": 0})
+        try:
+            deferred.clear()
+            outs[mode] = engine.generate([prompt, prompt], GREEDY)
+            if mode == "on":
+                assert max(deferred) > 0, "no duplicate page was deferred"
+            else:
+                assert max(deferred) == 0
+        finally:
+            engine.shutdown()
     assert_same_outputs(outs["on"], outs["off"])  # type: ignore[arg-type]
 
 
@@ -292,3 +325,30 @@ def test_red_when_a_request_in_flight_is_retracted(tiny_chat_folder: str, monkey
     with pytest.raises(AssertionError):  # the retracted request lands without its row: the engine halts
         got, _ = under_pressure(tiny_chat_folder, "on")
         assert_same_outputs(got, ref)
+
+
+def test_a_request_back_from_its_look_ahead_step_gets_no_second_chunk(engines: dict[str, Engine]) -> None:
+    """Finished at step N (its final chunk queued), it comes back from N+1 as finished
+    again before its consumer ran: nothing more is pushed to its detokenizer or stream."""
+    tokenizer = engines["on"].tokenizer
+    assert tokenizer is not None
+    output = OutputProcessor(EventBus(), lambda req, text: None)
+    req = Request("r", [5, 6], SamplingParams(), seed=0, output_ids=[40, 41])
+    stream = output.open(req, IncrementalDetokenizer(tokenizer, True, ()))
+    req.finish("stop", 41)
+    output.emit([req])
+    output.emit([req])  # N+1 landed: its token was dropped, the request is back finished
+    chunks = [stream.queue.get_nowait() for _ in range(stream.queue.qsize())]
+    assert [c.finished for c in chunks] == [True]  # type: ignore[union-attr]
+
+
+def test_red_when_a_closed_stream_is_emitted_again(engines: dict[str, Engine], monkeypatch: pytest.MonkeyPatch) -> None:
+    def unguarded(self: OutputProcessor, reqs: Any) -> None:
+        for req in reqs:
+            st = self.streams.get(req.rid)
+            if st is not None:
+                self._emit_one(st)
+
+    monkeypatch.setattr(OutputProcessor, "emit", unguarded)
+    with pytest.raises(RuntimeError, match="after the detokenizer stopped or finished"):
+        test_a_request_back_from_its_look_ahead_step_gets_no_second_chunk(engines)
