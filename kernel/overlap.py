@@ -14,11 +14,17 @@ NOTE: what never goes ahead (it is planned again once N has landed, a step later
 - a request N's token will surely finish (max_new_tokens, the context length);
 - a finished request, and every request of a hybrid model (recurrent state; the engine
   never turns overlap on for one).
-A request ahead is never retracted (its step is in flight; the scheduler skips it as a
-victim). One that finishes at N (a stop token, a stop string, an abort) while it is in
-N+1 keeps its pages and row until N+1 lands; N+1's token is dropped, and `kv_len` is cut
-back to the tokens it really has (`Scheduler.apply`), so the prefix cache never takes
-the KV of a dropped token.
+A request in flight is never retracted: when the victim would be one, the scheduler
+sets `drain` and the loop lands the step in flight before it plans again, so the same
+victim is retracted as without overlap. One that finishes at N (a stop token, a stop
+string, an abort) while it is in N+1 keeps its pages and row until N+1 lands; N+1's
+token is dropped (its stream already has its final chunk: kernel/output.py), and
+`kv_len` is cut back to the tokens it really has (`Scheduler._computed_len`), so the
+prefix cache never takes the KV of a dropped token. Duplicate pages freed when a
+request in N+1 joins the cache's copy wait until N+1 lands (`PrefixReuse.deferred`).
+
+On CPU the device thread is a plain thread, so the same mechanism runs there and in the
+tests; it overlaps less (the forward and the loop share the cores).
 """
 
 from __future__ import annotations
