@@ -52,6 +52,13 @@ class SamplingRow:
         return self.repetition_penalty != 1.0 or bool(self.frequency_penalty or self.presence_penalty)
 
 
+def placeholder(table_row: int) -> int:
+    """The input id that stands for "the token the previous step samples for this
+    request-table row" (overlap scheduling): the device reads it from its per-row tensor
+    (gpu/step_inputs.py) when the step runs, so the host never waits for it."""
+    return -1 - table_row
+
+
 class SampledToken(NamedTuple):
     """What the device thread returns per sampling row."""
 
@@ -88,6 +95,15 @@ class PrefillChunk(NamedTuple):
         return self.table_row == 0 and self.prefix_len == 0 and not (self.state_src or self.state_dst)
 
 
+def _placeholders(chunk: PrefillChunk) -> int:
+    """NOTE: a negative input id is only ever the chunk's own row's placeholder."""
+    own = placeholder(chunk.table_row)
+    bad = [t for t in chunk.token_ids if t < 0 and t != own]
+    if bad:
+        raise ValueError(f"input id {bad[0]} in row {chunk.table_row}: not its own placeholder")
+    return chunk.token_ids.count(own)
+
+
 @dataclass(frozen=True)
 class ForwardBatch:
     input_ids: tuple[int, ...]  # all chunks' tokens, flattened in request order
@@ -105,6 +121,7 @@ class ForwardBatch:
     # Prompt positions whose logprobs are asked for (gpu/prompt_logprobs.py); a batch
     # with any runs eagerly.
     prompt_logprobs: tuple[PromptLogprobSpan, ...] = ()
+    placeholders: int = 0  # input ids that are `placeholder(row)`s, resolved on the device
 
     @classmethod
     def build(
@@ -121,6 +138,7 @@ class ForwardBatch:
                     f"malformed chunk: row {chunk.table_row}, {len(chunk.token_ids)} ids, "
                     f"prefix {chunk.prefix_len}"
                 )
+        placeholders = sum(_placeholders(c) for c in chunks if c.token_ids and min(c.token_ids) < 0)
         for index, _ in sampling:
             if not 0 <= index < len(chunks):
                 raise ValueError(f"sampling row for chunk {index} of {len(chunks)}")
@@ -139,4 +157,5 @@ class ForwardBatch:
             state_track=tuple(tuple((int(e), int(s)) for e, s in c.state_track) for c in chunks),
             state_copies=state_copies,
             prompt_logprobs=tuple(prompt_logprobs),
+            placeholders=placeholders,
         )

@@ -14,6 +14,7 @@ from gpu.forward_batch import ForwardBatch, SampledToken
 from gpu.models.hybrid_step import HybridStep
 from gpu.prompt_logprobs import PromptLogprobs, prompt_logprobs
 from gpu.sampling import SamplingBatch, sample
+from gpu.step_inputs import StepInputs, host_inputs
 
 if TYPE_CHECKING:
     from gpu.graphs.runner import GraphRunner
@@ -41,6 +42,9 @@ class ModelRunner:
         self.vocab_size = model.arch.vocab_size
         # Static-shape execution (graphs.mode cuda / emulate), attached by the builder.
         self.graphs: GraphRunner | None = None
+        # How index tensors reach the device; the builder swaps in one with pinned
+        # staging (CUDA) and the per-row next-token tensor (overlap scheduling).
+        self.inputs = StepInputs(self.device)
 
     @torch.inference_mode()
     def run(self, batch: ForwardBatch) -> StepOutput:
@@ -119,7 +123,7 @@ class ModelRunner:
             raise ValueError("a hybrid model's batch has tracked states for only some requests")
 
     def prepare(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return flat_inputs(batch, self.device)
+        return self.inputs.build(batch)
 
     def sample(self, logits: torch.Tensor, batch: ForwardBatch) -> list[SampledToken]:
         rows = batch.sampling
@@ -135,6 +139,10 @@ class ModelRunner:
             want_logprobs=[r.logprobs for r in rows],
         )
         res = sample(logits, sb)
+        next_tokens = self.inputs.next_tokens
+        if next_tokens is not None and res.token_tensor is not None:
+            # Overlap scheduling: the next step may already be queued with placeholders.
+            next_tokens.record([batch.rows[i] for i in batch.sample_rows], res.token_tensor)
         return [
             SampledToken(t, lp, top) for t, lp, top in zip(res.token_ids, res.logprobs, res.top_logprobs)
         ]
@@ -142,12 +150,6 @@ class ModelRunner:
 
 def flat_inputs(batch: ForwardBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """input_ids and positions of the flattened tokens, and the flat index of each
-    sampling request's last token."""
-    input_ids = torch.tensor(batch.input_ids, dtype=torch.int64, device=device)
-    prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64)
-    extend = torch.tensor(batch.extend_lens, dtype=torch.int64)
-    starts = torch.cumsum(extend, 0) - extend  # first flat index of each request
-    offsets = torch.arange(len(batch.input_ids)) - torch.repeat_interleave(starts, extend)
-    positions = (torch.repeat_interleave(prefix, extend) + offsets).to(device)
-    last = (starts + extend - 1)[torch.tensor(batch.sample_rows, dtype=torch.int64)]
-    return input_ids, positions, last.to(device)
+    sampling request's last token (no placeholders: see gpu/step_inputs.py)."""
+    input_ids, positions, last = host_inputs(batch)
+    return input_ids.to(device), positions.to(device), last.to(device)

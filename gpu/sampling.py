@@ -63,6 +63,7 @@ class SampleResult(NamedTuple):
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]]]
+    token_tensor: torch.Tensor | None = None  # token_ids, still on the device
 
 
 def _splitmix64(x: int) -> int:
@@ -242,7 +243,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
     scores = apply_penalties(logits, batch)
     tokens = argmax_rows(scores) if batch.all_greedy else _draw(scores, batch)
     if not batch.logprob_row_ids:  # the common case: nobody asked, no log_softmax at all
-        return SampleResult(tokens.tolist(), [math.nan] * batch.size, [[] for _ in range(batch.size)])
+        return SampleResult(tokens.tolist(), [math.nan] * batch.size, [[] for _ in range(batch.size)], tokens)
     rows = batch.logprob_rows
     asked = logits if rows is None else logits.index_select(0, rows)
     logprobs = torch.log_softmax(asked, dim=-1)
@@ -252,7 +253,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
     chosen_all = [math.nan] * batch.size
     for r, lp in zip(batch.logprob_row_ids, host[batch.size :]):
         chosen_all[r] = lp
-    return SampleResult([int(t) for t in host[: batch.size]], chosen_all, _top_logprobs(logprobs, batch))
+    return SampleResult([int(t) for t in host[: batch.size]], chosen_all, _top_logprobs(logprobs, batch), tokens)
 
 
 def argmax_rows(scores: torch.Tensor) -> torch.Tensor:

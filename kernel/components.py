@@ -24,6 +24,7 @@ from gpu.graphs.runner import GraphRunner
 from gpu.loader import load_checkpoint
 from gpu.model_runner import ModelRunner
 from gpu.quant.dispatch import QuantSpec
+from gpu.step_inputs import NextTokens, PinnedStaging, StepInputs
 from gpu.tokenizer import Tokenizer
 from kernel import registry
 from kernel.config import Config, ConfigError
@@ -37,6 +38,7 @@ from kernel.numerics_choice import (
     use_cpu_kernels,
     wants_blocks,
 )
+from kernel.overlap import resolve_overlap
 from kernel.prefix_reuse import PrefixReuse
 from kernel.scheduler import Scheduler
 from kernel.storage_io import weights_fingerprint
@@ -53,6 +55,7 @@ class Components(NamedTuple):
     num_pages: int
     context_length: int
     model_name: str
+    overlap: bool = False  # scheduler.overlap resolved (kernel/overlap.py)
 
 
 def storage_model_id(weights: dict[str, torch.Tensor], quantization: str) -> str:
@@ -134,7 +137,12 @@ def build_components(config: Config, device: torch.device) -> Components:
             if hybrid is not None:
                 prefix.host.state_pending = lambda slot: any(dst == slot for _, dst in hybrid.copies)
     runner = ModelRunner(model, pool, attention, states)
+    overlap = resolve_overlap(config.scheduler.overlap, device, hybrid=states is not None)
+    log.info("overlap_scheduling", on=overlap, setting=config.scheduler.overlap, hybrid=states is not None)
+    runner.inputs = _step_inputs(config, device, table.num_rows, overlap)
     runner.graphs = _graph_runner(config, model, attention, states, device)
+    if runner.graphs is not None:
+        runner.graphs.inputs = runner.inputs
     return Components(
         runner=runner,
         scheduler=Scheduler(
@@ -152,7 +160,18 @@ def build_components(config: Config, device: torch.device) -> Components:
         num_pages=num_pages,
         context_length=context,
         model_name=config.model.served_name or os.path.basename(config.model.path.rstrip("/")),
+        overlap=overlap,
     )
+
+
+def _step_inputs(config: Config, device: torch.device, num_rows: int, overlap: bool) -> StepInputs:
+    """Index tensors of each step: staged in pinned memory on CUDA (copied without
+    blocking), and with the per-row next-token tensor when overlap scheduling is on."""
+    sched = config.scheduler
+    staging = None
+    if device.type == "cuda":
+        staging = PinnedStaging(max(sched.max_num_batched_tokens, sched.max_running_requests), device)
+    return StepInputs(device, NextTokens(num_rows, device) if overlap else None, staging)
 
 
 def _graph_runner(

@@ -102,8 +102,13 @@ class SchedulerConfig:
     # A request whose prefix of at least this many tokens is being prefilled right now
     # by another request waits for it instead of computing it twice (0: never wait).
     share_prefix_min_tokens: int = 64
+    # Overlap scheduling (kernel/overlap.py): step N+1 is planned and submitted before
+    # step N's tokens are back, its decode rows reading N's tokens on the device.
+    # auto: on for CUDA, off on CPU (measured: benchmarks/overlap.py) and for hybrid models.
+    overlap: str = "auto"
 
     def validate(self) -> None:
+        _choice("scheduler.overlap", self.overlap, ("auto", "on", "off"))
         _positive("scheduler.lpm_fallback_queue", self.lpm_fallback_queue)
         if self.share_prefix_min_tokens < 0:
             raise ConfigError("scheduler.share_prefix_min_tokens must be >= 0")

@@ -97,6 +97,10 @@ class RequestStream:
         self.emitted = 0
         self.admitted = False
         self.finish_published = False
+        # A final chunk is queued: nothing more goes out. NOTE: a request that finished
+        # while a later step ran it (a stop string, or a look-ahead step with overlap
+        # scheduling) comes back from that step again; its stream may not be gone yet.
+        self.closed = False
         self.prompt_sent = False  # prompt logprobs go out once, with the first chunk
         self.queue: asyncio.Queue[OutputChunk | BaseException] = asyncio.Queue()
 
@@ -123,7 +127,11 @@ class RequestStream:
 
     def end(self) -> None:
         """Queue a final chunk with nothing new (the request ended without a token)."""
-        self.queue.put_nowait(self.chunk("", [], self.emitted))
+        self.put(self.chunk("", [], self.emitted))
+
+    def put(self, chunk: OutputChunk) -> None:
+        self.closed = chunk.finished
+        self.queue.put_nowait(chunk)
 
 
 StopText = Callable[[Request, str], None]  # finish a request whose text hit a stop string
@@ -150,7 +158,7 @@ class OutputProcessor:
     def emit(self, reqs: Iterable[Request]) -> None:
         for req in reqs:
             st = self.streams.get(req.rid)
-            if st is not None:
+            if st is not None and not st.closed:
                 self._emit_one(st)
 
     def _emit_one(self, st: RequestStream) -> None:
@@ -167,7 +175,7 @@ class OutputProcessor:
             elif req.finished:
                 text += st.detok.finish()
         self.generation_tokens += len(new_ids)
-        st.queue.put_nowait(st.chunk(text, new_ids, start))
+        st.put(st.chunk(text, new_ids, start))
         if self.events.active:
             self.events.emit("tokens", req.rid, count=len(new_ids), first=start == 0)
         if req.finished:
@@ -190,7 +198,7 @@ class OutputProcessor:
         if self.events.active:
             self.events.emit(
                 "finished", req.rid, reason=req.finish_reason, prompt_tokens=len(req.prompt_ids),
-                completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens,
+                completion_tokens=req.num_generated, cached_tokens=req.cached_tokens,
             )
 
     def fail(self, req: Request, exc: BaseException) -> None:

@@ -35,6 +35,9 @@ class PrefixReuse:
         self.hit_tokens = 0  # of which served from the cache
         self.truncated_tokens = 0  # cached KV a hit could not use: no state at its end
         self.host: HostTier | None = None  # the host tier, when hicache is on
+        # Overlap scheduling: duplicate pages a step in flight may still read through the
+        # request's old row mapping; freed once that step has landed (`free_deferred`).
+        self.deferred: list[int] = []
 
     @property
     def reuses(self) -> bool:
@@ -124,7 +127,13 @@ class PrefixReuse:
             # free ours (they are ours alone, so exactly once).
             req.pages[:full] = result.pages
             self.req_table.write_pages(req.row, 0, req.pages[:full], self.page_size)
-            self.allocator.free(dupes)
+            if req.inflight:
+                # NOTE: a look-ahead step that has this request may have read the row
+                # before the rewrite; a page freed now could be refilled (a host-tier
+                # load) while it still reads it.
+                self.deferred += dupes
+            else:
+                self.allocator.free(dupes)
         self.cache.lock(result.node)
         if req.cache_handle is not None:
             self.cache.unlock(req.cache_handle)
@@ -133,6 +142,12 @@ class PrefixReuse:
         if self.host is not None:
             self.host.after_insert(result.node)
         return state_slot is not None and result.duplicate_state is None
+
+    def free_deferred(self) -> None:
+        """A step has landed (or failed): free the duplicates deferred while it ran."""
+        if self.deferred:
+            self.allocator.free(self.deferred)
+            self.deferred = []
 
     def release(self, req: Request) -> None:
         """Give back every page the request owns; computed whole pages stay cached

@@ -72,7 +72,10 @@ class Request:
     storage_span: tuple[int, int] | None = None  # tokens its fetch brought into the host tier
     cached_by_tier: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
     cached_tokens: int = 0
-    inflight: bool = False
+    inflight: int = 0  # steps in flight that carry it (up to two with overlap scheduling)
+    # Overlap scheduling (kernel/overlap.py): kv_len and output_ids already count the step
+    # in flight, whose token is the placeholder (a negative id) at the end of output_ids.
+    ahead: bool = False
     finish_reason: str | None = None
     matched_stop: str | int | None = None
     error: str | None = None
@@ -96,6 +99,18 @@ class Request:
         if start >= n_prompt:
             return self.output_ids[start - n_prompt : end - n_prompt]
         return self.prompt_ids[start:] + self.output_ids[: end - n_prompt]
+
+    @property
+    def num_generated(self) -> int:
+        """Output tokens known on the host (a look-ahead placeholder is not one yet)."""
+        return len(self.output_ids) - (1 if self.output_ids and self.output_ids[-1] < 0 else 0)
+
+    def settle(self) -> None:
+        """The step it went ahead of has landed or failed: drop the placeholder."""
+        if self.ahead:
+            self.ahead = False
+            if self.output_ids and self.output_ids[-1] < 0:
+                self.output_ids.pop()
 
     def finish(self, reason: str, matched: str | int | None = None) -> None:
         if self.status is not Status.FINISHED:

@@ -33,12 +33,10 @@ class ScheduledChunk(NamedTuple):
     state_src: int = 0  # hybrid models: the slots this chunk reads / writes its state,
     state_dst: int = 0
     state_track: tuple[tuple[int, int], ...] = ()  # and (length, slot) checkpoints inside it
-
-    @property
-    def samples(self) -> bool:
-        """A chunk that reaches the end of the known tokens produces the next token
-        (unless nothing is to be generated: a prompt scored for its logprobs only)."""
-        return self.start + self.length == self.req.total_len and self.req.params.max_new_tokens > 0
+    # A chunk that reaches the end of the known tokens produces the next token (unless
+    # nothing is to be generated: a prompt scored for its logprobs only). NOTE: fixed
+    # when planned: with overlap scheduling the request's length moves before it lands.
+    samples: bool = False
 
 
 class StepPlan(NamedTuple):
@@ -86,6 +84,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # admitted (hold a table row), oldest first
         self.num_retractions = 0
+        self.drain = False  # overlap: a retraction waits for the steps in flight (see _newest)
 
     # ---- queue ------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -113,13 +112,16 @@ class Scheduler:
         while True:
             chunks = self._plan(retracted)
             # A request waiting for its prefix to load is not blocked: do not retract it.
-            if chunks or not self.running or any(r.loading is not None for r in self.running):
+            victim = None
+            if not chunks and self.running and not any(r.loading is not None for r in self.running):
+                # Every admitted request is blocked on pages the others hold: give the
+                # newest one's pages back so the older ones can move.
+                victim = self._newest(exclude=())
+            if victim is None:
                 for chunk in chunks:
-                    chunk.req.inflight = True
+                    chunk.req.inflight += 1
                 return StepPlan(chunks, retracted)
-            # Every admitted request is blocked on pages the others hold: give the
-            # newest one's pages back so the older ones can move.
-            retracted.append(self._retract(self._newest(exclude=())))
+            retracted.append(self._retract(victim))
 
     def _plan(self, retracted: list[Request]) -> list[ScheduledChunk]:
         budget = self.config.max_num_batched_tokens
@@ -128,6 +130,8 @@ class Scheduler:
         for req in list(self.running):
             if req.status is not Status.RUNNING or req.total_len - req.kv_len != 1 or budget == 0:
                 continue
+            if req.inflight and not req.ahead:
+                continue  # overlap: its step in flight decides what comes next
             if not self._reserve_decode(req, planned, retracted):
                 continue
             chunks.append(self._chunk(req, 1))
@@ -138,6 +142,8 @@ class Scheduler:
                 self.prefix.host.expire(req)
             if req.loading is not None:
                 continue  # its prefix is being loaded back from the host tier
+            if req.inflight and not req.ahead:
+                continue
             if req.status is Status.RUNNING and req.total_len - req.kv_len > 1 and budget > 0:
                 length = self._plan_prefill(req, budget)
                 if length:
@@ -164,10 +170,11 @@ class Scheduler:
         return chunks
 
     def _chunk(self, req: Request, length: int) -> ScheduledChunk:
+        samples = req.kv_len + length == req.total_len and req.params.max_new_tokens > 0
         if self.hybrid is None:
-            return ScheduledChunk(req, req.kv_len, length)
+            return ScheduledChunk(req, req.kv_len, length, samples=samples)
         src, dst, track = self.hybrid.plan(req, req.kv_len, length)
-        return ScheduledChunk(req, req.kv_len, length, src, dst, track)
+        return ScheduledChunk(req, req.kv_len, length, src, dst, track, samples)
 
     def _prefix_in_flight(self, req: Request) -> bool:
         """Whether a prefilling request shares a prefix of >= share_prefix_min_tokens
@@ -227,6 +234,8 @@ class Scheduler:
     def _reserve_decode(self, req: Request, planned: set[int], retracted: list[Request]) -> bool:
         while not self._reserve(req, req.kv_len + 1):
             victim = self._newest(exclude=planned)
+            if victim is None:
+                return False  # overlap: only requests in flight are left; wait for them to land
             retracted.append(self._retract(victim))
             if victim is req:
                 return False
@@ -267,9 +276,17 @@ class Scheduler:
         req.kv_len = 0
         self.waiting.append(req)
 
-    def _newest(self, exclude: set[int] | Sequence[int]) -> Request:
+    def _newest(self, exclude: set[int] | Sequence[int]) -> Request | None:
+        """The retraction victim: the newest running request not excluded. NOTE: a
+        request in flight (overlap scheduling) is never retracted — its step still
+        writes its pages: None then, and `drain` asks the loop to land the steps in
+        flight before it plans again, so the same victim is retracted then."""
         candidates = [r for r in self.running if id(r) not in exclude]
-        return max(candidates, key=lambda r: r.arrival)
+        victim = max(candidates, key=lambda r: r.arrival)
+        if victim.inflight:
+            self.drain = True
+            return None
+        return victim
 
     def _retract(self, req: Request) -> Request:
         """Free a running request's pages and re-queue it; it recomputes later."""
@@ -297,14 +314,16 @@ class Scheduler:
     def apply(self, plan: StepPlan, sampled: Sequence[SampledToken]) -> list[Request]:
         """Record a finished step; returns the requests that got a new token."""
         produced: list[Request] = []
+        self.prefix.free_deferred()  # deferred while this step ran (overlap)
         tokens = iter(sampled)
         for chunk in plan.chunks:
             req = chunk.req
-            req.inflight = False
-            req.kv_len = chunk.start + chunk.length
+            req.inflight -= 1
+            req.settle()
+            req.kv_len = self._computed_len(req, chunk)
             token = next(tokens) if chunk.samples else None
             if req.finished:  # aborted or stopped by text while this step ran
-                self.release(req)
+                self._release_landed(req)
                 continue
             self._cache_step(req, chunk)
             if token is None:
@@ -315,8 +334,21 @@ class Scheduler:
             self._append(req, token)
             produced.append(req)
             if req.finished:
-                self.release(req)
+                self._release_landed(req)
         return produced
+
+    @staticmethod
+    def _computed_len(req: Request, chunk: ScheduledChunk) -> int:
+        """The request's tokens with valid KV once `chunk` has landed. NOTE: never past
+        the tokens it has: one aborted while a look-ahead step ran it (overlap) dropped
+        the previous step's token, and the KV that step computed for it is not valid."""
+        return min(chunk.start + chunk.length, req.total_len)
+
+    def _release_landed(self, req: Request) -> None:
+        """Release a finished request once no step in flight carries it any more
+        (overlap: the look-ahead step that has it too lands later and releases it)."""
+        if not req.inflight:
+            self.release(req)
 
     def _cache_step(self, req: Request, chunk: ScheduledChunk) -> None:
         """Offer what the step computed to the prefix cache: every prefill chunk's whole
@@ -350,6 +382,7 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Invariants 1 and 3: aligned chunk cuts and exact page accounting."""
         held: list[int] = [p for r in self.running for p in r.pages[r.shared_pages :]]
+        held += self.prefix.deferred  # duplicates a step in flight may still read
         host = self.prefix.host
         if host is not None:
             held += host.held_pages()  # pages loads in flight are filling

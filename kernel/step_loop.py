@@ -3,6 +3,9 @@
 Step N+1 is planned and submitted as soon as step N's tokens are applied, and only
 then is step N's output detokenized and streamed, so text work overlaps the forward.
 Planning waits for N's ids because a finish or a retraction changes the next plan.
+With `scheduler.overlap` on it does not (kernel/overlap.py): N+1 is planned and
+submitted while N runs, its decode rows reading N's tokens on the device, and the loop
+applies and emits N while N+1 runs.
 
 NOTE: the loop must never die silently. A failed device step fails only its own
 requests; anything else that raises here (a planner bug, a double free, a broken
@@ -24,6 +27,7 @@ from gpu.forward_batch import ForwardBatch, PrefillChunk, SamplingRow
 from gpu.model_runner import ModelRunner, StepOutput
 from kernel import prompt_logprobs
 from kernel.output import OutputProcessor
+from kernel.overlap import look_ahead
 from kernel.request import Request
 from kernel.scheduler import Scheduler, StepPlan
 
@@ -32,7 +36,7 @@ log = structlog.get_logger("tierserve")
 class StepLoop:
     def __init__(
         self, scheduler: Scheduler, device_thread: DeviceThread, runner: ModelRunner, output: OutputProcessor,
-        check_invariants: bool, halt: Callable[[BaseException], None],
+        check_invariants: bool, halt: Callable[[BaseException], None], overlap: bool = False,
     ) -> None:
         self.scheduler = scheduler
         self.device_thread = device_thread
@@ -42,10 +46,13 @@ class StepLoop:
         self.halt = halt
         self.wake = asyncio.Event()
         self.steps = 0
+        # Overlap scheduling; it needs dense models (kernel/overlap.resolve_overlap).
+        self.overlap = overlap and scheduler.hybrid is None
+        self.overlapped = 0  # steps submitted while the previous one was still in flight
 
     async def run(self) -> None:
         try:
-            await self._loop()
+            await (self._overlap_loop() if self.overlap else self._loop())
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
@@ -66,11 +73,40 @@ class StepLoop:
                     await self.idle(plan)
                 continue
             assert plan is not None
-            sampled = await self.await_step(plan, step)
-            if sampled is None:
+            emit_next = await self.land(plan, step)
+
+    async def _overlap_loop(self) -> None:
+        """Plan and submit N+1, then await, apply and emit N while N+1 runs."""
+        inflight: tuple[StepPlan, asyncio.Future[Any]] | None = None
+        while True:
+            if self.scheduler.drain:  # a retraction waits for the step in flight:
+                self.scheduler.drain = False  # land it, then plan as without overlap
+                if inflight is not None:
+                    self.output.emit(await self.land(*inflight))
+                    inflight = None
+            plan = self.plan()
+            step = self.submit(plan)
+            if inflight is not None:
+                self.overlapped += step is not None
+                self.output.emit(await self.land(*inflight))
+            elif step is None:
+                if not await self.flush_state_copies():
+                    await self.idle(plan)
                 continue
-            emit_next = self.apply(plan, sampled)
-            self.check()
+            inflight = None
+            if step is not None:
+                assert plan is not None
+                look_ahead(plan, self.scheduler.max_context)  # what N+2 is planned from
+                inflight = plan, step
+
+    async def land(self, plan: StepPlan, step: asyncio.Future[Any]) -> list[Request]:
+        """Await a step and apply it: the requests whose output to emit ([] if it failed)."""
+        sampled = await self.await_step(plan, step)
+        if sampled is None:
+            return []
+        produced = self.apply(plan, sampled)
+        self.check()
+        return produced
 
     def plan(self) -> StepPlan | None:
         if not self.scheduler.has_work():
@@ -135,13 +171,16 @@ class StepLoop:
             self.scheduler.check_integrity()
 
     def fail(self, plan: StepPlan, exc: Exception) -> None:
+        self.scheduler.prefix.free_deferred()
         for chunk in plan.chunks:
             req = chunk.req
-            req.inflight = False
+            req.inflight -= 1
+            req.settle()
             if not req.finished:
                 req.finish("error")
                 req.error = str(exc)
-            self.scheduler.release(req)
+            if not req.inflight:  # else: when the look-ahead step that has it lands
+                self.scheduler.release(req)
             self.output.fail(req, RuntimeError(f"step failed: {exc}"))
 
 

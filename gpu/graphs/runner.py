@@ -36,6 +36,7 @@ from gpu.forward_batch import ForwardBatch, PrefillChunk, SamplingRow
 from gpu.graphs.static_buffers import BufferSpec, StaticBufferError, StaticBuffers
 from gpu.model_runner import flat_inputs
 from gpu.models.hybrid_step import HybridStep
+from gpu.step_inputs import StepInputs
 
 log = structlog.get_logger("tierserve")
 
@@ -45,6 +46,7 @@ ATTN = "attention."  # prefix of the attention backend's buffers in the registry
 # backend's metadata); hybrid-only buffers are checked only for hybrid models.
 BATCH_FIELDS: dict[str, tuple[str, ...]] = {
     "input_ids": ("input_ids",),
+    "placeholders": ("input_ids",),  # resolved into input_ids before the copy (gpu/step_inputs.py)
     "rows": (ATTN + "*",),
     "prefix_lens": ("positions", ATTN + "*"),
     "extend_lens": ("positions", ATTN + "*"),
@@ -113,6 +115,7 @@ class GraphRunner:
         self._stream: Any = None
         self._views: dict[str, torch.Tensor] = {}  # what the last staged batch left
         self.replays: Counter[Bucket] = Counter()  # per bucket: how many steps ran in it
+        self.inputs: StepInputs | None = None  # the model runner's (shared by the builder)
 
     def _graph(self, bucket: Bucket) -> Graph:
         rows = {"tokens": bucket.tokens, "requests": bucket.requests}
@@ -237,7 +240,7 @@ class GraphRunner:
     def _live(self, batch: ForwardBatch) -> dict[str, torch.Tensor]:
         """The live rows of every registered buffer for this batch."""
         dev = self.device
-        input_ids, positions, last = flat_inputs(batch, dev)
+        input_ids, positions, last = self.inputs.build(batch) if self.inputs is not None else flat_inputs(batch, dev)
         live = {"input_ids": input_ids, "positions": positions, "sample_index": last}
         meta = self.attention.static_metadata(batch.rows, batch.prefix_lens, batch.extend_lens)
         live.update({ATTN + k: v for k, v in meta.items()})
