@@ -56,9 +56,9 @@ def build_linear(spec: QuantSpec | None, names: Sequence[str], dense: torch.Tens
     quant: QuantLinear
     if spec.mode == "int4" and all(n in spec.blocks for n in names):
         nibbles, scales, zeros = cat_blocks([spec.blocks[n] for n in names])
-        quant = Int4Linear(nibbles, scales, zeros, dense.dtype)
+        quant = Int4Linear(nibbles, scales, zeros, dense.dtype, kernels=spec.cpu_kernels)
     else:
-        quant = Int8Linear.quantize(dense, dense.dtype)
+        quant = Int8Linear.quantize(dense, dense.dtype, kernels=spec.cpu_kernels)
     return QuantizedWeight(quant, dense if spec.keep_dense else None)
 
 
