@@ -40,7 +40,7 @@ def rows_for(n: int) -> tuple[int, ...]:
     return ROWS if n <= 3072 else HEAD_ROWS
 
 
-def q4_case(kind: str, k: int, n: int, seed: int = 0) -> tuple[Int4Linear, torch.Tensor, torch.Tensor]:
+def q4_case(kind: str, k: int, n: int, seed: int = 0) -> tuple[Int4Linear, torch.Tensor, np.ndarray]:
     """A kernel-backed Int4Linear on gguf-quantized blocks and the gguf dequantized weight."""
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((n, k)) * 0.02 + rng.standard_normal((n, 1)) * 0.01).astype(np.float32)
