@@ -13,6 +13,9 @@ benchmarks/quant_linear.py), where weight bytes bound the time (decode); larger 
 compute-bound and bfloat16/float32 GEMMs beat the quantized ops there
 (benchmarks/quant_linear.py), so the layer keeps its dense weight for them too: memory is
 the dense weight plus the quantized one (+25 % over bf16 for int4, +50 % for int8).
+With `QuantSpec.cpu_kernels` (model.cpu_kernels on, never in deterministic mode) the
+quantized linears run tierserve's C++ few-row kernels instead of torch's ops
+(gpu/quant/gemv.py; their row limits are their own crossovers), in the same number of bytes.
 
 NOTE: invariant 7. In deterministic mode every row runs the quantized op in fixed tiles of
 LINEAR_TILE rows (never the dense copy, which is not kept), so a token's logits do not

@@ -240,6 +240,10 @@ void run_pass(const Problem<Out>& p, int rows) {
   // NOTE: at least ~32 KB of weight per work item, so small matrices do not pay for threads they cannot use
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / item_bytes);
   at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
+    // the stream's head: the loops prefetch kPrefetchBytes ahead, this covers what comes before
+    const uint8_t* head = p.w + i0 * item_bytes;
+    const int64_t head_bytes = std::min(kPrefetchBytes, (i1 - i0) * item_bytes);
+    for (int64_t line = 0; line < head_bytes; line += 64) prefetch(head + line);
     fn(p, i0 * kTile, std::min(p.N, i1 * kTile));
   });
 }
