@@ -37,7 +37,7 @@ async def decode_tok_s(engine: AsyncEngine, prompt: list[int], tokens: int) -> f
 async def run(args: argparse.Namespace) -> None:
     engines: dict[str, Any] = {}
     for setting in SETTINGS:
-        overrides = parse_set_args([*args.set, f"model.cpu_kernels={setting}"])
+        overrides = {**parse_set_args(args.set), "model.cpu_kernels": setting}  # "off" would parse as False
         engines[setting] = await AsyncEngine.create(load_config(CONFIG, overrides))
     speeds: dict[str, list[float]] = {s: [] for s in SETTINGS}
     progress = Progress("decode", args.rounds * len(SETTINGS), enabled=True)

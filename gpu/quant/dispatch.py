@@ -15,7 +15,8 @@ compute-bound and bfloat16/float32 GEMMs beat the quantized ops there
 the dense weight plus the quantized one (+25 % over bf16 for int4, +50 % for int8).
 With `QuantSpec.cpu_kernels` (model.cpu_kernels on, never in deterministic mode) the
 quantized linears run tierserve's C++ few-row kernels instead of torch's ops
-(gpu/quant/gemv.py; their row limits are their own crossovers), in the same number of bytes.
+(gpu/quant/gemv.py), in the same number of bytes, with their own crossovers as row limits
+(12 for int8, 16 for int4: `benchmarks/quant_linear.py --model --force-quant`).
 
 NOTE: invariant 7. In deterministic mode every row runs the quantized op in fixed tiles of
 LINEAR_TILE rows (never the dense copy, which is not kept), so a token's logits do not
