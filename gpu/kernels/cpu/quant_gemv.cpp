@@ -46,7 +46,7 @@ constexpr int64_t kGroup = 32;                  // weights per 4-bit group along
 constexpr int64_t kTile = 16;                   // output rows per work item (q4: per interleaved tile)
 constexpr int64_t kTileGroupBytes = kTile * 4 + kTile * kGroup / 2;  // d, m (fp16) + nibbles
 constexpr int kMaxRows = 8;                     // rows of x per pass over the weight
-constexpr int64_t kPrefetchBytes = 4096;        // software prefetch distance along a stream
+constexpr int64_t kPrefetchBytes = 16384;       // software prefetch distance along a stream (4 KB: 0.92x the op in-model, 16-32 KB: 1.1x)
 
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
