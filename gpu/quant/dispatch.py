@@ -13,6 +13,10 @@ benchmarks/quant_linear.py), where weight bytes bound the time (decode); larger 
 compute-bound and bfloat16/float32 GEMMs beat the quantized ops there
 (benchmarks/quant_linear.py), so the layer keeps its dense weight for them too: memory is
 the dense weight plus the quantized one (+25 % over bf16 for int4, +50 % for int8).
+With `QuantSpec.cpu_kernels` (model.cpu_kernels on, never in deterministic mode) the
+quantized linears run tierserve's C++ few-row kernels instead of torch's ops
+(gpu/quant/gemv.py), in the same number of bytes, with their own crossovers as row limits
+(12 for int8, 16 for int4: `benchmarks/quant_linear.py --model --force-quant`).
 
 NOTE: invariant 7. In deterministic mode every row runs the quantized op in fixed tiles of
 LINEAR_TILE rows (never the dense copy, which is not kept), so a token's logits do not
@@ -56,9 +60,9 @@ def build_linear(spec: QuantSpec | None, names: Sequence[str], dense: torch.Tens
     quant: QuantLinear
     if spec.mode == "int4" and all(n in spec.blocks for n in names):
         nibbles, scales, zeros = cat_blocks([spec.blocks[n] for n in names])
-        quant = Int4Linear(nibbles, scales, zeros, dense.dtype)
+        quant = Int4Linear(nibbles, scales, zeros, dense.dtype, kernels=spec.cpu_kernels)
     else:
-        quant = Int8Linear.quantize(dense, dense.dtype)
+        quant = Int8Linear.quantize(dense, dense.dtype, kernels=spec.cpu_kernels)
     return QuantizedWeight(quant, dense if spec.keep_dense else None)
 
 

@@ -12,12 +12,19 @@ the compute dtype; only the weights are quantized.
   to scale = d, zero = m + 8 d, and a Q4_0 block (w = d * (q - 8)) to scale = d, zero = 0.
 
 Both are callables `layer(x, bias=None)` like `F.linear(x, weight, bias)`; gpu/quant/dispatch.py
-chooses between them and a dense copy per call.
+chooses between them and a dense copy per call. Built with `kernels=True` (model.cpu_kernels,
+never in deterministic mode) and the C++ kernels available for the dtype, they run
+tierserve's few-row kernels instead (gpu/quant/gemv.py: the int8 weight as it is, 4-bit
+weights repacked into their interleaved layout; only the format the layer runs is kept).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+from gpu.quant import gemv
 
 GROUP = 32  # elements per 4-bit group along K (= a GGUF block)
 _INNER_K_TILES = 2  # packing parameter of the CPU int4 op (K must be a multiple of 16 * this)
@@ -27,28 +34,37 @@ class Int8Linear:
     # Rows up to which the op beats a bf16 GEMM (benchmarks/quant_linear.py): above that
     # the step is compute-bound and the dense weight is faster.
     max_rows = 4
+    kernel_max_rows = 12  # the same with the C++ kernel (quant_linear.py --model --force-quant)
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor) -> None:
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, kernels: bool = False) -> None:
         assert qweight.dtype == torch.int8 and qweight.dim() == 2
         self.qweight = qweight.contiguous()
         self.scales = scales.contiguous()
         self.out_features, self.in_features = qweight.shape
+        self.kernel_scales: torch.Tensor | None = None  # float32 [N] when the C++ kernel runs
+        if kernels and gemv.available(scales.dtype) and self.in_features % GROUP == 0:
+            self.kernel_scales = self.scales.float()
+            self.max_rows = self.kernel_max_rows
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, dtype: torch.dtype) -> Int8Linear:
+    def quantize(cls, weight: torch.Tensor, dtype: torch.dtype, kernels: bool = False) -> Int8Linear:
         """Symmetric per-output-channel int8 of a float weight [N, K]."""
         w = weight.float()
         # Rounded to the compute dtype first and quantized with the rounded scale, so the
         # op's weight stays within half a step of w (the scale's rounding is not multiplied by q).
         scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).to(dtype)
         q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
-        return cls(q, scales)
+        return cls(q, scales, kernels)
 
     def dequantize(self) -> torch.Tensor:
         return self.qweight.float() * self.scales.float()[:, None]
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        out = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+        if self.kernel_scales is not None:
+            scales = self.kernel_scales
+            out = on_rows(x, self.out_features, lambda rows: gemv.int8_matmul(rows, self.qweight, scales))
+        else:
+            out = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
         return out + bias if bias is not None else out
 
     def nbytes(self) -> int:
@@ -57,38 +73,58 @@ class Int8Linear:
 
 class Int4Linear:
     max_rows = 8  # see Int8Linear.max_rows
+    kernel_max_rows = 16  # two 8-row passes over 4-bit weights still read fewer bytes than bf16's one
 
-    def __init__(self, nibbles: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(
+        self, nibbles: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype,
+        kernels: bool = False,
+    ) -> None:
         """nibbles: int32 [N, K] in 0..15; scales, zeros: [N, K / GROUP] (op convention above)."""
         n, k = nibbles.shape
         if k % (16 * _INNER_K_TILES) or k % GROUP:
             raise ValueError(f"int4 linear needs K divisible by {16 * _INNER_K_TILES}, got {k}")
-        self.out_features, self.in_features = n, k
+        self.out_features, self.in_features, self.dtype = n, k, dtype
+        self.kernel = kernels and gemv.available(dtype)
+        if self.kernel:  # the kernel's w = d * q + m: m = zero - 8 * scale
+            self.packed = gemv.pack_q4(nibbles, scales, zeros.float() - 8.0 * scales.float())
+            self.scales_and_zeros = torch.empty(0, dtype=dtype)
+            self.max_rows = self.kernel_max_rows
+            return
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles.to(torch.int32), _INNER_K_TILES)
         # [K / GROUP, N, 2]: the op's scales_and_zeros layout
         self.scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype).contiguous()
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, dtype: torch.dtype) -> Int4Linear:
+    def quantize(cls, weight: torch.Tensor, dtype: torch.dtype, kernels: bool = False) -> Int4Linear:
         """Asymmetric 4-bit groups (min/max) of a float weight [N, K] (no Q4 blocks to reuse)."""
         n, k = weight.shape
         g = weight.float().reshape(n, k // GROUP, GROUP)
         lo, hi = g.amin(-1), g.amax(-1)
         scale = ((hi - lo) / 15.0).clamp(min=1e-12)
         q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
-        return cls(q.reshape(n, k), scale, lo + 8 * scale, dtype)
+        return cls(q.reshape(n, k), scale, lo + 8 * scale, dtype, kernels)
 
     def dequantize(self) -> torch.Tensor:
         """The float weight the op computes with (for tests)."""
-        eye = torch.eye(self.in_features, dtype=self.scales_and_zeros.dtype)
-        return self(eye).t().float()
+        return self(torch.eye(self.in_features, dtype=self.dtype)).t().float()
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_and_zeros)
+        if self.kernel:
+            out = on_rows(x, self.out_features, lambda rows: gemv.q4_matmul(rows, self.packed, self.out_features))
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_and_zeros)
         return out + bias if bias is not None else out
 
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scales_and_zeros.nbytes
+
+
+def on_rows(x: torch.Tensor, n: int, matmul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """A C++ kernel's matmul on x [..., K] seen as rows [M, K] of a dtype it takes."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.dtype not in gemv.DTYPES:
+        return matmul(rows.float()).to(x.dtype).reshape(*x.shape[:-1], n)
+    return matmul(rows).reshape(*x.shape[:-1], n)
 
 
 QuantLinear = Int8Linear | Int4Linear

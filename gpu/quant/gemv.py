@@ -1,0 +1,53 @@
+"""tierserve's C++ few-row quantized matmuls (gpu/kernels/cpu/quant_gemv.cpp) from Python.
+
+The kernels stream each weight byte once per call for up to 8 rows of x, so decode steps run
+near memory bandwidth; they take float32 or bfloat16 activations and accumulate in float32.
+
+- int8: the int8 weight [N, K] as it is, with float32 per-row scales (w = q * s).
+- 4-bit: `pack_q4` interleaves tiles of 16 output rows: per tile and group of 32 along K,
+  16 fp16 scales d, 16 fp16 offsets m (w = d * q + m), then for each pair of columns
+  (2j, 2j + 1) 16 bytes, byte r holding row r's weight 2j (low nibble) and 2j + 1 (high).
+  NOTE: the C++ kernel reads exactly this layout (see its header).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from gpu.kernels import cpu
+
+KERNELS = "quant_gemv"
+DTYPES = (torch.float32, torch.bfloat16)  # activation dtypes the kernels take
+TILE = 16  # output rows per interleaved tile
+GROUP = 32  # 4-bit weights per (d, m) group along K
+
+
+def available(dtype: torch.dtype) -> bool:
+    """The kernels are built (or buildable) here and take activations of `dtype`."""
+    return dtype in DTYPES and cpu.load(KERNELS)
+
+
+def pack_q4(nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """uint8 [ceil(N / 16), K / 32 * 320] from nibbles int [N, K] in 0..15 and d, m
+    [N, K / 32] (w = d * q + m); rows past N are zeros (never written out)."""
+    n, k = nibbles.shape
+    pad = (-n) % TILE
+    tiles, groups = (n + pad) // TILE, k // GROUP
+    q = F.pad(nibbles.to(torch.uint8), (0, 0, 0, pad)).reshape(tiles, TILE, groups, GROUP // 2, 2)
+    pairs = (q[..., 0] | (q[..., 1] << 4)).permute(0, 2, 3, 1)  # [tile, group, pair, row]
+
+    def halves(v: torch.Tensor) -> torch.Tensor:  # [N, groups] -> uint8 [tile, group, 32]
+        v = F.pad(v.to(torch.float16), (0, 0, 0, pad)).reshape(tiles, TILE, groups)
+        return v.permute(0, 2, 1).contiguous().view(torch.uint8)
+
+    parts = [halves(scales), halves(offsets), pairs.reshape(tiles, groups, -1)]
+    return torch.cat(parts, dim=-1).reshape(tiles, -1).contiguous()
+
+
+def q4_matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    return torch.ops.tierserve_cpu.quant_gemv_q4(x, packed, out_features)
+
+
+def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return torch.ops.tierserve_cpu.quant_gemv_int8(x, qweight, scales)
