@@ -174,11 +174,12 @@ def test_engine_greedy_outputs_equal_with_kernels_off(tiny_chat_folder: str, tin
     assert tiny_engine.engine.parts.runner.attention._use_kernel
     prompts = ["Hello there", "x" * 40, "The weather today is", "a b c d e f g h i j k l m n o p"]
     params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True, "return_logprob": True}
-    auto = tiny_engine.generate(prompts, params)
+    auto: list[Any] = tiny_engine.generate(prompts, params)
     off_engine = Engine(None, {"model.path": tiny_chat_folder, **TINY_OVERRIDES, "model.cpu_kernels": "off"})
     try:
-        assert not off_engine.engine.parts.runner.attention._use_kernel
-        off = off_engine.generate(prompts, params)
+        off_attention = off_engine.engine.parts.runner.attention
+        assert isinstance(off_attention, TorchAttention) and not off_attention._use_kernel
+        off: list[Any] = off_engine.generate(prompts, params)  # type: ignore[assignment]
     finally:
         off_engine.shutdown()
     assert [o["output_ids"] for o in auto] == [o["output_ids"] for o in off]
