@@ -34,7 +34,7 @@ namespace {
 
 using bf16 = c10::BFloat16;
 
-constexpr int kBlock = 32;          // keys per softmax update (a multiple of every vector width)
+constexpr int kBlock = 64;          // keys per softmax update (a multiple of every vector width)
 constexpr int64_t kMinChunk = 32;   // fewest keys worth a work item of their own
 constexpr int kItemsPerThread = 8;  // cut rows into chunks until there are this many items per thread
 constexpr int64_t kMaxHeadDim = 512;
@@ -258,6 +258,10 @@ class Attender {
   using V = typename S::V;
   using R = Rows<S, T>;
   static constexpr int64_t kMaxVecs = NV > 0 ? NV : kMaxHeadDim / S::W;
+  // Query heads whose accumulators fit in the vector registers beside one V row (32
+  // registers with AVX-512, 16 with AVX2); one at a time for head dims of no fixed size.
+  static constexpr int kRegisters = S::W == 16 ? 32 : 16;
+  static constexpr int kHeadsPerPass = NV > 0 ? std::clamp((kRegisters - 4) / NV - 1, 1, 4) : 1;
 
  public:
   explicit Attender(const Problem<T>& p) : p_(p), nv_(NV > 0 ? NV : p.dim / S::W) {
@@ -334,7 +338,7 @@ class Attender {
     for (int64_t h = 0; h < p_.kv_heads; ++h) {
       score(h, n, slot_off);
       for (int64_t i = 0; i < p_.group; ++i) softmax(h * p_.group + i, n);
-      for (int64_t i = 0; i < p_.group; ++i) accumulate(h, h * p_.group + i, n, slot_off);
+      accumulate(h, n, slot_off);
     }
   }
 
@@ -396,19 +400,37 @@ class Attender {
     }
   }
 
-  // acc[head] += sum_j p[head][j] * v_j, the accumulator held in registers over the block.
-  void accumulate(int64_t h, int64_t head, int n, const int64_t* slot_off) {
-    float* acc = st_.acc + head * p_.dim;
-    const float* prob = scores_ + head * kBlock;
+  // acc[head] += sum_j p[head][j] * v_j for the query heads of kv head h, up to
+  // kHeadsPerPass heads at a time: their accumulators stay in registers over the block
+  // and each V row is loaded (and converted) once per pass.
+  void accumulate(int64_t h, int n, const int64_t* slot_off) {
+    for (int64_t i0 = 0; i0 < p_.group; i0 += kHeadsPerPass) {
+      switch (std::min<int64_t>(kHeadsPerPass, p_.group - i0)) {
+        case 4: accumulate_heads<4>(h, h * p_.group + i0, n, slot_off); break;
+        case 3: accumulate_heads<3>(h, h * p_.group + i0, n, slot_off); break;
+        case 2: accumulate_heads<2>(h, h * p_.group + i0, n, slot_off); break;
+        default: accumulate_heads<1>(h, h * p_.group + i0, n, slot_off);
+      }
+    }
+  }
+
+  template <int HP>
+  void accumulate_heads(int64_t h, int64_t head0, int n, const int64_t* slot_off) {
     const int64_t nv = NV > 0 ? NV : nv_;
-    V a[kMaxVecs], vv[kMaxVecs];
-    for (int64_t c = 0; c < nv; ++c) a[c] = S::load(acc + c * S::W);
+    V a[HP][kMaxVecs], vv[kMaxVecs];
+    for (int i = 0; i < HP; ++i) {
+      for (int64_t c = 0; c < nv; ++c) a[i][c] = S::load(st_.acc + (head0 + i) * p_.dim + c * S::W);
+    }
     for (int j = 0; j < n; ++j) {
       load_row(p_.v + slot_off[j] + h * p_.dim, vv);
-      const V pj = S::set1(prob[j]);
-      for (int64_t c = 0; c < nv; ++c) a[c] = S::fma(pj, vv[c], a[c]);
+      for (int i = 0; i < HP; ++i) {
+        const V pj = S::set1(scores_[(head0 + i) * kBlock + j]);
+        for (int64_t c = 0; c < nv; ++c) a[i][c] = S::fma(pj, vv[c], a[i][c]);
+      }
     }
-    for (int64_t c = 0; c < nv; ++c) S::store(acc + c * S::W, a[c]);
+    for (int i = 0; i < HP; ++i) {
+      for (int64_t c = 0; c < nv; ++c) S::store(st_.acc + (head0 + i) * p_.dim + c * S::W, a[i][c]);
+    }
   }
 
   const Problem<T>& p_;
