@@ -189,6 +189,16 @@ def test_engine_greedy_outputs_equal_with_kernels_off(tiny_chat_folder: str, tin
         assert lp_a == pytest.approx(lp_b, abs=1e-4)
 
 
+def test_build_key_covers_the_kernels_headers(tmp_path: Path) -> None:
+    """The kernel's vector layer lives in paged_attention_vec.h: editing it must rebuild."""
+    source, header = tmp_path / "kern.cpp", tmp_path / "kern_vec.h"
+    source.write_text('#include "kern_vec.h"\n')
+    header.write_text("// one\n")
+    before = cpu._digest(source)
+    header.write_text("// two\n")
+    assert cpu._digest(source) != before
+
+
 VARIANT_RUN = """
 import functools, sys
 import pytest
