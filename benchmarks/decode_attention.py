@@ -10,6 +10,8 @@ its C++ paged decode kernel (cpu_kernels on); `--compare TREE` alternates TREE's
 and this repo's (both on the torch path unless --kernel is given too). Each batch size of
 `--requests` prints the median of each variant, in ms of wall time per step (all layers;
 `--threads` threads, as the engine runs) and the CPU time of all threads, and the ratio.
+On a busy shared machine use `--threads 1`: a second thread that waits for a core turns
+every parallel op into a wait of a scheduler slice, and the 2-thread times mean nothing.
 """
 
 from __future__ import annotations
