@@ -1,12 +1,17 @@
-"""Decode attention alone: the torch backend's prepare + one layer's forward for a step of
-`--requests` decodes over shuffled pages (SmolLM2's head shapes), in thread CPU time on
-one thread (a busy shared machine disturbs CPU time far less than wall time).
+"""Decode attention alone: the torch backend's prepare + every layer's forward for a step
+of `--requests` decodes over shuffled pages (SmolLM2's head shapes and layer count, each
+layer its own pool tensors, so a step streams its K/V from memory as the model's does).
 
-    .venv/bin/python benchmarks/decode_attention.py
+    .venv/bin/python benchmarks/decode_attention.py --kernel
     .venv/bin/python benchmarks/decode_attention.py --compare ../main --rounds 5
 
-`--compare TREE` alternates subprocesses running TREE's backend and this repo's, and
-prints the median of each and their ratio.
+`--kernel` alternates subprocesses running this tree's torch path (cpu_kernels off) and
+its C++ paged decode kernel (cpu_kernels on); `--compare TREE` alternates TREE's backend
+and this repo's (both on the torch path unless --kernel is given too). Each batch size of
+`--requests` prints the median of each variant, in ms of wall time per step (all layers;
+`--threads` threads, as the engine runs) and the CPU time of all threads, and the ratio.
+On a busy shared machine use `--threads 1`: a second thread that waits for a core turns
+every parallel op into a wait of a scheduler slice, and the 2-thread times mean nothing.
 """
 
 from __future__ import annotations
@@ -21,10 +26,18 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 REPO = Path(__file__).resolve().parent.parent
-PAGE, KV_HEADS, HEADS, HEAD_DIM = 16, 3, 9, 64  # SmolLM2-135M
+PAGE, KV_HEADS, HEADS, HEAD_DIM, LAYERS = 16, 3, 9, 64, 30  # SmolLM2-135M
+
+
+class Variant(NamedTuple):
+    tree: Path
+    kernel: bool
+
+    def __str__(self) -> str:
+        return f"{self.tree.name}:{'kernel' if self.kernel else 'torch'}"
 
 
 def layout(args: argparse.Namespace) -> tuple[Any, Any, list[int], list[int]]:
@@ -34,12 +47,14 @@ def layout(args: argparse.Namespace) -> tuple[Any, Any, list[int], list[int]]:
     from cache.kv_pool import KVPool
 
     rng = random.Random(args.seed)
-    pool = KVPool(1, args.pages, PAGE, KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu"))
-    pool.k[0].normal_()
-    pool.v[0].normal_()
     lens = [rng.randint(args.min_len, args.max_len) for _ in range(args.requests)]
+    num_pages = sum(n // PAGE + 1 for n in lens) + 16
+    dtype = getattr(torch, args.dtype)
+    pool = KVPool(args.layers, num_pages, PAGE, KV_HEADS, HEAD_DIM, dtype, torch.device("cpu"))
+    for cache in (*pool.k, *pool.v):
+        cache.normal_()
     table = torch.zeros((args.requests + 1, PAGE * (args.max_len // PAGE + 2)), dtype=torch.int64)
-    free = list(range(1, args.pages))
+    free = list(range(1, num_pages))
     rng.shuffle(free)
     for row, n in enumerate(lens, 1):
         pages = [free.pop() for _ in range(n // PAGE + 1)]
@@ -47,12 +62,13 @@ def layout(args: argparse.Namespace) -> tuple[Any, Any, list[int], list[int]]:
     return pool, table, list(range(1, args.requests + 1)), lens
 
 
-def cpu_ms(fn: Callable[[], Any], iters: int) -> float:
+def timed(fn: Callable[[], Any], iters: int) -> dict[str, float]:
+    """Wall and all-threads CPU ms per call, after one warm-up call."""
     fn()
-    t0 = time.thread_time()
+    wall, cpu = time.perf_counter(), time.process_time()
     for _ in range(iters):
         fn()
-    return (time.thread_time() - t0) / iters * 1e3
+    return {"ms": (time.perf_counter() - wall) / iters * 1e3, "cpu_ms": (time.process_time() - cpu) / iters * 1e3}
 
 
 def child(args: argparse.Namespace) -> None:
@@ -60,59 +76,79 @@ def child(args: argparse.Namespace) -> None:
 
     from gpu.attention.torch_backend import TorchAttention
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     pool, table, rows, lens = layout(args)
     gen = torch.Generator().manual_seed(args.seed)
-    q = torch.randn(len(rows), HEADS, HEAD_DIM, generator=gen)
-    k, v = (torch.randn(len(rows), KV_HEADS, HEAD_DIM, generator=gen) for _ in range(2))
-    attn = TorchAttention(pool, table)
+    dtype = getattr(torch, args.dtype)
+    q = torch.randn(len(rows), HEADS, HEAD_DIM, generator=gen).to(dtype)
+    k, v = (torch.randn(len(rows), KV_HEADS, HEAD_DIM, generator=gen).to(dtype) for _ in range(2))
+    attn = TorchAttention(pool, table, cpu_kernels=args.use_kernel)
+    if args.use_kernel and not getattr(attn, "_use_kernel", False):
+        raise SystemExit("the paged attention kernel is not available in this tree")
 
     def step() -> None:
         attn.prepare(rows, lens, [1] * len(rows))
-        attn.forward(0, q, k, v)
+        for layer in range(args.layers):
+            attn.forward(layer, q, k, v)
 
     with torch.inference_mode():
-        print(json.dumps({"ms": cpu_ms(step, args.iters)}))
+        print(json.dumps(timed(step, args.iters)))
 
 
-def run_tree(tree: Path, argv: list[str]) -> float:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--tree", str(tree), *argv]
-    out = subprocess.run(cmd, env=env, cwd=tree, check=True, capture_output=True, text=True)
-    return float(json.loads(out.stdout.strip().splitlines()[-1])["ms"])
+def run_variant(variant: Variant, argv: list[str]) -> dict[str, float]:
+    env = {**os.environ, "PYTHONPATH": str(variant.tree)}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--tree", str(variant.tree), *argv]
+    if variant.kernel:
+        cmd.append("--use-kernel")
+    out = subprocess.run(cmd, env=env, cwd=variant.tree, check=True, capture_output=True, text=True)
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def measure(args: argparse.Namespace, variants: list[Variant], requests: int) -> None:
+    keys = ("min_len", "max_len", "layers", "threads", "dtype", "iters", "seed")
+    argv = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keys] + [f"--requests={requests}"]
+    times: dict[Variant, list[dict[str, float]]] = {v: [] for v in variants}
+    for i in range(args.rounds):
+        for variant in variants if i % 2 == 0 else variants[::-1]:  # alternate who goes first
+            print(f"requests {requests} round {i + 1}/{args.rounds}: {variant}", file=sys.stderr, flush=True)
+            times[variant].append(run_variant(variant, argv))
+    med = {v: statistics.median(x["ms"] for x in xs) for v, xs in times.items()}
+    print(f"{requests} decodes, {args.min_len}-{args.max_len} keys, {args.dtype}, {args.layers} layers:")
+    for variant, xs in times.items():
+        cpu = statistics.median(x["cpu_ms"] for x in xs)
+        runs = ", ".join(f"{x['ms']:.2f}" for x in xs)
+        print(f"  {variant!s:24} median {med[variant]:8.3f} ms/step  CPU {cpu:8.3f} ms/step  ({runs})")
+    if len(variants) == 2:
+        print(f"  ratio ({variants[1]} / {variants[0]}): {med[variants[1]] / med[variants[0]]:.3f}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--requests", default="1,32,64", help="batch sizes, comma-separated")
     p.add_argument("--min-len", type=int, default=150)
-    p.add_argument("--max-len", type=int, default=500)
-    p.add_argument("--pages", type=int, default=4096)
-    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--max-len", type=int, default=700)
+    p.add_argument("--layers", type=int, default=LAYERS)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--iters", type=int, default=10)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kernel", action="store_true", help="the torch path vs the C++ kernel, this tree")
     p.add_argument("--compare", type=Path, metavar="TREE")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--tree", help=argparse.SUPPRESS)
+    p.add_argument("--use-kernel", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
+        args.requests = int(args.requests)
         child(args)
         return
-    keys = ("requests", "min_len", "max_len", "pages", "iters", "seed")
-    argv = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keys]
-    trees = [args.compare.resolve(), REPO] if args.compare else [REPO]
-    times: dict[Path, list[float]] = {t: [] for t in trees}
-    for i in range(args.rounds):
-        for tree in trees if i % 2 == 0 else trees[::-1]:  # alternate who goes first
-            print(f"round {i + 1}/{args.rounds}: {tree}", file=sys.stderr, flush=True)
-            times[tree].append(run_tree(tree, argv))
-    med = {t: statistics.median(x) for t, x in times.items()}
-    for tree, xs in times.items():
-        print(
-            f"{tree!s:40} median {med[tree]:7.3f} ms CPU per step-layer  ({', '.join(f'{x:.2f}' for x in xs)})"
-        )
-    if len(trees) == 2:
-        print(f"ratio (this / {trees[0].name}): {med[REPO] / med[trees[0]]:.2f}")
+    if args.compare:
+        variants = [Variant(args.compare.resolve(), args.kernel), Variant(REPO, args.kernel)]
+    else:
+        variants = [Variant(REPO, False), Variant(REPO, True)] if args.kernel else [Variant(REPO, False)]
+    for requests in (int(r) for r in args.requests.split(",")):
+        measure(args, variants, requests)
 
 
 if __name__ == "__main__":

@@ -6,16 +6,14 @@ once (no per-request tensors), so this pins what each request reads and writes."
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import pytest
 import torch
 
-from cache.kv_pool import KVPool
 from gpu.attention.torch_backend import TorchAttention
+from tests.paged_layout import Case, Shape, lay_out
 
 PAGE, HEADS, KV_HEADS, DIM = 4, 6, 2, 8
-Case = Sequence[tuple[int, int]]  # (prefix_len, extend_len) per request
 
 MIXED: Case = [(37, 1), (3, 1), (0, 9), (12, 5), (64, 1), (20, 1), (0, 1), (5, 1), (8, 4)]
 
@@ -23,27 +21,8 @@ MIXED: Case = [(37, 1), (3, 1), (0, 9), (12, 5), (64, 1), (20, 1), (0, 1), (5, 1
 def setup(
     case: Case, seed: int
 ) -> tuple[TorchAttention, torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    num_pages = 4 + sum(-(-(p + e) // PAGE) for p, e in case)
-    pool = KVPool(1, num_pages, PAGE, KV_HEADS, DIM, torch.float32, torch.device("cpu"))
-    pool.k[0].normal_(generator=gen)  # every slot holds something: stale keys must not be read
-    pool.v[0].normal_(generator=gen)
-    width = PAGE * (2 + max(-(-(p + e) // PAGE) for p, e in case))
-    table = torch.zeros((len(case) + 2, width), dtype=torch.int64)
-    free = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()  # page 0 reserved
-    rows = []
-    for i, (prefix, extend) in enumerate(case):
-        row = i + 2  # row 1 left empty: rows need not be dense
-        pages = [free.pop() for _ in range(-(-(prefix + extend) // PAGE))]
-        slots = torch.tensor([p * PAGE + j for p in pages for j in range(PAGE)])
-        table[row, : len(slots)] = slots
-        table[row, len(slots) :] = torch.randint(1, num_pages * PAGE, (width - len(slots),), generator=gen)
-        rows.append(row)
-    tokens = sum(e for _, e in case)
-    q = torch.randn(tokens, HEADS, DIM, generator=gen)
-    k = torch.randn(tokens, KV_HEADS, DIM, generator=gen)
-    v = torch.randn(tokens, KV_HEADS, DIM, generator=gen)
-    return TorchAttention(pool, table), q, k, v, rows
+    lay = lay_out(case, Shape(PAGE, HEADS, KV_HEADS, DIM), seed)
+    return TorchAttention(lay.pool, lay.table), lay.q, lay.k, lay.v, lay.rows
 
 
 def reference(attn: TorchAttention, case: Case, rows: list[int], q: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,10 @@
 """Attention with torch SDPA for CPU (and as a reference on any device).
 
-Decodes are batched into one padded SDPA call; prefill chunks run one SDPA call each
-(there are few per step, and padding a 512-token chunk against 1-token decodes would
-waste far more than the loop costs).
+Decodes are batched into one padded SDPA call per length group, or, with the C++ CPU
+kernels (`cpu_kernels`), all go through one call of the paged decode kernel
+(gpu/attention/paged_decode.py). Prefill chunks run one SDPA call each (there are few per
+step, and padding a 512-token chunk against 1-token decodes would waste far more than
+the loop costs).
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from cache.kv_pool import KVPool
+from gpu.attention import paged_decode
 from gpu.attention.base import AttentionBackend
+from gpu.attention.paged_decode import PagedDecode
 from kernel.registry import register
 
 
@@ -47,6 +51,9 @@ class TorchAttention(AttentionBackend):
         self.out_cache_loc = torch.empty(0, dtype=torch.int64)
         self._decodes: list[_DecodeGroup] = []
         self._extends: list[_Extend] = []
+        # Decodes through the C++ kernel when it is allowed, built, and computes the pool's dtype.
+        self._use_kernel = paged_decode.kernel_ready(cpu_kernels, pool)
+        self._paged: PagedDecode | None = None
         self._gather_k = torch.empty(0, dtype=pool.k[0].dtype if pool.k else torch.float32)
         self._gather_v = torch.empty_like(self._gather_k)
 
@@ -60,7 +67,12 @@ class TorchAttention(AttentionBackend):
         self.out_cache_loc = self._cache_locs(rows_t, prefix_t, extend_t, sum(extend_lens))
         starts = list(accumulate(extend_lens, initial=0))
         dec = [i for i, num in enumerate(extend_lens) if num == 1]
-        self._decodes = self._group_decodes(dec, starts, rows_t, prefix_lens) if dec else []
+        self._decodes, self._paged = [], None
+        if dec and self._use_kernel:
+            ps = self.pool.page_size
+            self._paged = paged_decode.build(self.req_to_token, ps, dec, starts, rows_t, prefix_t, prefix_lens)
+        elif dec:
+            self._decodes = self._group_decodes(dec, starts, rows_t, prefix_lens)
         self._extends = [
             self._extend(rows[i], starts[i], num, prefix_lens[i])
             for i, num in enumerate(extend_lens)
@@ -136,9 +148,14 @@ class TorchAttention(AttentionBackend):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.pool.write(layer, self.out_cache_loc, k, v)
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
+        paged, ps = self._paged, self.pool.page_size
+        if paged is not None and paged.tok is None:  # the step is its decodes, in order
+            return paged_decode.attend(paged, q, k_cache, v_cache, ps)
         if self._decodes and self._decodes[0].tok is None:  # the step is this one group
             return self._decode(self._decodes[0], q, k_cache, v_cache)
         out = torch.empty_like(q)
+        if paged is not None and paged.tok is not None:
+            out.index_copy_(0, paged.tok, paged_decode.attend(paged, q.index_select(0, paged.tok), k_cache, v_cache, ps))
         for group in self._decodes:
             assert group.tok is not None
             out.index_copy_(0, group.tok, self._decode(group, q, k_cache, v_cache))

@@ -1,12 +1,13 @@
 """tierserve's C++ CPU kernels, built on this machine on first use.
 
-Each `<name>.cpp` in this folder is one extension, compiled by torch's JIT extension
-loader (`torch.utils.cpp_extension.load`) with `-O3 -march=native` (AMX off: it traps on
-some VMs) and OpenMP, and cached under `~/.cache/tierserve/cpu_kernels` (or
-`$TIERSERVE_CACHE/cpu_kernels`), keyed by the source, the flags, the CPU and torch; a later
-start loads the cached library in well under a second. Its ops register themselves as
-`torch.ops.tierserve_cpu.*` (`TORCH_LIBRARY_FRAGMENT(tierserve_cpu, m)`), so callers go
-through the dispatcher like any aten op.
+Each `<name>.cpp` in this folder (with the `<name>*.h` headers it may include) is one
+extension, compiled by torch's JIT extension loader (`torch.utils.cpp_extension.load`)
+with `-O3 -march=native` (AMX off: it traps on some VMs) and OpenMP, and cached under
+`~/.cache/tierserve/cpu_kernels` (or `$TIERSERVE_CACHE/cpu_kernels`), keyed by the
+sources, the flags, the CPU and torch; a later start loads the cached library in well
+under a second. Its ops register themselves as `torch.ops.tierserve_cpu.*`
+(`TORCH_LIBRARY_FRAGMENT(tierserve_cpu, m)`), so callers go through the dispatcher like
+any aten op.
 
 `model.cpu_kernels: auto` (the default) uses them on CPU outside deterministic mode;
 `off`, a machine without a C++ compiler, or a failed build run the plain-torch code
@@ -75,6 +76,8 @@ def _cpu_signature() -> str:
 
 def _digest(source: Path) -> str:
     h = hashlib.sha256(source.read_bytes())
+    for header in sorted(source.parent.glob(f"{source.stem}*.h")):  # the headers it includes
+        h.update(header.read_bytes())
     for part in (*cflags(), _cpu_signature(), torch.__version__, sys.version):
         h.update(part.encode())
     return h.hexdigest()[:16]

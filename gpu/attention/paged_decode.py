@@ -1,0 +1,71 @@
+"""A step's decode tokens through the C++ paged decode attention kernel
+(gpu/kernels/cpu/paged_attention.cpp): one call for all of them, reading each request's
+K/V pages where they lie in the pool (no length groups, no gather buffers, no masks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from cache.kv_pool import KVPool
+from gpu.kernels import cpu
+
+KERNEL = "paged_attention"
+DTYPES = (torch.float32, torch.bfloat16)  # what the kernel computes; other pools take the torch path
+MAX_HEAD_DIM = 512  # the kernel's limit (kMaxHeadDim)
+
+
+class PagedDecode(NamedTuple):
+    tok: torch.Tensor | None  # flat token index of each decode; None: every token, in order
+    page_table: torch.Tensor  # [b, pages] page ids of each decode's keys; entries past its length are not read
+    seq_lens: torch.Tensor  # [b] keys of each decode, its own new token included
+
+
+def kernel_ready(cpu_kernels: bool, pool: KVPool) -> bool:
+    """Whether decodes over this pool may use the kernel (built on first use)."""
+    if not cpu_kernels or not pool.k:
+        return False
+    k = pool.k[0]
+    return k.device.type == "cpu" and k.dtype in DTYPES and k.shape[2] <= MAX_HEAD_DIM and cpu.load(KERNEL)
+
+
+def build(
+    req_to_token: torch.Tensor,
+    page_size: int,
+    dec: list[int],
+    starts: list[int],
+    rows: torch.Tensor,
+    prefix: torch.Tensor,
+    prefix_lens: Sequence[int],
+) -> PagedDecode:
+    """The kernel's metadata for the decode requests `dec` (indices into the step's
+    requests): a few tensor ops whatever their number.
+
+    rows/prefix: every request's table row and cached length, as tensors; starts: each
+    request's first flat token index.
+    """
+    keys = max(prefix_lens[i] for i in dec) + 1
+    if len(dec) == len(prefix_lens):  # decodes only: one token per request, in order
+        tok, dec_rows, seq_lens = None, rows, prefix + 1
+    else:
+        device = req_to_token.device
+        idx = torch.tensor(dec, dtype=torch.int64, device=device)
+        tok = torch.tensor([starts[i] for i in dec], dtype=torch.int64, device=device)
+        dec_rows, seq_lens = rows.index_select(0, idx), prefix.index_select(0, idx) + 1
+    pages = -(-keys // page_size)
+    # A page's first slot is page * page_size; the table's later slots of a page follow it.
+    page_table = req_to_token[dec_rows, : pages * page_size : page_size] // page_size
+    return PagedDecode(tok, page_table, seq_lens)
+
+
+def attend(
+    step: PagedDecode, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int
+) -> torch.Tensor:
+    """Attention output [b, H, D] of the step's decode queries q [b, H, D]."""
+    scale = q.shape[-1] ** -0.5  # SDPA's default, which the torch path uses
+    return torch.ops.tierserve_cpu.paged_attention_decode(
+        q, k_cache, v_cache, step.page_table, step.seq_lens, page_size, scale
+    )

@@ -1,0 +1,218 @@
+"""The C++ paged decode attention kernel (gpu/kernels/cpu/paged_attention.cpp), through
+TorchAttention with cpu_kernels, against the torch path it replaces (TorchAttention with
+cpu_kernels=False): random decode steps over shuffled pages (page sizes 1/4/16, GQA
+ratios 1/3/4, head_dim 64/128, 1 to ~700 keys, batch 1..40), mixed steps of decodes and
+extend chunks, and greedy generation of the tiny model with model.cpu_kernels auto vs off.
+
+Measured max differences over this file's random decode steps (outputs up to ~4 in size):
+float32 kernel vs torch path 6e-7; bfloat16 kernel vs torch path 1.6e-2 (one bf16 step of
+an output in [2, 4)), bf16 kernel vs a float64 reference 7.8e-3 (half a step: the output
+rounded once), bf16 torch path vs float64 8.2e-3.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gpu.attention import paged_decode
+from gpu.attention.torch_backend import TorchAttention
+from gpu.kernels import cpu
+from tests.paged_layout import Case, Layout, Shape, lay_out
+
+if not cpu.load(paged_decode.KERNEL):
+    pytest.skip("the C++ paged attention kernel cannot be built here", allow_module_level=True)
+
+# (atol, rtol): float32 tight; bf16 one rounding step of the output (2^-7 relative at most).
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (4e-3, 8e-3)}
+
+
+def decode_case(rng: random.Random, batch: int, max_keys: int = 700) -> Case:
+    """Decodes of very different lengths: short ones, page-boundary ones, long ones."""
+    keys = [max(1, int(math.exp(rng.uniform(0, math.log(max_keys))))) for _ in range(batch)]
+    return [(n - 1, 1) for n in keys]
+
+
+def run_step(lay: Layout, case: Case, kernel: bool) -> tuple[torch.Tensor, TorchAttention]:
+    attn = TorchAttention(lay.pool, lay.table, cpu_kernels=kernel)
+    attn.prepare(lay.rows, [p for p, _ in case], [e for _, e in case])
+    return attn.forward(0, lay.q, lay.k, lay.v), attn
+
+
+def compare(case: Case, shape: Shape, seed: int) -> float:
+    """Kernel vs the torch path on one step (the same pool: both write the same new K/V);
+    asserts they agree and returns the max difference."""
+    lay = lay_out(case, shape, seed)
+    got, attn = run_step(lay, case, kernel=True)
+    assert attn._paged is not None, "the step's decodes should have gone through the kernel"
+    want, ref = run_step(lay, case, kernel=False)
+    assert ref._paged is None
+    atol, rtol = TOLERANCE[shape.dtype]
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+    return (got.float() - want.float()).abs().max().item()
+
+
+@pytest.fixture
+def threads() -> Iterator[None]:
+    """Four threads: few rows are then cut into key chunks merged by log-sum-exp."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    yield
+    torch.set_num_threads(before)
+
+
+SHAPES = [
+    Shape(ps, kv * ratio, kv, dim, dtype)
+    for dtype in (torch.float32, torch.bfloat16)
+    for ps, ratio, kv, dim in [
+        (1, 1, 2, 64), (4, 3, 3, 64), (16, 4, 2, 64), (16, 3, 3, 128), (4, 4, 1, 128), (1, 3, 2, 128),
+    ]
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"ps{s.page_size}-h{s.heads}-kv{s.kv_heads}-d{s.dim}-{s.dtype}")
+@pytest.mark.parametrize("seed", [0, 1])
+def test_decodes_match_torch_path(shape: Shape, seed: int, threads: None) -> None:
+    rng = random.Random(seed * 100 + shape.page_size)
+    compare(decode_case(rng, rng.randint(1, 40)), shape, seed)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_long_rows_split_into_chunks(batch: int, dtype: torch.dtype, threads: None) -> None:
+    """Rows of hundreds of keys at batch 1..5: cut into chunks, merged by log-sum-exp."""
+    rng = random.Random(batch)
+    case = [(rng.randint(300, 700), 1) for _ in range(batch)]
+    compare(case, Shape(16, 9, 3, 64, dtype), seed=batch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_thread(dtype: torch.dtype) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        compare([(699, 1), (0, 1), (15, 1), (16, 1)], Shape(16, 9, 3, 64, dtype), seed=4)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dim", [8, 40, 96])
+def test_other_head_dims(dim: int) -> None:
+    """head_dim not 64/128: the vector loop of any length (96), the scalar path (8, 40 are
+    not multiples of AVX-512's 16 floats)."""
+    compare(decode_case(random.Random(dim), 7, 200), Shape(4, 6, 2, dim), seed=dim)
+
+
+MIXED: Case = [(37, 1), (3, 1), (0, 9), (120, 5), (64, 1), (200, 1), (0, 1), (5, 1), (8, 4), (333, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "case",
+    [MIXED, [(0, 12), (40, 1)], [(17, 1), (9, 30)], [(5, 1), (6, 1), (0, 1)]],
+    ids=["mixed", "prefill-then-decode", "decode-then-extend", "decodes-only"],
+)
+def test_mixed_steps_through_forward(case: Case, dtype: torch.dtype, threads: None) -> None:
+    """Decodes and extend chunks in one step: the decodes' outputs land at their tokens."""
+    compare(case, Shape(4, 6, 2, 64, dtype), seed=7)
+
+
+def shift_pages(step: paged_decode.PagedDecode) -> paged_decode.PagedDecode:
+    return step._replace(page_table=step.page_table.roll(1, dims=1))
+
+
+def drop_last_key(step: paged_decode.PagedDecode) -> paged_decode.PagedDecode:
+    return step._replace(seq_lens=step.seq_lens - 1)
+
+
+@pytest.mark.parametrize("plant", [shift_pages, drop_last_key], ids=["page-table-shifted", "seq-lens-off-by-one"])
+def test_comparison_catches_planted_metadata_bugs(plant: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted bug in the kernel's metadata builder: the comparison goes red."""
+    build = paged_decode.build
+    monkeypatch.setattr(paged_decode, "build", lambda *a: plant(build(*a)))
+    with pytest.raises(AssertionError, match="not close"):
+        compare(MIXED, Shape(4, 6, 2, 64), seed=7)
+
+
+def test_kernel_refuses_pages_outside_the_pool() -> None:
+    """A page id past the pool (or a row longer than its page table) is an error, not a
+    read outside the pool."""
+    lay = lay_out([(9, 1)], Shape(4, 2, 1, 64), seed=0)
+    q, k, v = lay.q, lay.pool.k[0], lay.pool.v[0]
+    op = torch.ops.tierserve_cpu.paged_attention_decode
+    pages = torch.tensor([[1, 2, lay.pool.num_pages]])
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        op(q, k, v, pages, torch.tensor([10]), 4, 0.125)
+    with pytest.raises(RuntimeError, match="page table holds"):
+        op(q, k, v, pages[:, :2], torch.tensor([10]), 4, 0.125)
+    assert op(q, k, v, pages[:, :2], torch.tensor([8]), 4, 0.125).isfinite().all()  # pages 1, 2 only
+
+
+def test_other_dtypes_take_the_torch_path() -> None:
+    lay = lay_out([(9, 1), (0, 3)], Shape(4, 2, 1, 64, torch.float16), seed=0)
+    assert not paged_decode.kernel_ready(True, lay.pool)
+    assert not paged_decode.kernel_ready(False, lay_out([(9, 1)], Shape(4, 2, 1, 64), seed=0).pool)
+    got, attn = run_step(lay, [(9, 1), (0, 3)], kernel=True)
+    assert attn._paged is None and attn._decodes and got.isfinite().all()
+
+
+def test_engine_greedy_outputs_equal_with_kernels_off(tiny_chat_folder: str, tiny_engine: Any) -> None:
+    """The tiny model in float32: greedy tokens with model.cpu_kernels auto (the kernel in
+    use) equal those with it off, over prompts whose decodes cross pages."""
+    from kernel import Engine
+    from tests.conftest import TINY_OVERRIDES
+
+    assert tiny_engine.engine.parts.runner.attention._use_kernel
+    prompts = ["Hello there", "x" * 40, "The weather today is", "a b c d e f g h i j k l m n o p"]
+    params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True, "return_logprob": True}
+    auto: list[Any] = tiny_engine.generate(prompts, params)
+    off_engine = Engine(None, {"model.path": tiny_chat_folder, **TINY_OVERRIDES, "model.cpu_kernels": "off"})
+    try:
+        off_attention = off_engine.engine.parts.runner.attention
+        assert isinstance(off_attention, TorchAttention) and not off_attention._use_kernel
+        off: list[Any] = off_engine.generate(prompts, params)  # type: ignore[assignment]
+    finally:
+        off_engine.shutdown()
+    assert [o["output_ids"] for o in auto] == [o["output_ids"] for o in off]
+    for a, b in zip(auto, off):
+        lp_a = [lp for lp, _ in a["meta_info"]["output_token_logprobs"]]
+        lp_b = [lp for lp, _ in b["meta_info"]["output_token_logprobs"]]
+        assert lp_a == pytest.approx(lp_b, abs=1e-4)
+
+
+def test_build_key_covers_the_kernels_headers(tmp_path: Path) -> None:
+    """The kernel's vector layer lives in paged_attention_vec.h: editing it must rebuild."""
+    source, header = tmp_path / "kern.cpp", tmp_path / "kern_vec.h"
+    source.write_text('#include "kern_vec.h"\n')
+    header.write_text("// one\n")
+    before = cpu._digest(source)
+    header.write_text("// two\n")
+    assert cpu._digest(source) != before
+
+
+VARIANT_RUN = """
+import functools, sys
+import pytest
+import gpu.kernels.cpu as cpu
+cpu.cflags = functools.cache(lambda: ("-O3", "-march={march}", "-fopenmp"))
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", {test!r}, "-k", "not engine and not other_cpus"]))
+"""
+
+
+@pytest.mark.skipif(os.environ.get("TIERSERVE_KERNEL_VARIANTS") != "1", reason="set TIERSERVE_KERNEL_VARIANTS=1")
+@pytest.mark.parametrize("march", ["haswell", "x86-64"], ids=["avx2", "scalar"])
+def test_vector_paths_of_other_cpus(march: str, tmp_path: Path) -> None:
+    """This file's kernel tests again with the kernel built for an AVX2-only CPU and for
+    plain x86-64 (the scalar path): ~30 s of build each, hence opt-in."""
+    code = VARIANT_RUN.format(march=march, test=__file__)
+    env = {**os.environ, "TIERSERVE_CACHE": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=Path(__file__).resolve().parent.parent)
