@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test install bench
+.PHONY: serve test install bench kernels
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -20,10 +20,15 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-serve: $(STAMP)
+# The C++ CPU kernels build once per machine (cached; gpu/kernels/cpu/): here, in parallel,
+# rather than inside the first engine start or the first test that needs them.
+kernels: $(STAMP)
+	$(BIN)/python -m gpu.kernels.cpu
+
+serve: kernels
 	$(BIN)/tierserve serve --config config/default.yaml
 
-test: $(STAMP)
+test: kernels
 	$(BIN)/python -m pytest tests
 
 bench: $(STAMP)

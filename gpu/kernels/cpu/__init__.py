@@ -111,3 +111,8 @@ def load(name: str) -> bool:
         return False
     log.info("cpu_kernels_ready", kernels=name, seconds=round(time.perf_counter() - started, 2))
     return True
+
+
+def names() -> list[str]:
+    """Every kernel extension of this folder."""
+    return sorted(p.stem for p in SOURCES.glob("*.cpp"))
