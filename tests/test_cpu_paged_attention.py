@@ -216,3 +216,31 @@ def test_vector_paths_of_other_cpus(march: str, tmp_path: Path) -> None:
     code = VARIANT_RUN.format(march=march, test=__file__)
     env = {**os.environ, "TIERSERVE_CACHE": str(tmp_path)}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=Path(__file__).resolve().parent.parent)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_output_does_not_depend_on_its_batch_or_threads(dtype: torch.dtype) -> None:
+    """Rows are cut into key chunks by their own length only: a row alone, in a batch of
+    40, on 1 or 4 threads gives the same bits (the cut once depended on the batch, and the
+    same request then streamed other logprobs than with n=2)."""
+    gen = torch.Generator().manual_seed(7)
+    page_size, pages, kv, heads, dim = 16, 400, 3, 9, 64
+    k_cache = torch.randn(pages * page_size, kv, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(pages * page_size, kv, dim, generator=gen).to(dtype)
+    lens = torch.tensor([700, 1, 129, 128, 300, *range(5, 400, 11)], dtype=torch.int64)
+    table = torch.stack([torch.randperm(pages, generator=gen)[:44] for _ in lens])
+    q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
+    op = torch.ops.tierserve_cpu.paged_attention_decode
+
+    def run(rows: slice, num_threads: int) -> torch.Tensor:
+        before = torch.get_num_threads()
+        torch.set_num_threads(num_threads)
+        try:
+            return op(q[rows], k_cache, v_cache, table[rows], lens[rows], page_size, dim**-0.5)
+        finally:
+            torch.set_num_threads(before)
+
+    batch = run(slice(None), 4)
+    assert torch.equal(batch, run(slice(None), 1))
+    for i in range(len(lens)):
+        assert torch.equal(run(slice(i, i + 1), 4)[0], batch[i]), f"row {i} ({int(lens[i])} keys)"

@@ -1,9 +1,12 @@
 // Paged decode attention on CPU: one query token per row against that row's keys, read
 // from the KV pool's pages where they lie (no gather into contiguous buffers).
 //
-// A work item is a row's keys, or a chunk of them: rows are cut into key chunks only
-// when there are too few rows to keep every thread busy (batch 1), and the chunk that
-// finishes a row last merges the row's partial results with their log-sum-exp. An item
+// A work item is a chunk of a row's keys: every row is cut into chunks of kChunk keys
+// (the last one shorter), and the chunk that finishes a row last merges the row's partial
+// results with their log-sum-exp, in chunk order. NOTE: the cut depends on the row's own
+// length only, never on the batch or the thread count, so a row's output is the same
+// whichever rows share its step (batch-invariant, like the torch path it replaces); a
+// batch-1 step still spreads a long row over the threads. An item
 // walks its keys in blocks, reading each block's slots (all kv heads of a slot lie side
 // by side) while the next block is prefetched. The query heads sharing a kv head are done
 // together, so each K/V row is loaded once for all of them (grouped-query attention).
@@ -38,8 +41,7 @@ using tierserve_paged_vec::Scalar;
 using tierserve_paged_vec::Simd;
 
 constexpr int kBlock = 64;          // keys per softmax update (a multiple of every vector width)
-constexpr int64_t kMinChunk = 32;   // fewest keys worth a work item of their own
-constexpr int kItemsPerThread = 8;  // cut rows into chunks until there are this many items per thread
+constexpr int64_t kChunk = 128;     // keys per work item (a multiple of kBlock); see the NOTE above
 constexpr int64_t kMaxHeadDim = 512;
 
 // What every work item reads; pointers into contiguous tensors.
@@ -300,16 +302,6 @@ struct Item {
   int64_t row, chunk, t0, t1;
 };
 
-// Keys per chunk: whole rows unless the rows are too few to keep every thread busy,
-// then about kItemsPerThread chunks per thread (never under kMinChunk keys).
-int64_t chunk_keys(const int64_t* lens, int64_t batch, int threads) {
-  const int64_t target = static_cast<int64_t>(threads) * kItemsPerThread;
-  if (threads <= 1 || batch >= target) return std::numeric_limits<int64_t>::max();
-  int64_t total = 0;
-  for (int64_t b = 0; b < batch; ++b) total += lens[b];
-  return std::max(kMinChunk, (total + target - 1) / target);
-}
-
 // The items of a step, longest first (the shared counter then ends on short ones).
 std::vector<Item> plan(const int64_t* lens, int64_t batch, int64_t chunk, std::vector<Split>& splits) {
   std::vector<Item> items;
@@ -329,7 +321,7 @@ template <class S, int NV, class T>
 void attend(const Problem<T>& p, int64_t batch) {
   const int threads = at::get_num_threads();
   std::vector<Split> splits;
-  const std::vector<Item> items = plan(p.lens, batch, chunk_keys(p.lens, batch, threads), splits);
+  const std::vector<Item> items = plan(p.lens, batch, kChunk, splits);
   const int64_t width = partial_width(p.heads, p.dim), count = static_cast<int64_t>(items.size());
   // Split rows' chunks leave their results here, at their row's first_item + chunk.
   std::vector<float> partials(count > batch ? count * width : 0);
