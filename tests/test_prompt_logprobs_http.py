@@ -125,7 +125,9 @@ def openai_client(http: Client) -> openai.AsyncOpenAI:
 
 
 async def test_echo_logprobs_shape_stream_and_n(tiny_chat_folder: str) -> None:
-    async with serve_http(tiny_chat_folder, {"cache.prefix": "radix"}) as (engine, http):
+    # Deterministic: the three requests below compare values across a cold prefill and
+    # prefix hits (other shapes), which only deterministic mode promises to be bit-equal.
+    async with serve_http(tiny_chat_folder, {"cache.prefix": "radix", "deterministic": True}) as (engine, http):
         client, model = openai_client(http), engine.info.model_name
         text = "Hello there, my old friend"
         assert engine.tokenizer is not None
