@@ -15,6 +15,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from cache.copy_worker import Stream, resolve_future
 from cache.host_pool import stream_ctx
 from gpu.cpu_threads import ThreadPlan, apply_on_this_thread, plan_threads
@@ -84,7 +86,15 @@ class DeviceThread:
                 loop.call_soon_threadsafe(resolve_future, fut, result, None)
 
     def _run(self, fn: Callable[[], Any]) -> Any:
-        """One job on the device stream; its work has finished when this returns."""
+        """One job on the device stream; its work has finished when this returns.
+
+        NOTE: on CUDA the job's stream first waits for the default stream: the loop
+        thread writes request-table rows there (cache/req_table.py `write_pages`) just
+        before it submits a step, and torch's side streams do not wait for the default
+        stream by themselves, so the step could otherwise read a row before it lands.
+        """
+        if isinstance(self.stream, torch.cuda.Stream):
+            self.stream.wait_stream(torch.cuda.default_stream(self.stream.device))
         with stream_ctx(self.stream):  # type: ignore[arg-type]
             result = fn()
         if self.stream is not None:

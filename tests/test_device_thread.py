@@ -82,3 +82,20 @@ def test_the_device_thread_runs_with_the_planned_thread_count(monkeypatch: pytes
     finally:
         thread.shutdown()
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_a_job_sees_what_the_loop_wrote_on_the_default_stream() -> None:
+    """The loop writes request-table rows on the default stream right before it submits a
+    step; the device thread's stream must not run ahead of them. The write is held back
+    on the default stream by a ~50 ms spin, then the job reads it on its own stream."""
+    thread = DeviceThread(stream_factory=torch.cuda.Stream)
+    try:
+        table = torch.zeros(1 << 20, dtype=torch.int64, device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda._sleep(50_000_000)  # cycles on the default stream, before the write
+        table.fill_(7)  # the loop's write, still queued behind the spin
+        seen = await thread.submit(lambda: int(table.sum().item()))
+        assert seen == 7 * table.numel()
+    finally:
+        thread.shutdown()
