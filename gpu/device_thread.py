@@ -1,10 +1,17 @@
-"""The device thread: runs steps in order and resolves the loop's futures.
+"""The device thread: launches steps in order and resolves the loop's futures.
 
 On CUDA it owns a dedicated stream (made on the thread by `stream_factory`, since a
-stream is current per thread): every job runs on it and the thread waits for the stream
-before it resolves the job's future, so results handed to the loop are complete and the
-event loop never synchronizes the device itself. On CPU it is the same thread without a
-stream. The event loop never blocks on tensor work: it awaits the future.
+stream is current per thread) and every job runs on it. A job only launches its work:
+the thread then records an event behind it on the stream and hands event and result to
+a readback thread (gpu/readback.py), which waits for the event, finishes a `Pending`
+result (its device-to-host copies read into plain lists) and resolves the future, while
+this thread already launches the next job. So the GPU runs step N while step N+1's
+Python launch work runs here, and neither this thread nor the event loop ever waits for
+the device. On CPU it is the same thread without a stream, finishing each result inline.
+
+NOTE: a job's future resolves only after its device work completed (gpu/readback.py):
+the loop may read or free whatever a finished job wrote. Errors of a job or of its
+finish reach the awaiting coroutine; futures resolve in job order.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import asyncio
 import queue
 import threading
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -20,19 +28,22 @@ import torch
 from cache.copy_worker import Stream, resolve_future
 from cache.host_pool import stream_ctx
 from gpu.cpu_threads import ThreadPlan, apply_on_this_thread, plan_threads
+from gpu.readback import Deliver, Marker, ReadbackThread, finish_result, mark_stream
 
 
 class DeviceThread:
     def __init__(
         self, name: str = "tierserve-device", num_threads: int | None = None,
-        stream_factory: Callable[[], Stream] | None = None,
+        stream_factory: Callable[[], Stream] | None = None, mark: Callable[[Any], Marker] = mark_stream,
     ) -> None:
-        self._jobs: queue.Queue[tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future] | None]
-        self._jobs = queue.Queue()
+        self._jobs: queue.Queue[tuple[Callable[[], Any], Deliver] | None] = queue.Queue()
         # `num_threads` None: one intra-op thread per core of the affinity mask.
         self.threads: ThreadPlan = plan_threads(num_threads)
         self._stream_factory = stream_factory
+        self._mark = mark  # the marker behind a job's work on the stream (tests fake it)
         self.stream: Stream | None = None  # set on the thread, before the first job runs
+        # With a stream, results are read back off this thread; without, inline.
+        self._readback = ReadbackThread(f"{name}-readback") if stream_factory is not None else None
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
@@ -40,53 +51,50 @@ class DeviceThread:
         """Queue `fn` to run on the device thread; the future resolves on the caller's loop."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
-        self._jobs.put((fn, loop, fut))
+        self._jobs.put((fn, partial(_resolve_on, loop, fut)))
         return fut
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the device thread and wait (for set-up outside the event loop)."""
         done = threading.Event()
-        box: dict[str, Any] = {}
+        box: list[tuple[Any, BaseException | None]] = []
 
-        def job() -> None:
-            try:
-                box["result"] = fn()
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
-                box["error"] = exc
-            finally:
-                done.set()
+        def deliver(result: Any, error: BaseException | None) -> None:
+            box.append((result, error))
+            done.set()
 
-        self._jobs.put((job, None, None))  # type: ignore[arg-type]
+        self._jobs.put((fn, deliver))
         done.wait()
-        if "error" in box:
-            raise box["error"]
-        return box.get("result")
+        result, error = box[0]
+        if error is not None:
+            raise error
+        return result
 
     def shutdown(self) -> None:
+        """Stop after the jobs queued so far; their futures all resolve first."""
         self._jobs.put(None)
         self._thread.join(timeout=30)
+        if self._readback is not None:
+            self._readback.shutdown()
 
     def _main(self) -> None:
         apply_on_this_thread(self.threads)
         if self._stream_factory is not None:
             self.stream = self._stream_factory()
-        while True:
-            item = self._jobs.get()
-            if item is None:
-                return
-            fn, loop, fut = item
-            if loop is None:
-                self._run(fn)
-                continue
+        while (job := self._jobs.get()) is not None:
+            fn, deliver = job
+            result, error = None, None
             try:
-                result = self._run(fn)
-            except BaseException as exc:  # noqa: BLE001 - delivered to the awaiting coroutine
-                loop.call_soon_threadsafe(resolve_future, fut, None, exc)
+                result = self._launch(fn)
+            except BaseException as exc:  # noqa: BLE001 - delivered to the awaiting caller
+                error = exc
+            if self._readback is not None:
+                self._readback.put(self._mark(self.stream), result, error, deliver)
             else:
-                loop.call_soon_threadsafe(resolve_future, fut, result, None)
+                _finish_inline(result, error, deliver)
 
-    def _run(self, fn: Callable[[], Any]) -> Any:
-        """One job on the device stream; its work has finished when this returns.
+    def _launch(self, fn: Callable[[], Any]) -> Any:
+        """One job on the device stream; on CUDA its work may still be running on return.
 
         NOTE: on CUDA the job's stream first waits for the default stream: the loop
         thread writes request-table rows there (cache/req_table.py `write_pages`) just
@@ -96,7 +104,21 @@ class DeviceThread:
         if isinstance(self.stream, torch.cuda.Stream):
             self.stream.wait_stream(torch.cuda.default_stream(self.stream.device))
         with stream_ctx(self.stream):  # type: ignore[arg-type]
-            result = fn()
-        if self.stream is not None:
-            self.stream.synchronize()
-        return result
+            return fn()
+
+
+def _finish_inline(result: Any, error: BaseException | None, deliver: Deliver) -> None:
+    if error is None:
+        try:
+            result = finish_result(result)
+        except BaseException as exc:  # noqa: BLE001 - delivered to the awaiting caller
+            result, error = None, exc
+    deliver(result, error)
+
+
+def _resolve_on(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: Any,
+                error: BaseException | None) -> None:
+    try:
+        loop.call_soon_threadsafe(resolve_future, fut, result, error)
+    except RuntimeError:
+        pass  # the caller's loop is closed: nobody awaits this future any more

@@ -7,7 +7,7 @@ other token's logit to -inf on those rows, before penalties, sampling and logpro
 the reported logprobs are of the constrained distribution (like the logit_bias ones).
 Unconstrained rows are not touched, and unconstrained batches pay nothing. The fill runs on the device thread after the forward is queued, so
 on CUDA it overlaps the forward; the bitmask is built on the host (the matcher writes
-host memory) and copied once.
+host memory) and copied once, without blocking (gpu/upload.py).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from gpu.upload import copy_to_device
 
 
 class TokenMasker(Protocol):
@@ -47,7 +49,7 @@ def build_token_mask(maskers: Sequence[TokenMasker | None], vocab_size: int,
         assert masker is not None
         bitmask[i] = 0  # nothing allowed past what the masker writes (ids beyond its vocabulary)
         masker.fill_mask(bitmask, i)
-    return TokenMask(rows, bitmask.to(device))
+    return TokenMask(rows, copy_to_device(bitmask, device))
 
 
 def apply_token_mask(logits: torch.Tensor, mask: TokenMask | None) -> torch.Tensor:

@@ -13,8 +13,10 @@ from gpu.attention.base import AttentionBackend
 from gpu.forward_batch import ForwardBatch, SampledToken
 from gpu.models.hybrid_step import HybridStep
 from gpu.prompt_logprobs import PromptLogprobs, prompt_logprobs
-from gpu.sampling import SamplingBatch, sample
+from gpu.readback import Pending
+from gpu.sampling import DeviceSample, SamplingBatch, sample_on_device
 from gpu.step_inputs import StepInputs, host_inputs
+from gpu.upload import copy_to_device
 
 if TYPE_CHECKING:
     from gpu.graphs.runner import GraphRunner
@@ -26,6 +28,22 @@ class StepOutput(NamedTuple):
 
     tokens: list[SampledToken]
     prompt_logprobs: list[PromptLogprobs]
+
+
+class PendingStep(Pending):
+    """A launched step: `finish()` reads its sampled tokens back -> its StepOutput (the
+    device thread calls it once the step's device work completed: gpu/readback.py)."""
+
+    def __init__(self, sampled: DeviceSample | None, prompt: list[PromptLogprobs]) -> None:
+        self.sampled = sampled  # None: the batch samples nothing
+        self.prompt = prompt  # prompt logprobs, already on the host (the eager path)
+
+    def finish(self) -> StepOutput:
+        if self.sampled is None:
+            return StepOutput([], self.prompt)
+        res = self.sampled.finish()
+        tokens = [SampledToken(t, lp, top) for t, lp, top in zip(res.token_ids, res.logprobs, res.top_logprobs)]
+        return StepOutput(tokens, self.prompt)
 
 
 class ModelRunner:
@@ -42,17 +60,19 @@ class ModelRunner:
         self.vocab_size = model.arch.vocab_size
         # Static-shape execution (graphs.mode cuda / emulate), attached by the builder.
         self.graphs: GraphRunner | None = None
-        # How index tensors reach the device; the builder swaps in one with pinned
-        # staging (CUDA) and the per-row next-token tensor (overlap scheduling).
+        # How index tensors reach the device; the builder swaps in one with the per-row
+        # next-token tensor (overlap scheduling).
         self.inputs = StepInputs(self.device)
 
     @torch.inference_mode()
-    def run(self, batch: ForwardBatch) -> StepOutput:
+    def run(self, batch: ForwardBatch) -> PendingStep:
+        """Launch the step; no host<->device synchronization unless the batch asks for
+        prompt logprobs (that rare eager path reads them back here)."""
         if batch.prompt_logprobs:
             return self.run_with_prompt_logprobs(batch)
-        return StepOutput(self.run_sampling(batch), [])
+        return PendingStep(self.run_sampling(batch), [])
 
-    def run_sampling(self, batch: ForwardBatch) -> list[SampledToken]:
+    def run_sampling(self, batch: ForwardBatch) -> DeviceSample | None:
         graph = self.graphs.bucket_for(batch) if self.graphs is not None else None
         if graph is None:
             logits = self.forward(batch)
@@ -63,7 +83,7 @@ class ModelRunner:
                 self.copy_states(batch.state_copies)
             logits = self.graphs.replay(graph, batch)
         if not batch.sampling:
-            return []
+            return None
         return self.sample(logits, batch)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -78,7 +98,7 @@ class ModelRunner:
             )
         return logits  # type: ignore[no-any-return]
 
-    def run_with_prompt_logprobs(self, batch: ForwardBatch) -> StepOutput:
+    def run_with_prompt_logprobs(self, batch: ForwardBatch) -> PendingStep:
         """Eager: every token's hidden state, then logits of the sampling rows and, in
         slices, of the prompt positions the spans ask for."""
         input_ids, positions, logits_indices = self.prepare(batch)
@@ -89,9 +109,9 @@ class ModelRunner:
             hidden = self.model.hidden(input_ids, positions, self.attention, self.hybrid_step(batch), self.states)
         prompt = prompt_logprobs(self.model.logits, hidden, batch.prompt_logprobs, batch.extend_lens)
         if not batch.sampling:
-            return StepOutput([], prompt)
+            return PendingStep(None, prompt)
         logits = self.model.logits(hidden.index_select(0, logits_indices))
-        return StepOutput(self.sample(logits, batch), prompt)
+        return PendingStep(self.sample(logits, batch), prompt)
 
     def copy_states(self, copies: Sequence[tuple[int, int]]) -> None:
         """Run queued state copies (src, dst) in order: before a forward, or on their own
@@ -125,7 +145,7 @@ class ModelRunner:
     def prepare(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.inputs.build(batch)
 
-    def sample(self, logits: torch.Tensor, batch: ForwardBatch) -> list[SampledToken]:
+    def sample(self, logits: torch.Tensor, batch: ForwardBatch) -> DeviceSample:
         rows = batch.sampling
         sb = SamplingBatch.build(
             params=rows,
@@ -138,18 +158,16 @@ class ModelRunner:
             maskers=[r.grammar for r in rows] if any(r.grammar is not None for r in rows) else (),
             want_logprobs=[r.logprobs for r in rows],
         )
-        res = sample(logits, sb)
+        sampled = sample_on_device(logits, sb)
         next_tokens = self.inputs.next_tokens
-        if next_tokens is not None and res.token_tensor is not None:
+        if next_tokens is not None:
             # Overlap scheduling: the next step may already be queued with placeholders.
-            next_tokens.record([batch.rows[i] for i in batch.sample_rows], res.token_tensor)
-        return [
-            SampledToken(t, lp, top) for t, lp, top in zip(res.token_ids, res.logprobs, res.top_logprobs)
-        ]
+            next_tokens.record([batch.rows[i] for i in batch.sample_rows], sampled.tokens)
+        return sampled
 
 
 def flat_inputs(batch: ForwardBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """input_ids and positions of the flattened tokens, and the flat index of each
     sampling request's last token (no placeholders: see gpu/step_inputs.py)."""
     input_ids, positions, last = host_inputs(batch)
-    return input_ids.to(device), positions.to(device), last.to(device)
+    return copy_to_device(input_ids, device), copy_to_device(positions, device), copy_to_device(last, device)

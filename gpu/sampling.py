@@ -28,6 +28,8 @@ from typing import NamedTuple, Protocol
 import torch
 
 from gpu.grammar_mask import TokenMask, TokenMasker, apply_token_mask, build_token_mask
+from gpu.readback import HostCopy, Pending
+from gpu.upload import to_device
 
 # Below this temperature logits/T overflows float32; such rows are treated as greedy.
 _MIN_TEMPERATURE = 1e-5
@@ -101,7 +103,7 @@ def gumbel_noise(keys: list[int], vocab_size: int, device: torch.device) -> torc
     few passes over an int64 [R, V] buffer (a few ms for 8 x 49k on one CPU core).
     """
     # Split in Python: a 64-bit key does not fit a signed int64 tensor.
-    halves = torch.tensor([[k & _MASK32, k >> 32] for k in keys], dtype=torch.int64, device=device)
+    halves = to_device([[k & _MASK32, k >> 32] for k in keys], torch.int64, device)
     bits = torch.arange(vocab_size, dtype=torch.int64, device=device).unsqueeze(0) ^ halves[:, :1]
     _hash32_(bits)
     bits ^= halves[:, 1:]
@@ -175,7 +177,7 @@ class SamplingBatch:
         rows = tuple(i for i, p in enumerate(params) if want is None or want[i] or p.top_logprobs_num)
         self.logprob_row_ids = rows
         if len(rows) < self.size:
-            self.logprob_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+            self.logprob_rows = to_device(rows, torch.int64, device)
 
     def _set_bias(self, params: Sequence[SamplingSettings], device: torch.device) -> None:
         pairs = [(r * self.vocab_size + t, b) for r, p in enumerate(params) for t, b in p.logit_bias]
@@ -183,8 +185,8 @@ class SamplingBatch:
             return
         if any(not 0 <= t < self.vocab_size for p in params for t, _ in p.logit_bias):
             raise ValueError(f"logit_bias token id outside the vocabulary [0, {self.vocab_size})")
-        self.bias_index = torch.tensor([i for i, _ in pairs], dtype=torch.int64, device=device)
-        self.bias_values = torch.tensor([b for _, b in pairs], dtype=torch.float32, device=device)
+        self.bias_index = to_device([i for i, _ in pairs], torch.int64, device)
+        self.bias_values = to_device([b for _, b in pairs], torch.float32, device)
 
     def _set_random(self, params: Sequence[SamplingSettings], seeds: list[int], steps: list[int],
                     device: torch.device) -> None:
@@ -192,12 +194,12 @@ class SamplingBatch:
         if not rows:
             return
         chosen = [params[i] for i in rows]
-        self.random_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+        self.random_rows = to_device(rows, torch.int64, device)
         self.draw_keys = [mix_seed(seeds[i], steps[i]) for i in rows]
         self.temperature = _column([p.temperature for p in chosen], device)
         if any(p.top_k > 1 for p in chosen):
             ks = [p.top_k if p.top_k > 0 else self.vocab_size for p in chosen]
-            self.top_k = torch.tensor(ks, dtype=torch.int64, device=device).unsqueeze(1)
+            self.top_k = to_device(ks, torch.int64, device).unsqueeze(1)
         if any(p.top_p < 1.0 for p in chosen):
             # 2.0 for untruncated rows so float rounding in the cumsum never cuts their tail.
             self.top_p = _column([p.top_p if p.top_p < 1.0 else 2.0 for p in chosen], device)
@@ -222,7 +224,7 @@ class SamplingBatch:
         counts = torch.zeros(self.size, self.vocab_size, dtype=torch.float32, device=device)
         flat = [r * self.vocab_size + t for r, row_ids in zip(rows, ids) for t in row_ids]
         if flat:
-            index = torch.tensor(flat, dtype=torch.int64, device=device)
+            index = to_device(flat, torch.int64, device)
             counts.view(-1).scatter_add_(0, index, torch.ones(len(flat), device=device))
         return counts
 
@@ -232,28 +234,64 @@ def _is_greedy(p: SamplingSettings) -> bool:
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+    return to_device(values, torch.float32, device).unsqueeze(1)
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
     """Pick one token per row of `logits` [B, V]; the input tensor is not modified."""
+    return sample_on_device(logits, batch).finish()
+
+
+def sample_on_device(logits: torch.Tensor, batch: SamplingBatch) -> DeviceSample:
+    """`sample`'s device work, with the copies of its results to the host started; no
+    host<->device synchronization (`finish()` reads the results back)."""
     if logits.shape != (batch.size, batch.vocab_size):
         raise ValueError(f"logits shape {tuple(logits.shape)} != {(batch.size, batch.vocab_size)}")
     logits = apply_token_mask(apply_bias(logits.float(), batch), batch.token_mask)
     scores = apply_penalties(logits, batch)
     tokens = argmax_rows(scores) if batch.all_greedy else _draw(scores, batch)
     if not batch.logprob_row_ids:  # the common case: nobody asked, no log_softmax at all
-        return SampleResult(tokens.tolist(), [math.nan] * batch.size, [[] for _ in range(batch.size)], tokens)
+        return DeviceSample(batch, tokens, HostCopy(tokens))
     rows = batch.logprob_rows
     asked = logits if rows is None else logits.index_select(0, rows)
     logprobs = torch.log_softmax(asked, dim=-1)
     chosen = logprobs.gather(1, (tokens if rows is None else tokens[rows]).unsqueeze(1)).squeeze(1)
     # One device->host copy for both lists (float64 holds any token id exactly).
-    host = torch.cat([tokens.double(), chosen.double()]).tolist()
-    chosen_all = [math.nan] * batch.size
-    for r, lp in zip(batch.logprob_row_ids, host[batch.size :]):
-        chosen_all[r] = lp
-    return SampleResult([int(t) for t in host[: batch.size]], chosen_all, _top_logprobs(logprobs, batch), tokens)
+    both = HostCopy(torch.cat([tokens.double(), chosen.double()]))
+    return DeviceSample(batch, tokens, both, _top_logprobs(logprobs, batch))
+
+
+class DeviceSample(Pending):
+    """Sampled tokens on the device, their copies to the host under way."""
+
+    def __init__(self, batch: SamplingBatch, tokens: torch.Tensor, host: HostCopy, top: HostCopy | None = None) -> None:
+        self.batch = batch
+        self.tokens = tokens
+        self.host = host  # the token ids, then (if any row asked) the chosen logprobs
+        self.top = top  # top-logprob values and ids of the rows that report them
+
+    def finish(self) -> SampleResult:
+        batch, n = self.batch, self.batch.size
+        (host,) = self.host.get()
+        values = host.tolist()
+        if not batch.logprob_row_ids:
+            return SampleResult(values, [math.nan] * n, [[] for _ in range(n)], self.tokens)
+        chosen_all = [math.nan] * n
+        for r, lp in zip(batch.logprob_row_ids, values[n:]):
+            chosen_all[r] = lp
+        return SampleResult([int(t) for t in values[:n]], chosen_all, self._top_lists(), self.tokens)
+
+    def _top_lists(self) -> list[list[tuple[int, float]]]:
+        batch = self.batch
+        tops: list[list[tuple[int, float]]] = [[] for _ in range(batch.size)]
+        if self.top is None:
+            return tops
+        values, ids = self.top.get()
+        host_values, host_ids = values.tolist(), ids.tolist()
+        for i, r in enumerate(batch.logprob_row_ids):
+            n = batch.top_logprobs_nums[r]
+            tops[r] = list(zip(host_ids[i][:n], host_values[i][:n]))
+        return tops
 
 
 def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
@@ -322,15 +360,11 @@ def _truncate(rows: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return rows
 
 
-def _top_logprobs(logprobs: torch.Tensor, batch: SamplingBatch) -> list[list[tuple[int, float]]]:
-    """logprobs: [len(batch.logprob_row_ids), V], the rows that report them."""
-    tops: list[list[tuple[int, float]]] = [[] for _ in range(batch.size)]
-    nums = [batch.top_logprobs_nums[r] for r in batch.logprob_row_ids]
-    most = max(nums, default=0)
+def _top_logprobs(logprobs: torch.Tensor, batch: SamplingBatch) -> HostCopy | None:
+    """logprobs: [len(batch.logprob_row_ids), V], the rows that report them -> the top
+    values and ids of each (as many as the row asking most wants), on their way to the host."""
+    most = max((batch.top_logprobs_nums[r] for r in batch.logprob_row_ids), default=0)
     if most == 0:
-        return tops
+        return None
     values, ids = logprobs.topk(min(most, batch.vocab_size), dim=-1)
-    host_values, host_ids = values.tolist(), ids.tolist()
-    for i, (r, n) in enumerate(zip(batch.logprob_row_ids, nums)):
-        tops[r] = list(zip(host_ids[i][:n], host_values[i][:n]))
-    return tops
+    return HostCopy(values, ids)

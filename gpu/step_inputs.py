@@ -4,11 +4,15 @@ and the flat index of each sampling request's last token.
 Overlap scheduling (kernel/overlap.py) submits step N+1 before step N's tokens reach the
 host: a request that continues carries `placeholder(table_row)` as its input id, and
 `NextTokens` — written by the sampler of every step, read by the next — turns it into
-the token step N sampled for that row, on the device. The device thread runs steps in
-order, so step N's tokens are in the tensor before step N+1 reads it.
+the token step N sampled for that row, on the device. The device thread launches steps
+in order on one stream, so step N's tokens are in the tensor before step N+1 reads it,
+though the device thread no longer waits for N to complete before it launches N+1.
 
-On CUDA the host side is built in pinned buffers (`PinnedStaging`) and copied with
-non_blocking=True on the device thread's stream.
+NOTE: every host-to-device copy here goes through gpu/upload.py (pinned, non_blocking on
+CUDA): a step's launch must never wait for the previous step's device work. A host
+buffer refilled by the next step would race with a copy still queued on the stream, so
+there is none: each copy gets its own block of torch's caching host allocator, which
+reuses it only after the copy's stream event completed.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from gpu.forward_batch import ForwardBatch
+from gpu.upload import copy_to_device, to_device
 
 
 class NextTokens:
@@ -27,7 +32,7 @@ class NextTokens:
         self.tokens = torch.zeros(num_rows, dtype=torch.int64, device=device)
 
     def record(self, table_rows: Sequence[int], token_ids: torch.Tensor) -> None:
-        index = torch.tensor(table_rows, dtype=torch.int64).to(token_ids.device, non_blocking=True)
+        index = to_device(table_rows, torch.int64, token_ids.device)
         self.tokens.index_copy_(0, index, token_ids.to(torch.int64))
 
     def resolve(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -36,47 +41,16 @@ class NextTokens:
         return torch.where(input_ids < 0, self.tokens[rows], input_ids)
 
 
-class PinnedStaging:
-    """CUDA: reused page-locked host rows for a step's index tensors (sized to the largest
-    step), so their copies to the device are asynchronous on the device thread's stream.
-
-    NOTE: a row is refilled only by the next step's `upload`; the device thread waits for
-    its stream at the end of every job (gpu/device_thread.py), so the previous step's
-    copies out of it are complete by then. Not exercised on CPU (nothing to pin)."""
-
-    def __init__(self, max_len: int, device: torch.device, rows: int = 3, pin: bool = True) -> None:
-        self.device = device
-        # pin=False only for tests of the staging logic on a machine without CUDA.
-        self.buffers = torch.empty((rows, max_len), dtype=torch.int64, pin_memory=pin)
-
-    def upload(self, *host: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if any(t.numel() > self.buffers.shape[1] for t in host) or len(host) > self.buffers.shape[0]:
-            return tuple(t.to(self.device) for t in host)  # larger than sized for: a plain copy
-        out = []
-        for row, tensor in zip(self.buffers, host):
-            staged = row[: tensor.numel()]
-            staged.copy_(tensor)
-            out.append(staged.to(self.device, non_blocking=True))
-        return tuple(out)
-
-
 class StepInputs:
     """Builds a batch's flat index tensors on `device` (the model runner and the graph
     runner share one, so placeholders resolve the same way eagerly and in a bucket)."""
 
-    def __init__(
-        self, device: torch.device, next_tokens: NextTokens | None = None, staging: PinnedStaging | None = None
-    ) -> None:
+    def __init__(self, device: torch.device, next_tokens: NextTokens | None = None) -> None:
         self.device = device
         self.next_tokens = next_tokens  # overlap scheduling only
-        self.staging = staging  # CUDA only
 
     def build(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        host = host_inputs(batch)
-        if self.staging is not None:
-            input_ids, positions, last = self.staging.upload(*host)
-        else:
-            input_ids, positions, last = (t.to(self.device) for t in host)
+        input_ids, positions, last = (copy_to_device(t, self.device) for t in host_inputs(batch))
         if batch.placeholders:
             if self.next_tokens is None:
                 raise ValueError("a batch with placeholder ids, but overlap scheduling is off")

@@ -24,7 +24,7 @@ from gpu.graphs.runner import GraphRunner
 from gpu.loader import load_checkpoint
 from gpu.model_runner import ModelRunner
 from gpu.quant.dispatch import QuantSpec
-from gpu.step_inputs import NextTokens, PinnedStaging, StepInputs
+from gpu.step_inputs import NextTokens, StepInputs
 from gpu.tokenizer import Tokenizer
 from kernel import registry
 from kernel.config import Config, ConfigError
@@ -139,7 +139,7 @@ def build_components(config: Config, device: torch.device) -> Components:
     runner = ModelRunner(model, pool, attention, states)
     overlap = resolve_overlap(config.scheduler.overlap, device, hybrid=states is not None)
     log.info("overlap_scheduling", on=overlap, setting=config.scheduler.overlap, hybrid=states is not None)
-    runner.inputs = _step_inputs(config, device, table.num_rows, overlap)
+    runner.inputs = _step_inputs(device, table.num_rows, overlap)
     runner.graphs = _graph_runner(config, model, attention, states, device)
     if runner.graphs is not None:
         runner.graphs.inputs = runner.inputs
@@ -164,14 +164,10 @@ def build_components(config: Config, device: torch.device) -> Components:
     )
 
 
-def _step_inputs(config: Config, device: torch.device, num_rows: int, overlap: bool) -> StepInputs:
-    """Index tensors of each step: staged in pinned memory on CUDA (copied without
-    blocking), and with the per-row next-token tensor when overlap scheduling is on."""
-    sched = config.scheduler
-    staging = None
-    if device.type == "cuda":
-        staging = PinnedStaging(max(sched.max_num_batched_tokens, sched.max_running_requests), device)
-    return StepInputs(device, NextTokens(num_rows, device) if overlap else None, staging)
+def _step_inputs(device: torch.device, num_rows: int, overlap: bool) -> StepInputs:
+    """Index tensors of each step, with the per-row next-token tensor when overlap
+    scheduling is on (copies to a CUDA device never block: gpu/upload.py)."""
+    return StepInputs(device, NextTokens(num_rows, device) if overlap else None)
 
 
 def _graph_runner(

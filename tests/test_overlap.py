@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from gpu.forward_batch import ForwardBatch, PrefillChunk, SamplingRow, placeholder
-from gpu.step_inputs import NextTokens, PinnedStaging, StepInputs
+from gpu.step_inputs import NextTokens, StepInputs
 from kernel import Engine
 from kernel.config import ConfigError, load_config
 from kernel.detokenizer import IncrementalDetokenizer
@@ -217,15 +217,9 @@ def test_next_tokens_resolve_per_row() -> None:
     assert nt.resolve(ids).tolist() == [9, 55, 8, 77]
 
 
-def test_staging_copies_each_step_and_falls_back_when_too_long() -> None:
-    """The staging logic (CUDA pins the rows and copies without blocking; neither runs here)."""
+def test_step_inputs_resolve_placeholders_only_with_overlap() -> None:
     cpu = torch.device("cpu")
-    staging = PinnedStaging(4, cpu, pin=False)
-    ids, pos = staging.upload(torch.tensor([5, 6, 7]), torch.tensor([0, 1, 2]))
-    assert ids.tolist() == [5, 6, 7] and pos.tolist() == [0, 1, 2]
-    assert staging.upload(torch.tensor([9]))[0].tolist() == [9]  # a shorter step reuses the row
-    assert staging.upload(torch.arange(6))[0].tolist() == list(range(6))  # longer than sized: plain copy
-    inputs = StepInputs(cpu, None, staging)
+    inputs = StepInputs(cpu, None)
     batch = ForwardBatch.build([PrefillChunk((3, 4), 1, 0), PrefillChunk((placeholder(2),), 2, 7)], [(0, SAMPLE_ROW)])
     with pytest.raises(ValueError, match="overlap scheduling is off"):
         inputs.build(batch)

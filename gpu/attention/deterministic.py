@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from cache.kv_pool import KVPool
 from gpu.attention.base import AttentionBackend
 from gpu.graphs.static_buffers import BufferSpec
+from gpu.upload import to_device
 from kernel.registry import register
 
 QUERY_TILE = 8
@@ -101,18 +102,19 @@ class DeterministicAttention(AttentionBackend):
                 tile_pos.append(list(range(prefix + start, prefix + start + n)) + [0] * pad)
                 tile_row.append(row)
             tok += num
-        pos = torch.tensor(tile_pos, device=device)  # [tiles, QUERY_TILE]
-        blocks = blocks or -(-(int(pos.max()) + 1) // KEY_BLOCK)
+        pos = to_device(tile_pos, torch.int64, device)  # [tiles, QUERY_TILE]
+        # From the host lists: `pos.max()` as a Python int would wait for the device.
+        blocks = blocks or -(-(max(max(p) for p in tile_pos) + 1) // KEY_BLOCK)
         key_pos = torch.arange(blocks * KEY_BLOCK, device=device).view(blocks, KEY_BLOCK)
         visible = key_pos[None, :, None, :] <= pos[:, None, :, None]  # [tiles, blocks, Q, K]
-        slots = table[torch.tensor(tile_row, device=device), : blocks * KEY_BLOCK]
+        slots = table[to_device(tile_row, torch.int64, device), : blocks * KEY_BLOCK]
         slots = F.pad(slots, (0, blocks * KEY_BLOCK - slots.shape[1]))  # past the table: page 0
         readable = (key_pos.view(1, -1) <= pos.max(dim=1).values[:, None]).view(slots.shape)
         # Past a tile's last position the table is stale: read the zero page there.
         return {
             "out_cache_loc": torch.cat(locs),
-            "tok_src": torch.tensor(tok_src, dtype=torch.int64, device=device),
-            "tile_tok": torch.tensor(tile_tok, dtype=torch.int64, device=device),
+            "tok_src": to_device(tok_src, torch.int64, device),
+            "tile_tok": to_device(tile_tok, torch.int64, device),
             "key_slots": torch.where(readable, slots, 0).view(-1, blocks, KEY_BLOCK),
             "mask": visible,
         }

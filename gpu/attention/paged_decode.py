@@ -12,6 +12,7 @@ import torch
 
 from cache.kv_pool import KVPool
 from gpu.kernels import cpu
+from gpu.upload import to_device
 
 KERNEL = "paged_attention"
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernel computes; other pools take the torch path
@@ -52,8 +53,8 @@ def build(
         tok, dec_rows, seq_lens = None, rows, prefix + 1
     else:
         device = req_to_token.device
-        idx = torch.tensor(dec, dtype=torch.int64, device=device)
-        tok = torch.tensor([starts[i] for i in dec], dtype=torch.int64, device=device)
+        idx = to_device(dec, torch.int64, device)
+        tok = to_device([starts[i] for i in dec], torch.int64, device)
         dec_rows, seq_lens = rows.index_select(0, idx), prefix.index_select(0, idx) + 1
     pages = -(-keys // page_size)
     # A page's first slot is page * page_size; the table's later slots of a page follow it.

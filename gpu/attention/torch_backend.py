@@ -20,6 +20,7 @@ from cache.kv_pool import KVPool
 from gpu.attention import paged_decode
 from gpu.attention.base import AttentionBackend
 from gpu.attention.paged_decode import PagedDecode
+from gpu.upload import to_device
 from kernel.registry import register
 
 
@@ -61,9 +62,9 @@ class TorchAttention(AttentionBackend):
         # NOTE: a few tensor ops per step whatever the batch size: no per-request tensor
         # work here (a step of 64 decodes would otherwise pay ~64 slices and a concat).
         device = self.req_to_token.device
-        rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
-        prefix_t = torch.tensor(prefix_lens, dtype=torch.int64, device=device)
-        extend_t = torch.tensor(extend_lens, dtype=torch.int64, device=device)
+        rows_t = to_device(rows, torch.int64, device)
+        prefix_t = to_device(prefix_lens, torch.int64, device)
+        extend_t = to_device(extend_lens, torch.int64, device)
         self.out_cache_loc = self._cache_locs(rows_t, prefix_t, extend_t, sum(extend_lens))
         starts = list(accumulate(extend_lens, initial=0))
         dec = [i for i, num in enumerate(extend_lens) if num == 1]
@@ -125,9 +126,9 @@ class TorchAttention(AttentionBackend):
             if keys[k] < _GROUP_FILL * keys[bounds[-1]]:
                 bounds.append(k)
         bounds.append(len(order))
-        keys_t = torch.tensor(keys, dtype=torch.int64, device=device)
+        keys_t = to_device(keys, torch.int64, device)
         num_pages = -(-keys[0] // ps)
-        order_rows = rows.index_select(0, torch.tensor(order, dtype=torch.int64, device=device))
+        order_rows = rows.index_select(0, to_device(order, torch.int64, device))
         first_slots = self.req_to_token[order_rows, : num_pages * ps : ps]
         page_valid = torch.arange(num_pages, device=device)[None, :] * ps < keys_t[:, None]
         # Table entries past a request's length are stale: read the zero page there.
@@ -137,7 +138,7 @@ class TorchAttention(AttentionBackend):
             # One group holding every request of the step in batch order (batch-1 decode,
             # equal lengths): no gather of its queries, no scatter of its outputs.
             return [_DecodeGroup(None, page_idx, mask[:, None, None, :])]
-        toks = torch.tensor([starts[i] for i in order], dtype=torch.int64, device=device)
+        toks = to_device([starts[i] for i in order], torch.int64, device)
         groups = []
         for lo, hi in pairwise(bounds):
             pages = -(-keys[lo] // ps)

@@ -26,6 +26,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from gpu.upload import to_device
+
 CHUNK_SIZE = 64
 
 
@@ -231,8 +233,8 @@ def gated_delta_varlen(
         return out, new_states, tracked
     decodes = [r for r, n in enumerate(extend_lens) if n == 1]
     if decodes:
-        tok = torch.tensor([starts[r] for r in decodes], device=x.q.device)
-        req = torch.tensor(decodes, device=x.q.device)
+        tok = to_device([starts[r] for r in decodes], torch.int64, x.q.device)
+        req = to_device(decodes, torch.int64, x.q.device)
         o, s = recurrent_step(x.rows(tok), states[req])
         out[tok] = o
         new_states[req] = s
@@ -265,8 +267,8 @@ def _recurrent_varlen(
     device = x.q.device
     for t in range(max(extend_lens, default=0)):
         active = [r for r, n in enumerate(extend_lens) if n > t]
-        tok = torch.tensor([starts[r] + t for r in active], device=device)
-        req = torch.tensor(active, device=device)
+        tok = to_device([starts[r] + t for r in active], torch.int64, device)
+        req = to_device(active, torch.int64, device)
         o, s = recurrent_step(x.rows(tok), states[req])
         out[tok] = o
         states[req] = s

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
+from gpu.upload import to_device
+
 
 def short_conv_varlen(
     x: torch.Tensor,
@@ -33,13 +35,13 @@ def short_conv_varlen(
     num_tokens, channels = x.shape
     reqs, _, width = windows.shape
     device = x.device
-    lens = torch.tensor(list(extend_lens), dtype=torch.int64, device=device)
-    if lens.numel() != reqs or int(lens.sum()) != num_tokens:
+    if len(extend_lens) != reqs or sum(extend_lens) != num_tokens:  # host values: no device wait
         raise ValueError(f"extend_lens {list(extend_lens)} do not match {num_tokens} tokens / {reqs} windows")
+    lens = to_device(list(extend_lens), torch.int64, device)
     # One extended buffer: per request its window rows, then its new tokens.
     seg_len = lens + width
     seg_start = torch.cumsum(seg_len, 0) - seg_len
-    req_of_tok = torch.repeat_interleave(torch.arange(reqs, device=device), lens)
+    req_of_tok = torch.repeat_interleave(torch.arange(reqs, device=device), lens, output_size=num_tokens)
     tok_start = torch.cumsum(lens, 0) - lens
     tok_row = (
         seg_start[req_of_tok] + width + (torch.arange(num_tokens, device=device) - tok_start[req_of_tok])
@@ -87,11 +89,11 @@ def short_conv_windows_at(
     for n in extend_lens:
         starts.append(starts[-1] + n)
     device = x.device
-    req = torch.tensor([r for r, _ in points], dtype=torch.int64, device=device)
-    order = torch.tensor([n for _, n in points], dtype=torch.int64, device=device)[:, None]
+    req = to_device([r for r, _ in points], torch.int64, device)
+    order = to_device([n for _, n in points], torch.int64, device)[:, None]
     order = order + torch.arange(width, device=device)[None, :]  # [M, width], in [1, width + n)
     in_window = order < width
-    tok = torch.tensor([starts[r] for r, _ in points], dtype=torch.int64, device=device)[:, None]
+    tok = to_device([starts[r] for r, _ in points], torch.int64, device)[:, None]
     from_x = x[(tok + order - width).clamp(min=0)]  # [M, width, C]
     from_win = windows.transpose(1, 2)[req[:, None], order.clamp(max=width - 1)].to(x.dtype)
     picked = torch.where(in_window[..., None], from_win, from_x)

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gpu.upload import to_device
+
 # Per request: (end_len, slot) pairs, end_len an absolute token count inside the chunk.
 Track = tuple[tuple[tuple[int, int], ...], ...]
 
@@ -81,7 +83,7 @@ class HybridStep:
             object.__setattr__(self, "track_slots", self.static_track[0])
             return
         device = self.dst_slots.device
-        object.__setattr__(self, "track_slots", torch.tensor(slots, dtype=torch.int64, device=device))
+        object.__setattr__(self, "track_slots", to_device(slots, torch.int64, device))
 
     @classmethod
     def build(
@@ -98,9 +100,9 @@ class HybridStep:
         return cls(
             extend_lens=tuple(int(e) for e in extend_lens),
             prefix_lens=tuple(int(p) for p in prefix_lens),
-            src_slots=torch.tensor(list(src_slots), dtype=torch.int64, device=device),
-            dst_slots=torch.tensor(list(dst_slots), dtype=torch.int64, device=device),
-            fresh=torch.tensor([p == 0 for p in prefix_lens], dtype=torch.bool, device=device),
+            src_slots=to_device(list(src_slots), torch.int64, device),
+            dst_slots=to_device(list(dst_slots), torch.int64, device),
+            fresh=to_device([p == 0 for p in prefix_lens], torch.bool, device),
             track=plain_track,
         )
 

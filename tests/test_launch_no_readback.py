@@ -1,0 +1,113 @@
+"""A step's launch (`ModelRunner.run`) reads nothing back from the device: every host read
+of a tensor (`tolist`, `item`, `bool`, `int`, `float`, `cpu`, `numpy`) is made to raise
+while it runs, and the step still launches; only its `finish()` reads the sampled tokens
+back, and what it gives is the StepOutput of the step run without the trap.
+
+On CUDA each of those reads would wait for the device (tests/test_readback_cuda.py
+checks the real thing under `torch.cuda.set_sync_debug_mode("error")`); here the trap
+shows where they are, with the tiny random Llama on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import gpu.sampling as sampling_mod
+from gpu.forward_batch import ForwardBatch, PrefillChunk, SamplingRow, placeholder
+from gpu.model_runner import PendingStep, StepOutput
+from kernel.components import Components, build_components
+from kernel.config import load_config
+from tests.conftest import TINY_OVERRIDES
+
+HOST_READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
+CPU = torch.device("cpu")
+ATTENTION = {
+    "deterministic": {"deterministic": True},
+    "torch": {"model.attention": "torch", "model.cpu_kernels": "off"},
+    "torch-kernels": {"model.attention": "torch"},  # the C++ paged decode where it builds
+}
+
+
+class HostRead(AssertionError):
+    """A tensor was read on the host during a step's launch."""
+
+
+@contextlib.contextmanager
+def no_host_reads() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        for name in HOST_READS:
+            def trap(self: torch.Tensor, *args: Any, _name: str = name, **kwargs: Any) -> Any:
+                raise HostRead(f"Tensor.{_name} during a step's launch")
+            mp.setattr(torch.Tensor, name, trap)
+        yield
+
+
+def row(**kw: Any) -> SamplingRow:
+    base: dict[str, Any] = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0,
+                            "presence_penalty": 0.0, "repetition_penalty": 1.0, "top_logprobs_num": 0,
+                            "seed": 3, "step": 2, "logprobs": False}
+    return SamplingRow(**{**base, **kw})
+
+
+def decode_step() -> ForwardBatch:
+    """Decodes of different lengths (one reading the previous step's token through a
+    placeholder), two prefill chunks, and sampling rows that take every sampler branch."""
+    chunks = [PrefillChunk((11,), 1, 5), PrefillChunk((placeholder(2),), 2, 9), PrefillChunk((13,), 3, 17),
+              PrefillChunk(tuple(range(20, 27)), 4, 0), PrefillChunk(tuple(range(30, 36)), 5, 4)]
+    rows = [
+        row(),  # greedy, no logprobs
+        row(temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, logprobs=True),
+        row(temperature=1.1, top_logprobs_num=3, logit_bias=((7, 5.0), (9, -2.0))),
+        row(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2,
+            prompt_ids=(20, 21, 22), output_ids=(7, 7, 9), logprobs=True),
+        row(temperature=0.7, seed=9, step=0),
+    ]
+    return ForwardBatch.build(chunks, list(enumerate(rows)))
+
+
+@pytest.fixture(scope="module", params=list(ATTENTION))
+def parts(request: pytest.FixtureRequest, tiny_chat_folder: str) -> Components:
+    overrides = {**TINY_OVERRIDES, "model.path": tiny_chat_folder, "scheduler.overlap": "on",
+                 **ATTENTION[request.param]}
+    built = build_components(load_config(None, overrides), CPU)
+    table = built.runner.attention.req_to_token
+    for r in range(1, 6):  # each row its own KV slots
+        table[r, :32] = torch.arange(32) + 32 * r
+    return built
+
+
+def launch(parts: Components) -> PendingStep:
+    pending = parts.runner.run(decode_step())
+    assert isinstance(pending, PendingStep)
+    return pending
+
+
+def test_a_decode_steps_launch_reads_nothing_back(parts: Components) -> None:
+    expected = launch(parts).finish()
+    with no_host_reads():
+        pending = launch(parts)
+        with pytest.raises(HostRead):
+            pending.finish()  # the reads are all here
+    got = pending.finish()
+    assert isinstance(got, StepOutput) and len(got.tokens) == 5
+    assert [t.token_id for t in got.tokens] == [t.token_id for t in expected.tokens]
+    assert repr(got) == repr(expected)  # logprobs (NaN where not asked) and top logprobs too
+
+
+def test_red_when_the_launch_reads_a_tensor_back(parts: Components, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trap above can fail: a `.tolist()` planted into the sampler's launch trips it."""
+    real = sampling_mod.argmax_rows
+
+    def reads_back(scores: torch.Tensor) -> torch.Tensor:
+        out = real(scores)
+        out.tolist()
+        return out
+
+    monkeypatch.setattr(sampling_mod, "argmax_rows", reads_back)
+    with no_host_reads(), pytest.raises(HostRead, match="tolist"):
+        launch(parts)
