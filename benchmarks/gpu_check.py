@@ -1,7 +1,8 @@
 """The one-call GPU check (issue 11): run it whenever a CUDA device is lent.
 
 1. The GPU-relevant tests on the device: Triton kernels (compiled, not interpreted),
-   the graph runner (CUDA capture/replay), the device thread, and the bit-exact guards
+   the graph runner (CUDA capture/replay), the device thread and its readback (a step's
+   launch never synchronizes: tests/test_readback_cuda.py), and the bit-exact guards
    of the radix, hybrid and tier issues — on a CUDA machine the engines in these tests
    pick `model.device: auto` -> cuda and `graphs.mode: auto` -> cuda.
 2. A short throughput run, graphs on vs off, for the packaged SmolLM2 and a ~0.5B
@@ -25,6 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 TESTS = [
     "tests/test_triton_attention.py", "tests/test_graph_runner.py", "tests/test_device_thread.py",
+    "tests/test_readback_cuda.py",
     "tests/test_bit_exact.py", "tests/test_bit_exact_hybrid.py", "tests/test_host_tier.py",
     "tests/test_host_tier_hybrid.py", "tests/test_storage_tier.py", "tests/test_storage_tier_hybrid.py",
 ]

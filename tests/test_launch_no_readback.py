@@ -82,6 +82,9 @@ def parts(request: pytest.FixtureRequest, tiny_chat_folder: str) -> Components:
 
 
 def launch(parts: Components) -> PendingStep:
+    next_tokens = parts.runner.inputs.next_tokens
+    assert next_tokens is not None
+    next_tokens.tokens[2] = 42  # what "the previous step" sampled for row 2's placeholder
     pending = parts.runner.run(decode_step())
     assert isinstance(pending, PendingStep)
     return pending
