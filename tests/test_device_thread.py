@@ -1,6 +1,8 @@
 """The device thread: jobs run in order on its own stream (CUDA), and a job's future
-resolves only after the thread waited for that stream — so the loop never synchronizes
-the device. The stream is faked on CPU: what is checked is the order of events."""
+resolves only after a wait for that stream's work (here a stand-in stream, whose own
+`synchronize` is the marker; tests/test_readback.py covers the readback thread with
+markers) — so the loop never synchronizes the device. The stream is faked on CPU: what
+is checked is the order of events."""
 
 from __future__ import annotations
 

@@ -65,15 +65,17 @@ def gated(gates: list[Gate]) -> Iterator[DeviceThread]:
     thread.shutdown()
 
 
-async def wait_for(event: threading.Event) -> None:
-    assert await asyncio.get_running_loop().run_in_executor(None, event.wait, WAIT)
+async def wait_for(event: threading.Event, timeout: float = WAIT) -> bool:
+    return await asyncio.get_running_loop().run_in_executor(None, event.wait, timeout)
 
 
-async def check_next_job_launches_before_the_first_resolves(thread: DeviceThread, gates: list[Gate]) -> None:
+async def check_next_job_launches_before_the_first_resolves(thread: DeviceThread, gates: list[Gate],
+                                                            launch_wait: float = WAIT) -> None:
     second_ran = threading.Event()
     first = thread.submit(lambda: Finishes(1))
     second = thread.submit(lambda: second_ran.set() or 2)
-    await wait_for(second_ran)  # job 2 was launched while job 1's device work "runs"
+    ran = await wait_for(second_ran, launch_wait)
+    assert ran, "job 2 was not launched while job 1's device work ran"
     await asyncio.sleep(0.05)
     assert not first.done(), "job 1's future resolved before its device work completed"
     gates[0].released.set()
@@ -93,6 +95,26 @@ async def test_red_when_a_future_resolves_before_its_marker(gated: DeviceThread,
     monkeypatch.setattr(Gate, "synchronize", lambda self: None)
     with pytest.raises(AssertionError, match="before its device work completed"):
         await check_next_job_launches_before_the_first_resolves(gated, gates)
+
+
+async def test_red_when_the_device_thread_waits_for_each_job(gates: list[Gate]) -> None:
+    """And red the other way: a device thread that waits for a job's marker itself before
+    it takes the next job (what it did before the readback thread) does not overlap."""
+    handed = iter(gates)
+
+    def waited_marker(stream: Any) -> Gate:
+        gate = next(handed)
+        gate.synchronize()  # on the device thread, before the next job
+        return gate
+
+    thread = DeviceThread(stream_factory=FakeStream, mark=waited_marker)
+    try:
+        with pytest.raises(AssertionError, match="not launched while"):
+            await check_next_job_launches_before_the_first_resolves(thread, gates, launch_wait=0.5)
+    finally:
+        for gate in gates:
+            gate.released.set()
+        thread.shutdown()
 
 
 async def test_futures_resolve_in_job_order(gated: DeviceThread, gates: list[Gate]) -> None:
