@@ -81,10 +81,17 @@ def parts(request: pytest.FixtureRequest, tiny_chat_folder: str) -> Components:
     return built
 
 
-def launch(parts: Components) -> PendingStep:
+def prime(parts: Components) -> None:
+    """Set what "the previous step" sampled for row 2 (the placeholder's token): each
+    launch below starts from the same inputs."""
     next_tokens = parts.runner.inputs.next_tokens
     assert next_tokens is not None
-    next_tokens.tokens[2] = 42  # what "the previous step" sampled for row 2's placeholder
+    next_tokens.tokens[2] = 42
+
+
+def launch(parts: Components, primed: bool = False) -> PendingStep:
+    if not primed:
+        prime(parts)
     pending = parts.runner.run(decode_step())
     assert isinstance(pending, PendingStep)
     return pending
