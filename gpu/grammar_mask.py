@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from gpu.upload import copy_to_device
+from gpu.upload import copy_to_device, to_device
 
 
 class TokenMasker(Protocol):
@@ -31,6 +31,9 @@ class TokenMasker(Protocol):
 class TokenMask:
     rows: list[int]  # indices of the constrained rows in the batch
     bitmask: torch.Tensor  # [B, ceil(V/32)] int32 on the logits' device; other rows all ones
+    # `rows` on a CUDA device (int32): given a list there, xgrammar would make the tensor
+    # itself with a copy from pageable memory, which may wait for the device.
+    row_index: torch.Tensor | None = None
 
 
 def mask_width(vocab_size: int) -> int:
@@ -49,7 +52,8 @@ def build_token_mask(maskers: Sequence[TokenMasker | None], vocab_size: int,
         assert masker is not None
         bitmask[i] = 0  # nothing allowed past what the masker writes (ids beyond its vocabulary)
         masker.fill_mask(bitmask, i)
-    return TokenMask(rows, copy_to_device(bitmask, device))
+    row_index = to_device(rows, torch.int32, device) if device.type == "cuda" else None
+    return TokenMask(rows, copy_to_device(bitmask, device), row_index)
 
 
 def apply_token_mask(logits: torch.Tensor, mask: TokenMask | None) -> torch.Tensor:
@@ -61,5 +65,10 @@ def apply_token_mask(logits: torch.Tensor, mask: TokenMask | None) -> torch.Tens
     import xgrammar  # only once a batch is constrained: importing it takes ~0.5 s
 
     masked = logits.clone(memory_format=torch.contiguous_format)
-    xgrammar.apply_token_bitmask_inplace(masked, mask.bitmask, vocab_size=logits.shape[1], indices=mask.rows)
+    if mask.row_index is None:
+        xgrammar.apply_token_bitmask_inplace(masked, mask.bitmask, vocab_size=logits.shape[1], indices=mask.rows)
+    else:  # CUDA: the Triton kernel xgrammar picks there, which takes the rows as a tensor
+        from xgrammar.kernels.apply_token_bitmask_inplace_triton import apply_token_bitmask_inplace_triton
+
+        apply_token_bitmask_inplace_triton(masked, mask.bitmask, logits.shape[1], mask.row_index)
     return masked

@@ -6,8 +6,8 @@ a request attached to a loaded host part resumes from the host node's slot (`_at
 
 Copies run on the copy worker (cache/copy_worker.py), never on the event loop and never
 queued behind forwards (on CUDA on the worker's copy stream: a forward's KV is complete
-before its pages are offered for copying, because the device thread waits for its stream
-before a step's results come back, and a load's pages are complete before the request
+before its pages are offered for copying, because a step's results come back only after
+its device work completed (gpu/readback.py), and a load's pages are complete before the request
 reads them, because the worker waits for its stream before the load's future resolves); their completions come back here, on the loop, which owns the
 tree. NOTE: invariant 3 with tiers. A node being copied is locked (it cannot be evicted
 or lose its pages); device pages a load fills belong to the load until the tree takes

@@ -54,13 +54,24 @@ def row(**kw: Any) -> SamplingRow:
     return SamplingRow(**{**base, **kw})
 
 
+ALLOWED = (5, 7, 11)  # the only tokens the constrained row may sample
+
+
+class FewTokens:
+    """A grammar matcher stand-in (gpu.grammar_mask.TokenMasker) allowing ALLOWED."""
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row, 0] = sum(1 << t for t in ALLOWED)
+
+
 def decode_step() -> ForwardBatch:
     """Decodes of different lengths (one reading the previous step's token through a
-    placeholder), two prefill chunks, and sampling rows that take every sampler branch."""
+    placeholder), two prefill chunks, and sampling rows that take every sampler branch
+    (a grammar mask too)."""
     chunks = [PrefillChunk((11,), 1, 5), PrefillChunk((placeholder(2),), 2, 9), PrefillChunk((13,), 3, 17),
               PrefillChunk(tuple(range(20, 27)), 4, 0), PrefillChunk(tuple(range(30, 36)), 5, 4)]
     rows = [
-        row(),  # greedy, no logprobs
+        row(grammar=FewTokens()),  # greedy, no logprobs, constrained
         row(temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, logprobs=True),
         row(temperature=1.1, top_logprobs_num=3, logit_bias=((7, 5.0), (9, -2.0))),
         row(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2,
@@ -104,7 +115,7 @@ def test_a_decode_steps_launch_reads_nothing_back(parts: Components) -> None:
         with pytest.raises(HostRead):
             pending.finish()  # the reads are all here
     got = pending.finish()
-    assert isinstance(got, StepOutput) and len(got.tokens) == 5
+    assert isinstance(got, StepOutput) and len(got.tokens) == 5 and got.tokens[0].token_id in ALLOWED
     assert [t.token_id for t in got.tokens] == [t.token_id for t in expected.tokens]
     assert repr(got) == repr(expected)  # logprobs (NaN where not asked) and top logprobs too
 
