@@ -1,13 +1,14 @@
-"""Hybrid models in captured graphs: decode buckets only, each replaying its capture's control.
+"""What a captured graph may contain: a forward that makes no tensor from host values and
+reads nothing back (a CUDA graph replays kernels; whatever the forward decided on the host
+at capture is frozen).
 
-A CUDA graph replays kernels; whatever the forward decides on the host at capture is
-frozen. The hybrid state layers decide by the step's lengths, so what is captured is a
-decode bucket (every request one token, nothing tracked), whose forward makes no tensor
-from host values and reads nothing back — checked here on CPU by running it with those
-operations made to raise, and shown to fail when a decode path builds its index tensors
-from the lengths (planted). A live step whose control differs from the capture's is an
-error. On a GPU: captured hybrid decode graphs give the emulated run's bits, every state
-strategy, both families.
+Checked on CPU by running a bucket's forward with those operations made to raise: dense
+models in every bucket (deterministic and triton backends), hybrid models in decode
+buckets — their state layers decide by the step's lengths, so only a decode bucket (every
+request one token, nothing tracked) is captured for them, and a live step whose control
+differs from the capture's is an error. Planted: a decode path that builds its index
+tensors from the lengths goes red. On a GPU: captured hybrid decode graphs give the
+emulated run's bits, every state strategy, both families.
 """
 
 from __future__ import annotations
@@ -23,14 +24,22 @@ import torch
 if not torch.cuda.is_available():  # the fast (non-deterministic) runs use the triton backend
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from gpu.forward_batch import ForwardBatch
 from gpu.graphs.runner import GraphRunner
 from gpu.graphs.static_buffers import StaticBufferError
 from gpu.kernels import gated_delta, short_conv
 from kernel.components import Components
-from tests.conftest import GRAPHS_EMULATE, HYBRID_OVERRIDES, graph_replays
+from tests.conftest import GRAPHS_EMULATE, HYBRID_OVERRIDES, TINY_OVERRIDES, graph_replays
 from tests.test_graph_runner import batch, parts
 
 FAMILIES = ["qwen3_5_text", "lfm2"]
+
+
+def need_interpreted_triton() -> None:
+    """These engines run on CPU: triton only in its interpreter (no GPU here)."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("triton on a CPU engine needs the interpreter; on a GPU the CUDA tests cover it")
 HOST_READS = ("tolist", "item", "__bool__", "__int__", "__float__", "cpu", "numpy")
 
 
@@ -50,12 +59,14 @@ def no_host_traffic(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         yield
 
 
-def decode_forward_without_host_traffic(parts_: Components, monkeypatch: pytest.MonkeyPatch) -> None:
+def forward_without_host_traffic(
+    parts_: Components, monkeypatch: pytest.MonkeyPatch, live: ForwardBatch | None = None, kind: str = "decode"
+) -> None:
     graphs = parts_.runner.graphs
     assert isinstance(graphs, GraphRunner)
-    live = batch([1, 1, 1], prefix=5)
+    live = live or batch([1, 1, 1], prefix=5)
     graph = graphs.bucket_for(live)
-    assert graph is not None and graph.bucket.kind == "decode"
+    assert graph is not None and graph.bucket.kind == kind
     real = graphs._model_forward
 
     def guarded(graph: Any, step: Any) -> torch.Tensor:
@@ -65,7 +76,7 @@ def decode_forward_without_host_traffic(parts_: Components, monkeypatch: pytest.
     monkeypatch.setattr(graphs, "_model_forward", guarded)
     with torch.inference_mode():
         logits = graphs.replay(graph, live)
-    assert logits.shape[0] == 3 and bool(torch.isfinite(logits).all())
+    assert logits.shape[0] == len(live.sample_rows) and bool(torch.isfinite(logits).all())
 
 
 @pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "fast"])
@@ -74,10 +85,23 @@ def test_decode_forward_makes_no_host_tensors(
     hybrid_folders: dict[str, str], monkeypatch: pytest.MonkeyPatch, family: str, deterministic: bool
 ) -> None:
     if not deterministic:
-        pytest.importorskip("triton")
+        need_interpreted_triton()
     extra = {} if deterministic else {"deterministic": False, "model.attention": "triton"}
-    decode_forward_without_host_traffic(parts(hybrid_folders[family], HYBRID_OVERRIDES, **GRAPHS_EMULATE, **extra),
+    forward_without_host_traffic(parts(hybrid_folders[family], HYBRID_OVERRIDES, **GRAPHS_EMULATE, **extra),
                                         monkeypatch)
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+@pytest.mark.parametrize("attention", ["deterministic", "triton"])
+def test_dense_forward_makes_no_host_tensors(
+    tiny_chat_folder: str, monkeypatch: pytest.MonkeyPatch, attention: str, kind: str
+) -> None:
+    if attention == "triton":
+        need_interpreted_triton()
+    extra = {"deterministic": attention == "deterministic", "model.attention": attention}
+    live = batch([1, 1, 1], prefix=5) if kind == "decode" else batch([9, 1, 5])
+    forward_without_host_traffic(parts(tiny_chat_folder, TINY_OVERRIDES, **GRAPHS_EMULATE, **extra), monkeypatch,
+                                 live, kind)
 
 
 @pytest.mark.parametrize("family,planted", [("qwen3_5_text", "delta"), ("lfm2", "conv")])
@@ -96,7 +120,7 @@ def test_red_decode_path_indexing_by_lengths(
             x, windows, [1] * x.shape[0], weight, bias))
     components = parts(hybrid_folders[family], HYBRID_OVERRIDES, **GRAPHS_EMULATE)
     with pytest.raises(AssertionError, match="the forward called torch.tensor"):
-        decode_forward_without_host_traffic(components, monkeypatch)
+        forward_without_host_traffic(components, monkeypatch)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
