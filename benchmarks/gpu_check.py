@@ -25,8 +25,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = [
-    "tests/test_triton_attention.py", "tests/test_graph_runner.py", "tests/test_device_thread.py",
-    "tests/test_readback_cuda.py",
+    "tests/test_triton_attention.py", "tests/test_triton_graphs.py", "tests/test_graph_runner.py",
+    "tests/test_graph_capture.py", "tests/test_device_thread.py", "tests/test_readback_cuda.py",
     "tests/test_bit_exact.py", "tests/test_bit_exact_hybrid.py", "tests/test_host_tier.py",
     "tests/test_host_tier_hybrid.py", "tests/test_storage_tier.py", "tests/test_storage_tier_hybrid.py",
 ]

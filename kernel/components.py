@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -104,7 +105,7 @@ def build_components(config: Config, device: torch.device) -> Components:
     max_ctx_padded = pages_for(context, page_size) * page_size
     table = ReqToTokenTable(config.scheduler.max_running_requests + 1, max_ctx_padded, device)
     # Deterministic mode needs batch-invariant attention too, whatever backend is named.
-    attention_name = "deterministic" if config.deterministic else config.model.attention
+    attention_name = "deterministic" if config.deterministic else attention_backend(config.model.attention, device)
     attention = registry.lookup("attention", attention_name)(pool, table.table, cpu_kernels=cpu_kernels)
     policy = registry.lookup("schedule", config.scheduler.policy)(
         lpm_fallback_queue=config.scheduler.lpm_fallback_queue
@@ -170,6 +171,13 @@ def _step_inputs(device: torch.device, num_rows: int, overlap: bool) -> StepInpu
     return StepInputs(device, NextTokens(num_rows, device) if overlap else None)
 
 
+def attention_backend(name: str, device: torch.device) -> str:
+    """model.attention resolved: `auto` is triton on CUDA (where triton imports), else torch."""
+    if name != "auto":
+        return name
+    return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") is not None else "torch"
+
+
 def _graph_runner(
     config: Config, model: Any, attention: AttentionBackend, states: StatePool | None, device: torch.device
 ) -> GraphRunner | None:
@@ -179,11 +187,10 @@ def _graph_runner(
     mode, name = graphs.mode, type(attention).__name__
     if mode in ("cuda", "emulate") and not attention.supports_static:
         raise ConfigError(f"graphs.mode: {mode} needs an attention backend with static-shape metadata "
-                          f"(deterministic); {name} has none")
-    if mode == "cuda" and states is not None:
-        # The hybrid CPU kernels build index tensors from lengths inside the forward.
-        raise ConfigError("graphs.mode: cuda does not capture hybrid models yet; use emulate or off")
+                          f"(deterministic, triton); {name} has none")
     if mode == "auto":
+        # Hybrid models capture decode buckets only, and only when asked for (`cuda`)
+        # until a GPU run has checked that capture; auto leaves them eager.
         mode = "cuda" if device.type == "cuda" and attention.supports_static and states is None else "off"
     if mode == "off":
         return None

@@ -33,7 +33,8 @@ class ModelConfig:
     dtype: str = "auto"
     quantization: str = "auto"
     device: str = "auto"
-    attention: str = "torch"
+    # auto: triton on CUDA (when the triton package is installed), torch elsewhere.
+    attention: str = "auto"
     context_length: int | None = None
     served_name: str | None = None
     num_threads: int | None = None

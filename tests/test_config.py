@@ -126,3 +126,18 @@ def test_state_grid_must_sit_on_pages_for_hybrid_models_only() -> None:
     with pytest.raises(ConfigError, match="state_track_interval"):
         config.cache.check_state_grid()
     load_config(None, {"cache.page_size": 16, "cache.state_track_interval": 48}).cache.check_state_grid()
+
+
+def test_attention_auto_is_triton_on_cuda_only() -> None:
+    import importlib.util
+
+    import torch
+
+    from kernel.components import attention_backend
+
+    assert load_config(None, {}).model.attention == "auto"
+    assert attention_backend("auto", torch.device("cpu")) == "torch"
+    expect = "triton" if importlib.util.find_spec("triton") is not None else "torch"
+    assert attention_backend("auto", torch.device("cuda")) == expect
+    assert attention_backend("torch", torch.device("cuda")) == "torch"
+    assert attention_backend("deterministic", torch.device("cpu")) == "deterministic"

@@ -23,8 +23,8 @@ from gpu.model_runner import PendingStep, StepOutput
 from kernel.components import Components, build_components
 from kernel.config import load_config
 from tests.conftest import TINY_OVERRIDES
+from tests.host_reads import HostRead, trap_host_reads
 
-HOST_READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
 CPU = torch.device("cpu")
 ATTENTION = {
     "deterministic": {"deterministic": True},
@@ -33,17 +33,10 @@ ATTENTION = {
 }
 
 
-class HostRead(AssertionError):
-    """A tensor was read on the host during a step's launch."""
-
-
 @contextlib.contextmanager
 def no_host_reads() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as mp:
-        for name in HOST_READS:
-            def trap(self: torch.Tensor, *args: Any, _name: str = name, **kwargs: Any) -> Any:
-                raise HostRead(f"Tensor.{_name} during a step's launch")
-            mp.setattr(torch.Tensor, name, trap)
+        trap_host_reads(mp, "a step's launch")
         yield
 
 

@@ -6,7 +6,7 @@ live ones plus one padding request that takes the padding tokens). A batch runs 
 smallest bucket that holds it; one that fits none runs eagerly (`bucket_for` -> None).
 
 Mode `cuda` captures every bucket once, largest first, into one shared memory pool and
-replays it; mode `emulate` runs the model on the very same static buffers instead of
+replays it (for hybrid models the decode buckets only: see `check_control`); mode `emulate` runs the model on the very same static buffers instead of
 replaying, so CPU CI exercises the buckets, the padding and the registry. Either way a
 replay is: stage the batch (the registry copies the live rows of every buffer and resets
 rows [live:bucket) of every buffer), then run.
@@ -105,6 +105,11 @@ class GraphRunner:
         self.model, self.attention, self.states, self.mode = model, attention, states, mode
         self.device: torch.device = model.device
         slots = prefill_max_requests + 1  # + the padding request
+        if mode == "cuda" and states is not None and prefill_tokens:
+            # A hybrid prefill's state layers branch on each request's length (chunked
+            # form, tracked points); only its decode steps are a function of the bucket.
+            log.info("graphs_hybrid_decode_only", skipped_prefill_buckets=list(prefill_tokens))
+            prefill_tokens = ()
         self.graphs: dict[str, list[Graph]] = {
             "decode": [self._graph(Bucket("decode", b, b)) for b in sorted(set(decode_buckets))],
             "prefill": [self._graph(Bucket("prefill", t, slots)) for t in sorted(set(prefill_tokens))],
@@ -168,6 +173,7 @@ class GraphRunner:
         batch = capture_batch(graph.bucket)
         step = self._stage(graph, batch)
         self.check_reads(self.buffers[graph.bucket.kind], step)
+        graph.step = step
         if self.mode == "emulate":
             self._model_forward(graph, step)  # the warm-up: the capture path runs at start-up
             return
@@ -180,7 +186,7 @@ class GraphRunner:
         cuda_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(cuda_graph, pool=self._pool, stream=self._stream):
             graph.logits = self._model_forward(graph, step)
-        graph.cuda_graph, graph.step = cuda_graph, step
+        graph.cuda_graph = cuda_graph
 
     def check_reads(self, buffers: StaticBuffers, step: HybridStep | None) -> None:
         """Every tensor the model path reads per step is a view of a registered buffer."""
@@ -211,6 +217,7 @@ class GraphRunner:
     def replay(self, graph: Graph, batch: ForwardBatch) -> torch.Tensor:
         """Logits of the batch's sampling rows, from the bucket's static-shape forward."""
         step = self._stage(graph, batch)
+        self.check_control(graph, step)
         self.replays[graph.bucket] += 1
         if self.mode == "emulate":
             logits = self._model_forward(graph, step)
@@ -219,6 +226,23 @@ class GraphRunner:
             assert graph.logits is not None
             logits = graph.logits
         return logits[: len(batch.sample_rows)]
+
+    @staticmethod
+    def check_control(graph: Graph, step: HybridStep | None) -> None:
+        """A hybrid decode bucket replays its capture's host-side control (every request
+        one token, nothing tracked): a live step with other control is an error.
+
+        NOTE: what a CUDA graph cannot capture is what the forward decides on the host.
+        The hybrid state layers decide by `extend_lens` and `track_points` only (the
+        lengths' tensors are registered buffers), so a decode bucket whose live steps
+        carry its capture's values replays each step exactly; prefill buckets of hybrids
+        are emulated only (not captured) since their control varies by step."""
+        if step is None or graph.step is None or graph.bucket.kind != "decode":
+            return
+        live = (step.extend_lens, step.track_points)
+        captured = (graph.step.extend_lens, graph.step.track_points)
+        if live != captured:
+            raise StaticBufferError(f"step control {live} differs from the captured {captured} of {graph.bucket}")
 
     def _stage(self, graph: Graph, batch: ForwardBatch) -> HybridStep | None:
         """Copy the batch into the bucket's buffers (tails reset by the registry), point

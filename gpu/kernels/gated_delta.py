@@ -219,6 +219,10 @@ def gated_delta_varlen(
     `recurrent`: every token by `recurrent_step` (deterministic mode), all requests
     advanced together one position at a time. Otherwise one-token requests are batched
     through `recurrent_step` and longer ones run `chunk_prefill`.
+
+    NOTE: a decode step (one token per request) is one `recurrent_step` over the inputs
+    as they are, in either mode: no index tensor built from the lengths, nothing read
+    back, so a captured decode graph of a hybrid model replays the step itself.
     """
     if any(not 0 < n < extend_lens[r] for r, n in track):
         raise ValueError(f"tracked points {list(track)} are not inside their chunks {list(extend_lens)}")
@@ -232,6 +236,9 @@ def gated_delta_varlen(
         _recurrent_varlen(x, new_states, extend_lens, starts, out, track, tracked)
         return out, new_states, tracked
     decodes = [r for r, n in enumerate(extend_lens) if n == 1]
+    if len(decodes) == len(extend_lens):
+        out[:], new_states[:] = decode_step(x, states)
+        return out, new_states, tracked
     if decodes:
         tok = to_device([starts[r] for r in decodes], torch.int64, x.q.device)
         req = to_device(decodes, torch.int64, x.q.device)
@@ -252,6 +259,12 @@ def gated_delta_varlen(
     return out, new_states, tracked
 
 
+def decode_step(x: DeltaInputs, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step of `gated_delta_varlen`: token r is request r's only token, so the
+    inputs go to `recurrent_step` as they are (the NOTE of `gated_delta_varlen`)."""
+    return recurrent_step(x, states)
+
+
 def _recurrent_varlen(
     x: DeltaInputs,
     states: torch.Tensor,
@@ -265,6 +278,9 @@ def _recurrent_varlen(
     that step is batch-invariant, each request gets exactly its `recurrent_prefill`
     (and a tracked state, copied after its n-th token, that of a run stopping there)."""
     device = x.q.device
+    if all(n == 1 for n in extend_lens):  # nothing tracked: no point inside one token
+        out[:], states[:] = decode_step(x, states)
+        return
     for t in range(max(extend_lens, default=0)):
         active = [r for r, n in enumerate(extend_lens) if n > t]
         tok = to_device([starts[r] + t for r in active], torch.int64, device)

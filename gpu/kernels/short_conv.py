@@ -32,11 +32,21 @@ def short_conv_varlen(
     a token's conv output does not depend on whether its window came from a prefill, a
     decode step or a cache hit.
     """
+    num_tokens, reqs = x.shape[0], windows.shape[0]
+    if len(extend_lens) != reqs or sum(extend_lens) != num_tokens:
+        raise ValueError(f"extend_lens {list(extend_lens)} do not match {num_tokens} tokens / {reqs} windows")
+    if all(n == 1 for n in extend_lens):
+        return _one_token_each(x, windows, weight, bias)
+    return _varlen(x, windows, extend_lens, weight, bias)
+
+
+def _varlen(
+    x: torch.Tensor, windows: torch.Tensor, extend_lens: Sequence[int], weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`short_conv_varlen` for any lengths: one buffer of window rows and new tokens."""
     num_tokens, channels = x.shape
     reqs, _, width = windows.shape
     device = x.device
-    if len(extend_lens) != reqs or sum(extend_lens) != num_tokens:  # host values: no device wait
-        raise ValueError(f"extend_lens {list(extend_lens)} do not match {num_tokens} tokens / {reqs} windows")
     lens = to_device(list(extend_lens), torch.int64, device)
     # One extended buffer: per request its window rows, then its new tokens.
     seg_len = lens + width
@@ -58,6 +68,28 @@ def short_conv_varlen(
         acc = acc + bias.float()
     last_rows = (seg_start + seg_len - width)[:, None] + torch.arange(width, device=device)[None, :]
     new_windows = ext[last_rows.reshape(-1)].view(reqs, width, channels).transpose(1, 2)
+    return acc.to(x.dtype), new_windows.to(windows.dtype)
+
+
+def _one_token_each(
+    x: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`short_conv_varlen` when every request brings one token (a decode step): the same
+    products summed in the same order, so the same bits, without index tensors built
+    from the lengths.
+
+    NOTE: a captured decode graph of a hybrid model runs this: it makes no tensor from
+    host values and reads nothing back, so replaying it is replaying the step."""
+    w = weight.float()
+    width = windows.shape[2]
+    taps = windows.to(x.dtype)
+    acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for j in range(width):
+        acc = acc + taps[:, :, j].float() * w[:, j]
+    acc = acc + x.float() * w[:, width]
+    if bias is not None:
+        acc = acc + bias.float()
+    new_windows = torch.cat([taps[:, :, 1:], x[:, :, None]], dim=2)
     return acc.to(x.dtype), new_windows.to(windows.dtype)
 
 

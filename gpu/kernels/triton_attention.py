@@ -12,12 +12,14 @@ page size works and stale table entries past a request's length are never read.
 - `store_kv`: one program per new token copies its [Hkv * D] row of K and V to its slot.
 - `decode_attention`: split-K over splits of a FIXED number of keys (`split`), anchored at
   position 0 of the request: stage 1 gives each (request, KV head, split) its query
-  heads' partial output and log-sum-exp, stage 2 merges a request's splits in order.
+  heads' partial output and log-sum-exp, stage 2 merges a request's splits in order. An
+  entry with key count 0 (a static step's unused one) is skipped by both stages.
   A request's splits, and the order they are merged in, depend only on its own length,
   so its output is the same bits alone or in any batch (batch-invariant).
-- `extend_attention`: one program per (request, query head, block of new tokens) runs an
-  online softmax over keys [0, last position of the block], prefix and new tokens alike
-  read through the table (the new K/V are stored first), with the causal mask.
+- `extend_attention`: one program per (request, query head, block of new tokens; blocks
+  past a request's new tokens, and entries with none, exit at once) runs an online softmax
+  over keys [0, last position of the block], prefix and new tokens alike read through
+  the table (the new K/V are stored first), with the causal mask.
 - `gather_state_slots` / `scatter_state_slots`: per request row, a state slot read into
   (or written from) a dense [R, ...] batch, fresh rows read as zeros.
 """
@@ -161,26 +163,27 @@ def _decode_merge_kernel(
     h = tl.program_id(1)
     num_heads = tl.num_programs(1)
     seq_len = tl.load(seq_lens + b)
-    tok = tl.load(toks + b)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    base = (b * num_heads + h) * max_splits
-    # Splits merged in order from the first: the same operations for a request whatever
-    # the batch (NOTE: invariant 7's "fixed reduction order", here for decode).
-    m = tl.load(part_lse + base)
-    acc = tl.load(part_o + base * HEAD_DIM + offs_d, mask=d_mask, other=0.0)
-    l = tl.exp(m - m)
-    num_splits = tl.cdiv(seq_len, SPLIT)
-    for s in range(1, num_splits):
-        lse = tl.load(part_lse + base + s)
-        o = tl.load(part_o + (base + s) * HEAD_DIM + offs_d, mask=d_mask, other=0.0)
-        m_new = tl.maximum(m, lse)
-        alpha = tl.exp(m - m_new)
-        w = tl.exp(lse - m_new)
-        acc = acc * alpha + w * o
-        l = l * alpha + w
-        m = m_new
-    tl.store(out + tok * stride_ot + h * stride_oh + offs_d, (acc / l).to(out.dtype.element_ty), mask=d_mask)
+    if seq_len > 0:  # 0: a static step's unused entry, no splits to merge
+        tok = tl.load(toks + b)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < HEAD_DIM
+        base = (b * num_heads + h) * max_splits
+        # Splits merged in order from the first: the same operations for a request whatever
+        # the batch (NOTE: invariant 7's "fixed reduction order", here for decode).
+        m = tl.load(part_lse + base)
+        acc = tl.load(part_o + base * HEAD_DIM + offs_d, mask=d_mask, other=0.0)
+        l = tl.exp(m - m)
+        num_splits = tl.cdiv(seq_len, SPLIT)
+        for s in range(1, num_splits):
+            lse = tl.load(part_lse + base + s)
+            o = tl.load(part_o + (base + s) * HEAD_DIM + offs_d, mask=d_mask, other=0.0)
+            m_new = tl.maximum(m, lse)
+            alpha = tl.exp(m - m_new)
+            w = tl.exp(lse - m_new)
+            acc = acc * alpha + w * o
+            l = l * alpha + w
+            m = m_new
+        tl.store(out + tok * stride_ot + h * stride_oh + offs_d, (acc / l).to(out.dtype.element_ty), mask=d_mask)
 
 
 def decode_attention(

@@ -1,0 +1,169 @@
+"""What a captured graph may contain: a forward that makes no tensor from host values and
+reads nothing back (a CUDA graph replays kernels; whatever the forward decided on the host
+at capture is frozen).
+
+Checked on CPU by running a bucket's forward with those operations made to raise: dense
+models in every bucket (deterministic and triton backends), hybrid models in decode
+buckets — their state layers decide by the step's lengths, so only a decode bucket (every
+request one token, nothing tracked) is captured for them, and a live step whose control
+differs from the capture's is an error. Planted: a decode path that builds its index
+tensors from the lengths goes red. On a GPU: captured hybrid decode graphs give the
+emulated run's bits, every state strategy, both families.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # the fast (non-deterministic) runs use the triton backend
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from gpu.forward_batch import ForwardBatch
+from gpu.graphs.runner import GraphRunner
+from gpu.graphs.static_buffers import StaticBufferError
+from gpu.kernels import gated_delta, short_conv
+from kernel.components import Components
+from tests.conftest import GRAPHS_EMULATE, HYBRID_OVERRIDES, TINY_OVERRIDES, graph_replays
+from tests.test_graph_runner import batch, parts
+
+FAMILIES = ["qwen3_5_text", "lfm2"]
+
+
+def need_interpreted_triton() -> None:
+    """These engines run on CPU: triton only in its interpreter (no GPU here)."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("triton on a CPU engine needs the interpreter; on a GPU the CUDA tests cover it")
+HOST_READS = ("tolist", "item", "__bool__", "__int__", "__float__", "cpu", "numpy")
+
+
+@contextmanager
+def no_host_traffic(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Inside: building a tensor from host values, or reading one back, raises."""
+
+    def refuse(what: str) -> Any:
+        def raiser(*args: Any, **kwargs: Any) -> Any:
+            raise AssertionError(f"the forward called {what}")
+        return raiser
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "tensor", refuse("torch.tensor"))
+        for name in HOST_READS:
+            m.setattr(torch.Tensor, name, refuse(f"Tensor.{name}"))
+        yield
+
+
+def forward_without_host_traffic(
+    parts_: Components, monkeypatch: pytest.MonkeyPatch, live: ForwardBatch | None = None, kind: str = "decode"
+) -> None:
+    graphs = parts_.runner.graphs
+    assert isinstance(graphs, GraphRunner)
+    live = live or batch([1, 1, 1], prefix=5)
+    graph = graphs.bucket_for(live)
+    assert graph is not None and graph.bucket.kind == kind
+    real = graphs._model_forward
+
+    def guarded(graph: Any, step: Any) -> torch.Tensor:
+        with no_host_traffic(monkeypatch):
+            return real(graph, step)
+
+    monkeypatch.setattr(graphs, "_model_forward", guarded)
+    with torch.inference_mode():
+        logits = graphs.replay(graph, live)
+    assert logits.shape[0] == len(live.sample_rows) and bool(torch.isfinite(logits).all())
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "fast"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decode_forward_makes_no_host_tensors(
+    hybrid_folders: dict[str, str], monkeypatch: pytest.MonkeyPatch, family: str, deterministic: bool
+) -> None:
+    if not deterministic:
+        need_interpreted_triton()
+    extra = {} if deterministic else {"deterministic": False, "model.attention": "triton"}
+    forward_without_host_traffic(parts(hybrid_folders[family], HYBRID_OVERRIDES, **GRAPHS_EMULATE, **extra),
+                                        monkeypatch)
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+@pytest.mark.parametrize("attention", ["deterministic", "triton"])
+def test_dense_forward_makes_no_host_tensors(
+    tiny_chat_folder: str, monkeypatch: pytest.MonkeyPatch, attention: str, kind: str
+) -> None:
+    if attention == "triton":
+        need_interpreted_triton()
+    extra = {"deterministic": attention == "deterministic", "model.attention": attention}
+    live = batch([1, 1, 1], prefix=5) if kind == "decode" else batch([9, 1, 5])
+    forward_without_host_traffic(parts(tiny_chat_folder, TINY_OVERRIDES, **GRAPHS_EMULATE, **extra), monkeypatch,
+                                 live, kind)
+
+
+@pytest.mark.parametrize("family,planted", [("qwen3_5_text", "delta"), ("lfm2", "conv")])
+def test_red_decode_path_indexing_by_lengths(
+    hybrid_folders: dict[str, str], monkeypatch: pytest.MonkeyPatch, family: str, planted: str
+) -> None:
+    """Planted: the decode path gathers its rows through index tensors built from the
+    lengths (what the general path does): the check above goes red."""
+    if planted == "delta":
+        def by_lengths(x: gated_delta.DeltaInputs, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            rows = torch.tensor(list(range(states.shape[0])), device=states.device)
+            return gated_delta.recurrent_step(x.rows(rows), states[rows])
+        monkeypatch.setattr(gated_delta, "decode_step", by_lengths)
+    else:
+        monkeypatch.setattr(short_conv, "_one_token_each", lambda x, windows, weight, bias: short_conv._varlen(
+            x, windows, [1] * x.shape[0], weight, bias))
+    components = parts(hybrid_folders[family], HYBRID_OVERRIDES, **GRAPHS_EMULATE)
+    with pytest.raises(AssertionError, match="the forward called torch.tensor"):
+        forward_without_host_traffic(components, monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_token_conv_is_the_varlen_conv(dtype: torch.dtype) -> None:
+    """The decode path of the short conv gives the general path's bits."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn((5, 12), generator=gen).to(dtype)
+    windows = torch.randn((5, 12, 3), generator=gen)
+    weight, bias = torch.randn((12, 4), generator=gen).to(dtype), torch.randn(12, generator=gen).to(dtype)
+    for b in (bias, None):
+        fast = short_conv.short_conv_varlen(x, windows, [1] * 5, weight, b)
+        general = short_conv._varlen(x, windows, [1] * 5, weight, b)
+        assert all(torch.equal(f, g) for f, g in zip(fast, general))
+
+
+def test_live_control_must_match_the_capture(hybrid_folders: dict[str, str]) -> None:
+    components = parts(hybrid_folders["qwen3_5_text"], HYBRID_OVERRIDES, **GRAPHS_EMULATE)
+    graphs = components.runner.graphs
+    assert isinstance(graphs, GraphRunner)
+    decode = graphs.bucket_for(batch([1] * 4, prefix=3))
+    assert decode is not None and decode.bucket.kind == "decode"
+    with torch.inference_mode(), pytest.raises(StaticBufferError, match="differs from the captured"):
+        graphs.replay(decode, batch([2, 1], prefix=3))  # 3 tokens fit the bucket, its control does not
+
+
+# ---- CUDA: captured hybrid decode graphs (skip without a GPU) --------------------
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("strategy", ["no_buffer", "extra_buffer", "extra_buffer_lazy"])
+def test_cuda_hybrid_decode_graphs_equal_emulation(hybrid_folders: dict[str, str], family: str, strategy: str) -> None:
+    from tests.test_bit_exact_hybrid import assert_bit_exact, make, tokens
+    from tests.test_graph_runner import GREEDY
+
+    prompts = [tokens(40 + i, 6 + 11 * i) for i in range(5)]
+    results = {}
+    for mode in ("emulate", "cuda"):
+        engine = make(hybrid_folders[family], strategy, **GRAPHS_EMULATE, **{"model.device": "cuda", "graphs.mode": mode})
+        try:
+            first = engine.generate(prompts, [GREEDY] * 5)
+            second = engine.generate([p + [7, 8, 9] for p in prompts], [GREEDY] * 5)
+            results[mode] = list(first) + list(second)  # type: ignore[arg-type]
+            assert graph_replays(engine)["decode"] > 0
+        finally:
+            engine.shutdown()
+    for cuda, emulated in zip(results["cuda"], results["emulate"]):
+        assert_bit_exact(cuda, emulated)

@@ -1,0 +1,196 @@
+"""The `triton` attention backend in static shapes (captured graphs), in the Triton
+interpreter on CPU.
+
+A bucket's metadata buffers hold one decode and one extend entry per request slot; the
+entries past the live ones keep the registry's sentinel (row 0, count 0), which no kernel
+program reads or writes for. What that promises, checked here: a request's output in a
+padded step is the eager step's, bit for bit, after a larger step left its rows in the
+buffers; padding tokens' output rows are zero and their K/V land in the reserved page
+only. Planted: an unused entry that counts one key (sentinel 1) writes into a live
+token's row and the check goes red. End to end: a tiny Llama with `model.attention:
+triton` under `graphs.mode: emulate` generates what it generates eagerly.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from gpu.attention.triton_backend import TritonAttention, split_size
+from gpu.graphs.runner import GraphRunner
+from gpu.graphs.static_buffers import BufferSpec, StaticBufferError, StaticBuffers
+from kernel import Engine
+from kernel.components import build_components
+from kernel.config import load_config
+from tests.conftest import GRAPHS_EMULATE, TINY_OVERRIDES, graph_replays
+from tests.test_triton_attention import DEVICE, Req, build, step_qkv
+
+BUCKET = {"tokens": 48, "requests": 6}
+# (prefix, extend, padding): a large mixed step, then a small one staged after it.
+LARGE: list[Req] = [(30, 1, False), (5, 9, False), (61, 1, False), (0, 17, False), (12, 1, False), (40, 6, False)]
+SMALL: list[Req] = [(22, 1, False), (3, 5, False)]
+
+
+def registry(backend: TritonAttention) -> StaticBuffers:
+    buffers = StaticBuffers(BUCKET, DEVICE)
+    for name, spec in backend.static_specs().items():
+        buffers.register(name, spec)
+    return buffers
+
+
+def padded(t: torch.Tensor, rows: int, seed: int) -> torch.Tensor:
+    """t with random (finite) rows appended up to `rows`: padding tokens' q/k/v."""
+    extra = torch.randn((rows - t.shape[0], *t.shape[1:]), generator=torch.Generator().manual_seed(seed))
+    return torch.cat([t, extra.to(t.device, t.dtype)])
+
+
+def eager_and_static(reqs: Sequence[Req], group: int = 2, head_dim: int = 16, split: int = 16) -> dict[str, Any]:
+    """One layer of `reqs` eagerly and in the bucket (after LARGE was staged in the same
+    buffers); the outputs and the pools after each."""
+    reqs = list(reqs)
+    pools, table, rows = build(4, head_dim, LARGE + reqs, list(range(len(LARGE + reqs))), 0, torch.float32)
+    eager, static = TritonAttention(pools[0], table), TritonAttention(pools[1], table)
+    for b in (eager, static):
+        b.decode_split, b.decode_block_n = split, 16
+    buffers = registry(static)
+    big = len(LARGE)
+    stale = static.static_metadata(rows[:big], [r[0] for r in LARGE], [r[1] for r in LARGE])
+    buffers.stage(stale, BUCKET)  # rows a larger step leaves behind
+
+    q, k, v = step_qkv(reqs, range(big, big + len(reqs)), group, head_dim, 0, 0, torch.float32)
+    live_rows, prefix, extend = rows[big:], [r[0] for r in reqs], [r[1] for r in reqs]
+    eager.prepare(live_rows, prefix, extend)
+    out_eager = eager.forward(0, q, k, v)
+    views = buffers.stage(static.static_metadata(live_rows, prefix, extend), BUCKET)
+    static.bind_static(views)
+    tokens = BUCKET["tokens"]
+    out_static = static.forward(0, padded(q, tokens, 1), padded(k, tokens, 2), padded(v, tokens, 3))
+    return {"eager": out_eager, "static": out_static, "pools": pools, "live": q.shape[0], "backend": static}
+
+
+@pytest.mark.parametrize("reqs", [SMALL, LARGE[:5], [(0, 1, False)], [(7, 40, False)]], ids=["small", "five", "one", "long"])
+def test_static_step_gives_the_eager_bits(reqs: list[Req]) -> None:
+    got = eager_and_static(reqs)
+    n = got["live"]
+    assert torch.equal(got["static"][:n], got["eager"])
+    assert torch.equal(got["static"][n:], torch.zeros_like(got["static"][n:]))  # padding tokens
+    eager_pool, static_pool = got["pools"]
+    # The same K/V everywhere but the reserved page 0 (slots 0-3), where padding tokens write.
+    assert torch.equal(static_pool.k[0][4:], eager_pool.k[0][4:])
+    assert torch.equal(static_pool.v[0][4:], eager_pool.v[0][4:])
+
+
+def test_static_grids_cover_the_table_and_the_bucket() -> None:
+    got = eager_and_static(SMALL)
+    backend = got["backend"]
+    assert backend._dec_max == backend.req_to_token.shape[1] and backend._ext_max == BUCKET["tokens"]
+    assert all(backend.meta[name].shape[0] == BUCKET["requests"] for name in ("dec_lens", "ext_lens"))
+
+
+def test_split_size_is_fixed_by_the_table() -> None:
+    assert split_size(512) == split_size(16384) == 256  # the usual contexts: 256-key splits
+    assert split_size(128 * 1024) == 2048 and split_size(100_000) % 32 == 0
+    assert -(-100_000 // split_size(100_000)) <= 64
+
+
+@pytest.mark.parametrize("field", ["dec_lens", "ext_lens"])
+def test_red_unused_entries_that_count_keys(monkeypatch: pytest.MonkeyPatch, field: str) -> None:
+    """Planted: the unused entries' count sentinel is 1, not 0. They attend and write their
+    output into token 0's row (their token sentinel), and the eager bits are gone."""
+    real = TritonAttention.static_specs
+
+    def counting(self: TritonAttention) -> dict[str, BufferSpec]:
+        specs = real(self)
+        specs[field] = specs[field]._replace(sentinel=1 if field == "dec_lens" else 2)
+        return specs
+
+    monkeypatch.setattr(TritonAttention, "static_specs", counting)
+    got = eager_and_static(SMALL)
+    assert not torch.equal(got["static"][: got["live"]], got["eager"])
+
+
+def components(folder: str, **extra: Any) -> Any:
+    config = load_config(None, {**TINY_OVERRIDES, "model.path": folder, "model.attention": "triton", **extra})
+    return build_components(config, DEVICE)
+
+
+def test_capture_checks_triton_metadata(tiny_chat_folder: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Capture passes with the backend's buffers all registered, and fails loudly when the
+    backend reads a metadata tensor that is not a registered view (planted)."""
+    parts = components(tiny_chat_folder, **GRAPHS_EMULATE)
+    assert isinstance(parts.runner.graphs, GraphRunner)
+    real = TritonAttention.bind_static
+
+    def private_copy(self: TritonAttention, views: Any) -> None:
+        real(self, views)
+        self.meta["dec_lens"] = self.meta["dec_lens"].clone()
+
+    monkeypatch.setattr(TritonAttention, "bind_static", private_copy)
+    with pytest.raises(StaticBufferError, match="meta.dec_lens"):
+        components(tiny_chat_folder, **GRAPHS_EMULATE)
+
+
+GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True, "return_logprob": True}
+
+
+@pytest.mark.skipif(
+    os.environ.get("TIERSERVE_SKIP_TRITON_E2E") == "1",
+    reason="TIERSERVE_SKIP_TRITON_E2E=1: the engine run in the Triton interpreter is skipped",
+)
+def test_engine_emulated_matches_eager(tiny_chat_folder: str) -> None:
+    """Concurrent prompts (chunked prefill mixed with decodes), then prefix hits, with the
+    triton backend: graphs emulated give the eager run's tokens (logprobs within 1e-4:
+    the linears around attention see padded row counts), and both kinds of bucket ran."""
+    from tests.test_bit_exact import tokens
+
+    prompts = [tokens(70 + i, 5 + 13 * i) for i in range(4)]
+    results = {}
+    for mode, extra in (("off", {}), ("emulate", GRAPHS_EMULATE)):
+        engine = Engine(None, {**TINY_OVERRIDES, "model.path": tiny_chat_folder, "model.attention": "triton",
+                               "cache.prefix": "radix", **extra})
+        try:
+            first = engine.generate(prompts, [GREEDY] * 4)
+            second = engine.generate([p + [5, 6, 7] for p in prompts], [GREEDY] * 4)
+            assert any(o["meta_info"]["cached_tokens"] for o in second)  # type: ignore[index]
+            results[mode] = list(first) + list(second)  # type: ignore[arg-type]
+            if extra:
+                assert all(graph_replays(engine).values()), graph_replays(engine)
+        finally:
+            engine.shutdown()
+    for off, emulated in zip(results["off"], results["emulate"]):
+        assert emulated["output_ids"] == off["output_ids"]
+        lp_on = [lp for lp, _ in emulated["meta_info"]["output_token_logprobs"]]
+        lp_off = [lp for lp, _ in off["meta_info"]["output_token_logprobs"]]
+        assert lp_on == pytest.approx(lp_off, abs=1e-4)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA: captured graphs")
+def test_cuda_graphs_match_emulation(tiny_chat_folder: str) -> None:
+    """On a GPU: the triton backend captured and replayed gives the emulated run's tokens."""
+    from tests.test_bit_exact import tokens
+
+    prompts = [tokens(80 + i, 4 + 15 * i) for i in range(5)]
+    results = {}
+    for mode in ("emulate", "cuda"):
+        engine = Engine(None, {**TINY_OVERRIDES, "model.path": tiny_chat_folder, "model.attention": "triton",
+                               "model.device": "cuda", "cache.prefix": "radix", **GRAPHS_EMULATE, "graphs.mode": mode})
+        try:
+            results[mode] = engine.generate(prompts, [GREEDY] * 5)
+            assert all(graph_replays(engine).values())
+        finally:
+            engine.shutdown()
+    for cuda, emulated in zip(results["cuda"], results["emulate"]):  # type: ignore[arg-type]
+        assert cuda["output_ids"] == emulated["output_ids"]
+        lp_cuda = [lp for lp, _ in cuda["meta_info"]["output_token_logprobs"]]
+        lp_emul = [lp for lp, _ in emulated["meta_info"]["output_token_logprobs"]]
+        assert lp_cuda == pytest.approx(lp_emul, abs=1e-5)
