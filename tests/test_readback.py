@@ -218,3 +218,14 @@ def test_cpu_host_copy_is_the_tensor_itself() -> None:
     t = torch.arange(3)
     copy = readback_mod.HostCopy(t)
     assert copy.get()[0] is t and copy._event is None
+
+
+def test_uploads_on_cpu_are_the_plain_tensors() -> None:
+    import torch
+
+    from gpu.upload import copy_to_device, to_device
+
+    cpu = torch.device("cpu")
+    t = to_device([3, 1, 2], torch.int32, cpu)
+    assert t.dtype == torch.int32 and t.tolist() == [3, 1, 2]
+    assert copy_to_device(t, cpu) is t  # no copy, no pinning on CPU
