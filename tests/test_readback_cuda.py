@@ -41,15 +41,11 @@ def syncs_raise() -> Iterator[None]:
         torch.cuda.set_sync_debug_mode("default")
 
 
-# The triton backend's metadata still goes up with `torch.tensor(..., device=cuda)`, a
-# blocking copy (gpu/attention/triton_backend.py `as_tensor`; gpu/upload.py `to_device`
-# is the fix): strict, so the marker must go once it is fixed.
-TRITON_SYNCS = pytest.mark.xfail(strict=True, raises=RuntimeError, reason="triton metadata uploads block")
 BACKENDS = {"torch": {"model.attention": "torch"}, "deterministic": {"deterministic": True},
             "triton": {"model.attention": "triton"}}
 
 
-@pytest.fixture(scope="module", params=["torch", "deterministic", pytest.param("triton", marks=TRITON_SYNCS)])
+@pytest.fixture(scope="module", params=["torch", "deterministic", "triton"])
 def parts(request: pytest.FixtureRequest, tiny_chat_folder: str) -> Components:
     attention = BACKENDS[request.param]
     overrides = {**TINY_OVERRIDES, "model.path": tiny_chat_folder, "model.device": "cuda",

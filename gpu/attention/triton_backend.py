@@ -33,6 +33,7 @@ import torch
 from cache.kv_pool import KVPool
 from gpu.attention.base import AttentionBackend
 from gpu.graphs.static_buffers import BufferSpec
+from gpu.upload import to_device
 from kernel.registry import register
 
 # NOTE: invariant 7 for decode: a request's keys are cut into splits of DECODE_SPLIT
@@ -131,7 +132,7 @@ class TritonAttention(AttentionBackend):
             tok += num
 
         def as_tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
+            return to_device(values, torch.int64, device)  # no host wait on CUDA
 
         meta = {name: as_tensor(values) for name, values in lists.items()}
         meta["out_cache_loc"] = self.req_to_token[as_tensor(tok_rows), as_tensor(tok_pos)]

@@ -37,6 +37,7 @@ from gpu.graphs.static_buffers import BufferSpec, StaticBufferError, StaticBuffe
 from gpu.model_runner import flat_inputs
 from gpu.models.hybrid_step import HybridStep
 from gpu.step_inputs import StepInputs
+from gpu.upload import to_device
 
 log = structlog.get_logger("tierserve")
 
@@ -274,10 +275,10 @@ class GraphRunner:
             )
             slots = [s for pairs in track for _, s in pairs]
             live.update({
-                "state_src": torch.tensor(batch.state_src, dtype=torch.int64, device=dev),
-                "state_dst": torch.tensor(batch.state_dst, dtype=torch.int64, device=dev),
-                "fresh": torch.tensor([p == 0 for p in batch.prefix_lens], dtype=torch.bool, device=dev),
-                "track_slots": torch.tensor(slots, dtype=torch.int64, device=dev),
+                "state_src": to_device(batch.state_src, torch.int64, dev),
+                "state_dst": to_device(batch.state_dst, torch.int64, dev),
+                "fresh": to_device([p == 0 for p in batch.prefix_lens], torch.bool, dev),
+                "track_slots": to_device(slots, torch.int64, dev),
                 "track_mask": torch.ones(len(slots), dtype=torch.bool, device=dev),
             })
         return live
