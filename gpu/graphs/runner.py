@@ -185,7 +185,9 @@ class GraphRunner:
                 self._model_forward(graph, step)
         torch.cuda.current_stream(self.device).wait_stream(self._stream)
         cuda_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cuda_graph, pool=self._pool, stream=self._stream):
+        # thread_local: another thread's CUDA call during capture (the readback or copy
+        # worker threads) is not an error of this capture; this thread's syncs still are.
+        with torch.cuda.graph(cuda_graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
             graph.logits = self._model_forward(graph, step)
         graph.cuda_graph = cuda_graph
 
