@@ -37,4 +37,9 @@ class ReqToTokenTable:
         start = first_page_index * page_size
         page_t = torch.tensor(pages, dtype=torch.int64)
         slots = (page_t[:, None] * page_size + torch.arange(page_size)[None, :]).reshape(-1)
-        self.table[row, start : start + slots.numel()] = slots.to(self.table.device)
+        if self.table.is_cuda:
+            # NOTE: from pageable memory the copy would make the loop thread wait for the
+            # device; from a pinned block it is queued on the loop thread's (default)
+            # stream, which every device-thread job waits for (gpu/device_thread.py).
+            slots = slots.pin_memory()
+        self.table[row, start : start + slots.numel()].copy_(slots, non_blocking=True)

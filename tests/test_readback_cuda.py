@@ -86,6 +86,21 @@ def test_uploads_never_synchronize_and_reused_pinned_blocks_stay_intact() -> Non
     assert all(out.eq(i).all().item() for i, out in enumerate(outs))
 
 
+def test_request_table_writes_never_synchronize() -> None:
+    """The loop thread writes a request's pages into the table (on the default stream)
+    behind a spin without waiting for it, and the rows hold the slots afterwards."""
+    from cache.req_table import ReqToTokenTable
+
+    table = ReqToTokenTable(4, 64, torch.device("cuda"))
+    table.write_pages(1, 0, [9], 4)  # the host allocator's first block outside the check
+    torch.cuda._sleep(SPIN)
+    with syncs_raise():
+        for page in range(8):
+            table.write_pages(2, page, [10 + page], 4)
+    torch.cuda.synchronize()
+    assert table.table[2, :32].tolist() == [(10 + i // 4) * 4 + i % 4 for i in range(32)]
+
+
 async def test_the_device_thread_launches_the_next_job_while_the_gpu_runs() -> None:
     thread = DeviceThread(stream_factory=torch.cuda.Stream)
     try:
