@@ -24,6 +24,7 @@ import torch
 if not torch.cuda.is_available():  # the fast (non-deterministic) runs use the triton backend
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from gpu.attention.deterministic import DeterministicAttention
 from gpu.forward_batch import ForwardBatch
 from gpu.graphs.runner import GraphRunner
 from gpu.graphs.static_buffers import StaticBufferError
@@ -139,7 +140,7 @@ def test_live_control_must_match_the_capture(hybrid_folders: dict[str, str]) -> 
     assert isinstance(graphs, GraphRunner)
     decode = graphs.bucket_for(batch([1] * 4, prefix=3))
     assert decode is not None and decode.bucket.kind == "decode"
-    with torch.inference_mode(), pytest.raises(StaticBufferError, match="differs from the captured"):
+    with torch.inference_mode(), pytest.raises(StaticBufferError, match="host-side control differs"):
         graphs.replay(decode, batch([2, 1], prefix=3))  # 3 tokens fit the bucket, its control does not
 
 
@@ -164,3 +165,23 @@ def test_cuda_hybrid_decode_graphs_equal_emulation(hybrid_folders: dict[str, str
             engine.shutdown()
     for cuda, emulated in zip(results["cuda"], results["emulate"]):
         assert_bit_exact(cuda, emulated)
+
+
+def test_red_backend_binding_a_per_step_value(tiny_chat_folder: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted: the attention backend keeps a per-step host value from the staged views (a
+    CUDA graph would freeze the capture's). The replay of another step is refused."""
+    real = DeterministicAttention.bind_static
+
+    def keeps_live_count(self: DeterministicAttention, views: Any) -> None:
+        real(self, views)
+        self.live_tiles = int((views["tile_tok"][:, 0] >= 0).sum())  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(DeterministicAttention, "bind_static", keeps_live_count)
+    components = parts(tiny_chat_folder, TINY_OVERRIDES, **GRAPHS_EMULATE)
+    graphs = components.runner.graphs
+    assert isinstance(graphs, GraphRunner)
+    live = batch([1, 1, 1], prefix=5)
+    graph = graphs.bucket_for(live)
+    assert graph is not None and graph.control["attention.live_tiles"] == 4  # the capture batch's
+    with torch.inference_mode(), pytest.raises(StaticBufferError, match="live_tiles"):
+        graphs.replay(graph, live)

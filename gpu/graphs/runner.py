@@ -6,10 +6,11 @@ live ones plus one padding request that takes the padding tokens). A batch runs 
 smallest bucket that holds it; one that fits none runs eagerly (`bucket_for` -> None).
 
 Mode `cuda` captures every bucket once, largest first, into one shared memory pool and
-replays it (for hybrid models the decode buckets only: see `check_control`); mode `emulate` runs the model on the very same static buffers instead of
-replaying, so CPU CI exercises the buckets, the padding and the registry. Either way a
-replay is: stage the batch (the registry copies the live rows of every buffer and resets
-rows [live:bucket) of every buffer), then run.
+replays it (for hybrid models the decode buckets only); mode `emulate` runs the model on
+the very same static buffers instead of replaying, so CPU CI exercises the buckets, the
+padding and the registry. Either way a replay is: stage the batch (the registry copies
+the live rows of every buffer and resets rows [live:bucket) of every buffer), check that
+its host-side control is the capture's (gpu/graphs/control.py), then run.
 
 NOTE: invariants 5 and 6. What the model reads comes only from views of registered
 buffers: the capture checks (1) that every ForwardBatch field is either mapped to
@@ -33,6 +34,7 @@ import torch
 from cache.state_pool import StatePool
 from gpu.attention.base import AttentionBackend
 from gpu.forward_batch import ForwardBatch, PrefillChunk, SamplingRow
+from gpu.graphs.control import check_control, control_of
 from gpu.graphs.static_buffers import BufferSpec, StaticBufferError, StaticBuffers
 from gpu.model_runner import flat_inputs
 from gpu.models.hybrid_step import HybridStep
@@ -90,6 +92,7 @@ class Graph:
     cuda_graph: Any = None
     logits: torch.Tensor | None = None
     step: HybridStep | None = None
+    control: dict[str, Any] = dataclasses.field(default_factory=dict)  # host values of the capture
 
 
 class GraphRunner:
@@ -175,6 +178,7 @@ class GraphRunner:
         step = self._stage(graph, batch)
         self.check_reads(self.buffers[graph.bucket.kind], step)
         graph.step = step
+        graph.control = control_of(self.attention, step, graph.bucket.kind)
         if self.mode == "emulate":
             self._model_forward(graph, step)  # the warm-up: the capture path runs at start-up
             return
@@ -220,7 +224,7 @@ class GraphRunner:
     def replay(self, graph: Graph, batch: ForwardBatch) -> torch.Tensor:
         """Logits of the batch's sampling rows, from the bucket's static-shape forward."""
         step = self._stage(graph, batch)
-        self.check_control(graph, step)
+        check_control(control_of(self.attention, step, graph.bucket.kind), graph.control, graph.bucket)
         self.replays[graph.bucket] += 1
         if self.mode == "emulate":
             logits = self._model_forward(graph, step)
@@ -229,23 +233,6 @@ class GraphRunner:
             assert graph.logits is not None
             logits = graph.logits
         return logits[: len(batch.sample_rows)]
-
-    @staticmethod
-    def check_control(graph: Graph, step: HybridStep | None) -> None:
-        """A hybrid decode bucket replays its capture's host-side control (every request
-        one token, nothing tracked): a live step with other control is an error.
-
-        NOTE: what a CUDA graph cannot capture is what the forward decides on the host.
-        The hybrid state layers decide by `extend_lens` and `track_points` only (the
-        lengths' tensors are registered buffers), so a decode bucket whose live steps
-        carry its capture's values replays each step exactly; prefill buckets of hybrids
-        are emulated only (not captured) since their control varies by step."""
-        if step is None or graph.step is None or graph.bucket.kind != "decode":
-            return
-        live = (step.extend_lens, step.track_points)
-        captured = (graph.step.extend_lens, graph.step.track_points)
-        if live != captured:
-            raise StaticBufferError(f"step control {live} differs from the captured {captured} of {graph.bucket}")
 
     def _stage(self, graph: Graph, batch: ForwardBatch) -> HybridStep | None:
         """Copy the batch into the bucket's buffers (tails reset by the registry), point
