@@ -140,6 +140,30 @@ def test_capture_checks_triton_metadata(tiny_chat_folder: str, monkeypatch: pyte
         components(tiny_chat_folder, **GRAPHS_EMULATE)
 
 
+def test_small_replay_after_large_leaves_no_stale_triton_row(tiny_chat_folder: str) -> None:
+    """The triton backend's buffers through the graph runner: after a large mixed step and
+    a small one in the same bucket, rows [live:bucket) of every buffer hold the sentinel."""
+    from tests.test_graph_runner import batch, stale_rows
+
+    parts = components(tiny_chat_folder, **GRAPHS_EMULATE)
+    graphs = parts.runner.graphs
+    assert isinstance(graphs, GraphRunner)
+    table = parts.runner.attention.req_to_token
+    for row in range(1, 6):  # distinct KV slots per request
+        table[row, :64] = torch.arange(row * 128, row * 128 + 64)
+    try:
+        large, small = batch([20, 1, 9, 1], prefix=3), batch([1, 17])
+        assert graphs.bucket_for(large) is graphs.bucket_for(small)
+        with torch.inference_mode():
+            parts.runner.run(large).finish()
+            touched = {k: v for k, v in stale_rows(graphs, small).items() if v and k.startswith("attention.")}
+            assert len(touched) >= 5, touched
+            parts.runner.run(small).finish()
+        assert not any(stale_rows(graphs, small).values()), stale_rows(graphs, small)
+    finally:
+        table[1:6] = 0
+
+
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True, "return_logprob": True}
 
 

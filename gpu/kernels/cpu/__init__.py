@@ -74,9 +74,14 @@ def _cpu_signature() -> str:
     return platform.processor() or platform.machine()
 
 
+def _headers(source: Path) -> list[Path]:
+    """The headers `<name>.cpp` includes: `<name>*.h` beside it."""
+    return sorted(source.parent.glob(f"{source.stem}*.h"))
+
+
 def _digest(source: Path) -> str:
     h = hashlib.sha256(source.read_bytes())
-    for header in sorted(source.parent.glob(f"{source.stem}*.h")):  # the headers it includes
+    for header in _headers(source):
         h.update(header.read_bytes())
     for part in (*cflags(), _cpu_signature(), torch.__version__, sys.version):
         h.update(part.encode())
@@ -101,8 +106,14 @@ def load(name: str) -> bool:
         _ensure_ninja_on_path()
         build = cache_dir() / f"{name}-{_digest(source)}"
         build.mkdir(parents=True, exist_ok=True)
+        # Compiled from a copy inside the build folder: ninja rebuilds when a command line
+        # changes, and the checkout's own path would make every checkout rebuild.
+        for file in (source, *_headers(source)):
+            copy = build / file.name
+            if not copy.exists() or copy.read_bytes() != file.read_bytes():
+                shutil.copyfile(file, copy)
         cpp_extension.load(
-            name=f"tierserve_{name}_{build.name.rsplit('-', 1)[1]}", sources=[str(source)],
+            name=f"tierserve_{name}_{build.name.rsplit('-', 1)[1]}", sources=[str(build / source.name)],
             extra_cflags=list(cflags()), extra_ldflags=["-fopenmp"], build_directory=str(build),
             is_python_module=False, verbose=False,
         )
