@@ -188,10 +188,8 @@ def _graph_runner(
     if mode in ("cuda", "emulate") and not attention.supports_static:
         raise ConfigError(f"graphs.mode: {mode} needs an attention backend with static-shape metadata "
                           f"(deterministic, triton); {name} has none")
-    if mode == "auto":
-        # Hybrid models capture decode buckets only, and only when asked for (`cuda`)
-        # until a GPU run has checked that capture; auto leaves them eager.
-        mode = "cuda" if device.type == "cuda" and attention.supports_static and states is None else "off"
+    if mode == "auto":  # hybrid models too: they capture their decode buckets only
+        mode = "cuda" if device.type == "cuda" and attention.supports_static else "off"
     if mode == "off":
         return None
     runner = GraphRunner(

@@ -224,6 +224,7 @@ def test_emulate_needs_static_attention_metadata(tiny_chat_folder: str) -> None:
         Engine(None, {"model.path": tiny_chat_folder, **TINY_OVERRIDES, "graphs.mode": "emulate"})
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU default")
 def test_auto_is_off_on_cpu(tiny_engine: Engine) -> None:
     assert tiny_engine.config.graphs.mode == "auto"
     assert tiny_engine.engine.parts.runner.graphs is None
