@@ -221,7 +221,8 @@ def test_cuda_mode_without_cuda_is_a_config_error(tiny_chat_folder: str) -> None
 
 def test_emulate_needs_static_attention_metadata(tiny_chat_folder: str) -> None:
     with pytest.raises(ConfigError, match="graphs.mode: emulate needs an attention backend"):
-        Engine(None, {"model.path": tiny_chat_folder, **TINY_OVERRIDES, "graphs.mode": "emulate"})
+        Engine(None, {"model.path": tiny_chat_folder, **TINY_OVERRIDES, "model.attention": "torch",
+                      "graphs.mode": "emulate"})
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU default")
