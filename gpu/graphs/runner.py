@@ -91,7 +91,6 @@ class Graph:
     rows: dict[str, int]
     cuda_graph: Any = None
     logits: torch.Tensor | None = None
-    step: HybridStep | None = None
     control: dict[str, Any] = dataclasses.field(default_factory=dict)  # host values of the capture
 
 
@@ -177,7 +176,6 @@ class GraphRunner:
         batch = capture_batch(graph.bucket)
         step = self._stage(graph, batch)
         self.check_reads(self.buffers[graph.bucket.kind], step)
-        graph.step = step
         graph.control = control_of(self.attention, step, graph.bucket.kind)
         if self.mode == "emulate":
             self._model_forward(graph, step)  # the warm-up: the capture path runs at start-up
