@@ -19,7 +19,7 @@ from cache.prefix_cache import NoPrefixCache, PrefixCache
 from cache.radix_tree import RadixTree
 from cache.req_table import ReqToTokenTable
 from cache.state_pool import StatePool
-from cache.storage import PageFormat
+from cache.storage import PageFormat, StorageBackend
 from gpu.attention.base import AttentionBackend
 from gpu.graphs.runner import GraphRunner
 from gpu.loader import load_checkpoint
@@ -74,6 +74,18 @@ def pick_device(config: Config) -> torch.device:
 
 
 def build_components(config: Config, device: torch.device) -> Components:
+    # The storage backend first: a missing extra (`hicache.storage: redis` without
+    # tierserve[redis]) or an unusable storage_dir fails the start before the weights load.
+    backend = _storage_backend(config)
+    try:
+        return _build_components(config, device, backend)
+    except BaseException:
+        if backend is not None:
+            backend.close()
+        raise
+
+
+def _build_components(config: Config, device: torch.device, backend: StorageBackend | None) -> Components:
     dtype = resolve_dtype(config, device)
     if config.graphs.mode == "cuda" and (device.type != "cuda" or not torch.cuda.is_available()):
         raise ConfigError(
@@ -133,8 +145,10 @@ def build_components(config: Config, device: torch.device) -> Components:
     prefix = PrefixReuse(cache, allocator, table, hybrid=states is not None)
     if host_pool is not None:
         prefix.host = _host_tier(config, cache, pool, host_pool, allocator, table, device)
-        if config.hicache.storage != "none":
-            prefix.host.storage = _storage_tier(config, cache, pool, host_pool, prefix.host.prefetch, model_id, states)
+        if backend is not None:
+            prefix.host.storage = _storage_tier(
+                config, backend, cache, pool, host_pool, prefix.host.prefetch, model_id, states
+            )
             if hybrid is not None:
                 prefix.host.state_pending = lambda slot: any(dst == slot for _, dst in hybrid.copies)
     runner = ModelRunner(model, pool, attention, states)
@@ -244,14 +258,23 @@ def _host_tier(
     return HostTier(cache, pool, host_pool, worker, write, prefetch, allocator, table, hc.write_back_headroom)
 
 
+def _storage_backend(config: Config) -> StorageBackend | None:
+    """The backend named by hicache.storage (None for `none`; validation has made sure a
+    host tier is there for it)."""
+    hc = config.hicache
+    if hc.storage == "none":
+        return None
+    backend: StorageBackend = registry.lookup("storage", hc.storage).from_options(dataclasses.asdict(hc))
+    return backend
+
+
 def _storage_tier(
-    config: Config, cache: PrefixCache, pool: KVPool, host_pool: HostPool, prefetch: PrefetchPolicy, model_id: str,
-    states: StatePool | None,
+    config: Config, backend: StorageBackend, cache: PrefixCache, pool: KVPool, host_pool: HostPool,
+    prefetch: PrefetchPolicy, model_id: str, states: StatePool | None,
 ) -> StorageTier:
-    """The storage backend below the host tier, and the page format its keys name."""
+    """The storage tier over `backend`, below the host tier, and the page format its keys name."""
     hc = config.hicache
     options = dataclasses.asdict(hc)
-    backend = registry.lookup("storage", hc.storage).from_options(options)
     fmt = PageFormat(
         # `page_bytes` order, whatever the host layout (cache/host_pool.py).
         model_id=model_id, layout="kv_page_c_order", dtype=str(pool.k[0].dtype).removeprefix("torch."),

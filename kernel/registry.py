@@ -4,6 +4,11 @@ Built-in handlers register with the `register` decorator when their module is
 imported, and every module of a kind's packages is imported on its first lookup;
 third-party classes load by dotted path (`pkg.module:Class`). This is a leaf module:
 anything may import it, and it imports nothing of the project at import time.
+
+NOTE: discovery imports every built-in module, so no built-in module may import an
+optional dependency (an extra of the package) at module level: a handler that needs one
+calls `optional_module` when it is constructed, and a missing extra is then an error at
+start-up that names it, never a failed lookup of some other handler of its kind.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -46,8 +52,30 @@ _imported: set[str] = set()
 _handlers: dict[str, dict[str, Any]] = {kind: {} for kind in KINDS}
 
 
+# The optional imports of the built-in handlers, by module, with the extra (pyproject.toml
+# `[project.optional-dependencies]`) that installs each.
+OPTIONAL_MODULES: dict[str, str] = {"redis": "redis", "triton": "cuda"}
+
+
 class RegistryError(LookupError):
     """Unknown kind or name; the message lists what is known."""
+
+
+class MissingExtraError(ImportError):
+    """An optional dependency that is not installed; the message names the extra."""
+
+
+def optional_module(module: str, feature: str) -> ModuleType:
+    """Import an optional dependency for `feature` (a config setting, e.g.
+    `hicache.storage: redis`), or raise MissingExtraError naming the extra to install."""
+    extra = OPTIONAL_MODULES[module]
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingExtraError(
+            f"{feature} needs the `{module}` package, which is not installed: "
+            f"pip install 'tierserve[{extra}]'"
+        ) from exc
 
 
 def register(kind: str, *names: str) -> Callable[[T], T]:

@@ -34,7 +34,7 @@ from cache.kv_pool import KVPool
 from gpu.attention.base import AttentionBackend
 from gpu.graphs.static_buffers import BufferSpec
 from gpu.upload import to_device
-from kernel.registry import register
+from kernel.registry import MissingExtraError, optional_module, register
 
 # NOTE: invariant 7 for decode: a request's keys are cut into splits of DECODE_SPLIT
 # tokens on absolute positions, whatever the batch, so its decode output is the same
@@ -51,12 +51,9 @@ EXTEND_BLOCK_N = 32
 def load_kernels(device: torch.device) -> ModuleType:
     """The kernel module, or a RuntimeError saying why this backend cannot run here."""
     try:
-        import triton  # noqa: F401
-    except ImportError as exc:
-        raise RuntimeError(
-            "model.attention: triton needs the `triton` package (pip install triton); "
-            "pick `model.attention: torch` to run without it"
-        ) from exc
+        optional_module("triton", "model.attention: triton")
+    except MissingExtraError as exc:
+        raise RuntimeError(f"{exc}; pick `model.attention: torch` to run without it") from exc
     interpret = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
     if device.type != "cuda" and not interpret:
         raise RuntimeError(

@@ -9,22 +9,25 @@ its content, so a present page is never rewritten. Capacity and eviction are the
 server's (`maxmemory` + `maxmemory-policy allkeys-lru`). A Redis that is down or slower
 than `timeout_s` makes every page of the call a miss counted as `unavailable`; the
 backend never raises for it.
+
+`redis` is an optional dependency (`pip install 'tierserve[redis]'`): it is imported when a
+backend is constructed, so discovering the storage handlers never needs it, and a missing
+package fails the start-up with a message naming the extra.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
-
-import redis
+from typing import TYPE_CHECKING, Any
 
 from cache.storage.base import StorageBackend, StorageCounters, StorageError
 from cache.storage.keys import validate_key
 from cache.storage.page_file import decode_page, encode_page
-from kernel.registry import register
+from kernel.registry import optional_module, register
 
-_DOWN = (redis.ConnectionError, redis.TimeoutError)
+if TYPE_CHECKING:
+    import redis
 
 
 @register("storage", "redis")
@@ -33,9 +36,14 @@ class RedisBackend(StorageBackend):
     def __init__(self, redis_url: str, prefix: str = "tierserve:kv:", timeout_s: float = 1.0) -> None:
         if not redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise StorageError(f"redis_url must be redis://, rediss:// or unix://, got {redis_url!r}")
+        client = optional_module("redis", "hicache.storage: redis")
         self.prefix = prefix
+        # A server that is down or slower than timeout_s: every page of the call is a miss.
+        self._down: tuple[type[Exception], ...] = (client.ConnectionError, client.TimeoutError)
         # The client pool is thread-safe; counters are ours to lock.
-        self._client = redis.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._client: redis.Redis = client.Redis.from_url(
+            redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+        )
         self._lock = threading.Lock()
         self._counters = StorageCounters()
 
@@ -56,7 +64,7 @@ class RedisBackend(StorageBackend):
             for name in names:
                 pipe.exists(name)
             present = pipe.execute()
-        except _DOWN:
+        except self._down:
             self._fail("unavailable", 0)
             return 0
         count = 0
@@ -72,7 +80,7 @@ class RedisBackend(StorageBackend):
             return []
         try:
             blobs: list[bytes | None] = self._client.mget(names)  # type: ignore[assignment]
-        except _DOWN:
+        except self._down:
             self._miss_all("unavailable", len(names))
             return [None] * len(names)
         out: list[bytes | None] = []
@@ -100,7 +108,7 @@ class RedisBackend(StorageBackend):
             for name, blob in named:
                 pipe.set(name, blob, nx=True)
             pipe.execute()
-        except _DOWN:
+        except self._down:
             self._fail("write_error", len(named))
             return 0
         return len(named)  # NX: a page already there counts as stored
@@ -111,7 +119,7 @@ class RedisBackend(StorageBackend):
     def clear(self) -> None:
         try:
             names = list(self._client.scan_iter(match=self.prefix + "*", count=1000))
-        except _DOWN:
+        except self._down:
             self._fail("unavailable", 1)
             return
         self._delete_names(names)
@@ -134,7 +142,7 @@ class RedisBackend(StorageBackend):
                     nbytes += sum(int(n) for n in pipe.execute())
                 if not cursor:
                     break
-        except _DOWN:
+        except self._down:
             pass
         with self._lock:
             return self._counters.snapshot(pages, nbytes)
@@ -147,7 +155,7 @@ class RedisBackend(StorageBackend):
             return 0
         try:
             return int(self._client.delete(*names))
-        except _DOWN:
+        except self._down:
             self._fail("unavailable", 0)
             return 0
 

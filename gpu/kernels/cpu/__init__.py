@@ -4,8 +4,15 @@ Each `<name>.cpp` in this folder (with the `<name>*.h` headers it may include) i
 extension, compiled by torch's JIT extension loader (`torch.utils.cpp_extension.load`)
 with `-O3 -march=native` (AMX off: it traps on some VMs) and OpenMP, and cached under
 `~/.cache/tierserve/cpu_kernels` (or `$TIERSERVE_CACHE/cpu_kernels`), keyed by the
-sources, the flags, the CPU and torch; a later start loads the cached library in well
-under a second. Its ops register themselves as `torch.ops.tierserve_cpu.*`
+sources, the flags, the CPU, torch's and Python's versions; a later start loads the cached
+library in well under a second.
+
+The cache keeps one entry per key, `cpu_kernels/<name>-<key>/`, written once and never
+rebuilt or replaced by another key's build: every install on the machine with the same key
+(a checkout's `.venv`, another environment) loads the same library, and installs whose
+keys differ keep their entries side by side (old ones stay; delete the folder to reclaim
+them). An entry is compiled in a private folder and published with one rename, so a
+concurrent build of the same key never sees a half-built entry. Its ops register themselves as `torch.ops.tierserve_cpu.*`
 (`TORCH_LIBRARY_FRAGMENT(tierserve_cpu, m)`), so callers go through the dispatcher like
 any aten op.
 
@@ -25,6 +32,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -95,33 +103,89 @@ def _ensure_ninja_on_path() -> None:
         os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
 
 
+def entry_dir(name: str, key: str) -> Path:
+    """The cache entry of kernel `name` built with `key`: one folder per (name, key)."""
+    return cache_dir() / f"{name}-{key}"
+
+
+def library_path(name: str, key: str) -> Path:
+    """The shared library an entry holds (the name torch's loader gives it)."""
+    return entry_dir(name, key) / f"tierserve_{name}_{key}.so"
+
+
 @functools.cache
 def load(name: str) -> bool:
-    """Build (or load the cached build of) `<name>.cpp`; True when its ops are registered."""
-    from torch.utils import cpp_extension
-
+    """Load the cached build of `<name>.cpp` (building it first if this key has no entry);
+    True when its ops are registered."""
     source = SOURCES / f"{name}.cpp"
     started = time.perf_counter()
     try:
-        _ensure_ninja_on_path()
-        build = cache_dir() / f"{name}-{_digest(source)}"
-        build.mkdir(parents=True, exist_ok=True)
-        # Compiled from a copy inside the build folder: ninja rebuilds when a command line
-        # changes, and the checkout's own path would make every checkout rebuild.
-        for file in (source, *_headers(source)):
-            copy = build / file.name
-            if not copy.exists() or copy.read_bytes() != file.read_bytes():
-                shutil.copyfile(file, copy)
-        cpp_extension.load(
-            name=f"tierserve_{name}_{build.name.rsplit('-', 1)[1]}", sources=[str(build / source.name)],
-            extra_cflags=list(cflags()), extra_ldflags=["-fopenmp"], build_directory=str(build),
-            is_python_module=False, verbose=False,
-        )
+        key = _digest(source)
+        library = library_path(name, key)
+        if library.is_file():
+            _load_library(library)
+            built = False
+        else:
+            _build_entry(name, key, source)
+            built = True
     except Exception as exc:  # noqa: BLE001 - any build failure means: run the torch code
         log.warning("cpu_kernels_unavailable", kernels=name, reason=str(exc).strip().splitlines()[-1:])
         return False
-    log.info("cpu_kernels_ready", kernels=name, seconds=round(time.perf_counter() - started, 2))
+    log.info("cpu_kernels_ready", kernels=name, built=built, seconds=round(time.perf_counter() - started, 2))
     return True
+
+
+def _load_library(library: Path) -> None:
+    torch.ops.load_library(str(library))
+
+
+def _build_entry(name: str, key: str, source: Path) -> None:
+    """Compile `source` in a private folder beside the entries, load it, and publish the
+    folder as the key's entry with one rename (or drop it where a concurrent build of the
+    same key published first: both builds are of the same key, so either is the entry)."""
+    entry = entry_dir(name, key)
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".build-{entry.name}-", dir=entry.parent))
+    try:
+        # Compiled from a copy in the build folder, so the build never depends on (nor is
+        # redone for) the path of the checkout or install it came from.
+        for file in (source, *_headers(source)):
+            shutil.copyfile(file, work / file.name)
+        _compile(f"tierserve_{name}_{key}", work / source.name, work)
+        _publish(work, entry, library_path(name, key))
+    finally:
+        # The library stays mapped once loaded, so dropping a losing build is safe.
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _publish(work: Path, entry: Path, library: Path) -> None:
+    """Rename `work` to `entry`. A complete entry (its library there) is never replaced;
+    a folder without one (left by a failed or interrupted build) is moved aside first."""
+    for _ in range(2):
+        try:
+            os.rename(work, entry)  # fails where `entry` exists and is not empty
+            return
+        except OSError:
+            if library.is_file():
+                log.info("cpu_kernels_entry_exists", entry=str(entry))  # a concurrent build won
+                return
+        leftover = Path(tempfile.mkdtemp(prefix=f".stale-{entry.name}-", dir=entry.parent))
+        try:
+            os.rename(entry, leftover / entry.name)
+        except OSError:
+            pass  # another process moved it, or published meanwhile: try again
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _compile(module: str, source: Path, build: Path) -> None:
+    """torch's JIT loader: compile and link `source` in `build` with ninja, then load it."""
+    from torch.utils import cpp_extension
+
+    _ensure_ninja_on_path()
+    cpp_extension.load(
+        name=module, sources=[str(source)], extra_cflags=list(cflags()), extra_ldflags=["-fopenmp"],
+        build_directory=str(build), is_python_module=False, verbose=False,
+    )
 
 
 def names() -> list[str]:
