@@ -146,6 +146,7 @@ def _build_entry(name: str, key: str, source: Path) -> None:
     entry = entry_dir(name, key)
     entry.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".build-{entry.name}-", dir=entry.parent))
+    work.chmod(0o755)  # mkdtemp's 0700 would hide the entry from other users of a shared cache
     try:
         # Compiled from a copy in the build folder, so the build never depends on (nor is
         # redone for) the path of the checkout or install it came from.
