@@ -123,7 +123,7 @@ def test_a_missing_state_resumes_at_the_deepest_stored_one(hybrid_folders: dict[
 def test_red_a_state_written_at_the_wrong_position(
     hybrid_folders: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import kernel.storage_tier as storage_mod
+    import kernel.tiers.storage_tier as storage_mod
 
     real = storage_mod.StorageTier.capture
 
@@ -156,7 +156,7 @@ def test_red_a_state_read_before_its_queued_copy_landed(
     forward; reverting the wait (the copy to host and storage starts at once, and here
     reads the slot at once, as a fast copy worker would) stores a stale state, and the
     bit-exact compare catches it."""
-    import kernel.storage_tier as storage_mod
+    import kernel.tiers.storage_tier as storage_mod
     from cache.host_state_pool import slot_to_bytes
 
     real = storage_mod.StorageTier.capture
