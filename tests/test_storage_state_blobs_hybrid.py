@@ -56,8 +56,13 @@ def redis_srv() -> Iterator[RedisServer]:
 
 def open_store(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Store:
     if kind == "file":
-        path = lambda key: tmp_path / key[:2] / key  # noqa: E731 - the file backend's layout
-        return Store({"hicache.storage": "file"}, lambda k: path(k).read_bytes(), lambda k, b: path(k).write_bytes(b))
+        def path(key: str) -> Path:  # the file backend's layout
+            return tmp_path / key[:2] / key
+
+        def write(key: str, blob: bytes) -> None:
+            path(key).write_bytes(blob)
+
+        return Store({"hicache.storage": "file"}, lambda k: path(k).read_bytes(), write)
     import redis
 
     srv: RedisServer = request.getfixturevalue("redis_srv")
@@ -70,8 +75,10 @@ def open_store(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Sto
         assert isinstance(blob, bytes), f"no value under {key}"
         return blob
 
-    return Store({"hicache.storage": "redis", "hicache.redis_url": srv.url}, get,
-                 lambda k, b: raw.set(REDIS_PREFIX + k, b) and None)
+    def put(key: str, blob: bytes) -> None:
+        raw.set(REDIS_PREFIX + key, blob)
+
+    return Store({"hicache.storage": "redis", "hicache.redis_url": srv.url}, get, put)
 
 
 DAMAGES: dict[str, Callable[[bytes], bytes]] = {

@@ -10,9 +10,8 @@ is counted by the tier it means (`cached_tokens_by_tier`) and its tokens and log
 are `==` the cold run's.
 
 Revert-then-red, each caught by the bit-exact guard of the tier it breaks: a host hit
-that resumes from the state one checkpoint short, a state stored under its node's key
-but taken one checkpoint early, and (bf16) the float32 recurrent state rounded to the
-model dtype on its way to storage.
+(graphs emulated) that resumes from the state one checkpoint short, and (bf16) the
+float32 recurrent state rounded to the model dtype on its way to storage.
 """
 
 from __future__ import annotations
@@ -34,15 +33,15 @@ from tests.conftest import GRAPHS_EMULATE, HYBRID_FAMILIES, HYBRID_OVERRIDES, gr
 from tests.test_bit_exact_hybrid import assert_bit_exact
 from tests.test_host_tier_hybrid import INTERVAL, WRONG_STATES, cold, run, tiers, tokens
 from tests.test_storage_tier_hybrid import TIERED as STORAGE_TIERED
-from tests.test_storage_tier_hybrid import from_storage, plant_state_one_checkpoint_early
+from tests.test_storage_tier_hybrid import from_storage
 
 HIT = 4 * INTERVAL  # PROMPT's deepest cached state: after 32 tokens
 PROMPT = tokens(1, HIT + 3)
 GREEDY = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True, "return_logprob": True}
-BF16 = {"model.dtype": "bfloat16"}
+BF16: dict[str, Any] = {"model.dtype": "bfloat16"}
 # The emulated graph runner with only the buckets these steps need (fewer to warm up):
 # one decode row, prefill chunks of up to 32 tokens (a hit's 3-token rest fits 16).
-GRAPHS = {**GRAPHS_EMULATE, "graphs.decode_buckets": [1], "graphs.prefill_tokens": [16, 32],
+GRAPHS: dict[str, Any] = {**GRAPHS_EMULATE, "graphs.decode_buckets": [1], "graphs.prefill_tokens": [16, 32],
           "graphs.prefill_max_requests": 1}
 
 
@@ -144,7 +143,8 @@ def plant_recurrent_state_in_model_dtype(monkeypatch: pytest.MonkeyPatch) -> Non
 PLANTS: dict[str, tuple[Callable[[pytest.MonkeyPatch], None], dict[str, Any], str]] = {
     # name: (plant, engine settings, the guard that goes red)
     "graphs-host_resume_one_checkpoint_short": (plant_host_resume_one_checkpoint_short, GRAPHS, "host"),
-    "graphs-storage_state_one_checkpoint_early": (plant_state_one_checkpoint_early, GRAPHS, "storage"),
+    # (A state stored one checkpoint early, the storage half's plant, is red without graphs
+    # in tests/test_storage_tier_hybrid.py and with Redis in test_storage_state_blobs_hybrid.py.)
     "bf16-storage_recurrent_state_rounded": (plant_recurrent_state_in_model_dtype, BF16, "storage"),
 }
 
