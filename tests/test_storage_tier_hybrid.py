@@ -120,9 +120,8 @@ def test_a_missing_state_resumes_at_the_deepest_stored_one(hybrid_folders: dict[
         engine.shutdown()
 
 
-def test_red_a_state_written_at_the_wrong_position(
-    hybrid_folders: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def plant_state_one_checkpoint_early(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node's pages and state key written with the state of the checkpoint before it."""
     import kernel.tiers.storage_tier as storage_mod
 
     real = storage_mod.StorageTier.capture
@@ -138,6 +137,12 @@ def test_red_a_state_written_at_the_wrong_position(
             node.state_slot = own
 
     monkeypatch.setattr(storage_mod.StorageTier, "capture", one_checkpoint_early)
+
+
+def test_red_a_state_written_at_the_wrong_position(
+    hybrid_folders: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plant_state_one_checkpoint_early(monkeypatch)
     engine = make(hybrid_folders["qwen3_5_text"], "extra_buffer", tmp_path)
     try:
         ref = run(engine, PROMPT)
