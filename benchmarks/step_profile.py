@@ -65,7 +65,7 @@ class Spans:
 def instrument(engine: Any, spans: Spans) -> None:
     """Wrap the engine's per-step functions (instance attributes, so nothing global changes
     but the step loop module's batch builder, which the loop calls by name)."""
-    from kernel import step_loop
+    from kernel.scheduling import step_loop
 
     loop, runner = engine.loop, engine.parts.runner
     loop.plan = spans.wrap("plan", loop.plan)

@@ -58,11 +58,11 @@ class GrammarClock:
 
 def instrument(clock: GrammarClock) -> None:
     import gpu.sampling
-    import kernel.scheduler
+    import kernel.scheduling.scheduler
 
     gpu.sampling.build_token_mask = clock.wrap("fill", gpu.sampling.build_token_mask)
     gpu.sampling.apply_token_mask = clock.wrap("apply", gpu.sampling.apply_token_mask)
-    kernel.scheduler.advance_grammar = clock.wrap("advance", kernel.scheduler.advance_grammar)
+    kernel.scheduling.scheduler.advance_grammar = clock.wrap("advance", kernel.scheduling.scheduler.advance_grammar)
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """A synchronous publish/subscribe hub: the one used for KV events (cache/kv_events.py)
-and request lifecycle events (kernel/events.py).
+and request lifecycle events (kernel/results/events.py).
 
 NOTE: a failing subscriber is logged and, by default, never raised into the publisher:
 the operation that published has already completed, and an exception would make its

@@ -3,7 +3,7 @@
 Implementations: `RadixTree` (cache/radix_tree.py, `cache.prefix: radix`) and
 `NoPrefixCache` below (`cache.prefix: none`). The request-aware side — which request
 fields a match sets, when a request inserts, what it frees — is the scheduler's
-(kernel/prefix_reuse.py).
+(kernel/scheduling/prefix_reuse.py).
 
 NOTE: page ownership (invariant 3). Every allocated page has exactly one owner: the
 cache (the page was inserted and not evicted) or the caller that allocated it. `match`

@@ -1,6 +1,6 @@
 """Structured outputs on the device side: the allowed-token bitmask of constrained rows.
 
-A constrained sampling row carries a `TokenMasker` (kernel/grammar.py's per-request
+A constrained sampling row carries a `TokenMasker` (kernel/structured/grammar.py's per-request
 matcher). When a batch has one, the device thread fills an int32 bitmask [B, ceil(V/32)]
 (bit t of a row: token t allowed) for the constrained rows and the sampler sets every
 other token's logit to -inf on those rows, before penalties, sampling and logprobs, so

@@ -15,8 +15,7 @@ from gpu.models.hybrid_step import HybridStep
 from gpu.prompt_logprobs import PromptLogprobs, prompt_logprobs
 from gpu.readback import Pending
 from gpu.sampling import DeviceSample, SamplingBatch, sample_on_device
-from gpu.step_inputs import StepInputs, host_inputs
-from gpu.upload import copy_to_device
+from gpu.step_inputs import StepInputs
 
 if TYPE_CHECKING:
     from gpu.graphs.runner import GraphRunner
@@ -164,10 +163,3 @@ class ModelRunner:
             # Overlap scheduling: the next step may already be queued with placeholders.
             next_tokens.record([batch.rows[i] for i in batch.sample_rows], sampled.tokens)
         return sampled
-
-
-def flat_inputs(batch: ForwardBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """input_ids and positions of the flattened tokens, and the flat index of each
-    sampling request's last token (no placeholders: see gpu/step_inputs.py)."""
-    input_ids, positions, last = host_inputs(batch)
-    return copy_to_device(input_ids, device), copy_to_device(positions, device), copy_to_device(last, device)

@@ -1,7 +1,7 @@
 """A step's index tensors on the device: token ids (placeholders resolved), positions,
 and the flat index of each sampling request's last token.
 
-Overlap scheduling (kernel/overlap.py) submits step N+1 before step N's tokens reach the
+Overlap scheduling (kernel/scheduling/overlap.py) submits step N+1 before step N's tokens reach the
 host: a request that continues carries `placeholder(table_row)` as its input id, and
 `NextTokens` — written by the sampler of every step, read by the next — turns it into
 the token step N sampled for that row, on the device. The device thread launches steps
@@ -69,3 +69,10 @@ def host_inputs(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.
     positions = torch.repeat_interleave(prefix, extend) + offsets
     last = (starts + extend - 1)[torch.tensor(batch.sample_rows, dtype=torch.int64)]
     return input_ids, positions, last
+
+
+def flat_inputs(batch: ForwardBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """input_ids and positions of the flattened tokens, and the flat index of each
+    sampling request's last token (no placeholders: see StepInputs)."""
+    input_ids, positions, last = host_inputs(batch)
+    return copy_to_device(input_ids, device), copy_to_device(positions, device), copy_to_device(last, device)

@@ -8,10 +8,10 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from cache.radix_node import TreeNode
-from kernel.policy import SchedulePolicy
-from kernel.prefix_reuse import PrefixReuse
 from kernel.registry import register
 from kernel.request import Request
+from kernel.scheduling.policy import SchedulePolicy
+from kernel.scheduling.prefix_reuse import PrefixReuse
 
 
 @register("schedule", "dfs_weight")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kernel.policy import SchedulePolicy
-from kernel.prefix_reuse import PrefixReuse
 from kernel.registry import register
 from kernel.request import Request
+from kernel.scheduling.policy import SchedulePolicy
+from kernel.scheduling.prefix_reuse import PrefixReuse
 
 
 @register("schedule", "fcfs")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kernel.registry import register
 from kernel.request import Request
-from kernel.state_strategy import StateSlots, StateStrategy
+from kernel.states.state_strategy import StateSlots, StateStrategy
 
 
 @register("state_strategy", "no_buffer")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from kernel.registry import register
-from kernel.tier_policy import PrefetchPolicy
+from kernel.tiers.tier_policy import PrefetchPolicy
 
 
 @register("tier_prefetch", "best_effort")

@@ -6,7 +6,7 @@ only what is about to be evicted (least copy traffic while the device pool has r
 from __future__ import annotations
 
 from kernel.registry import register
-from kernel.tier_policy import WritePolicy
+from kernel.tiers.tier_policy import WritePolicy
 
 
 @register("tier_write", "write_through")

@@ -1,8 +1,8 @@
 """AsyncEngine: the engine's face on the event loop.
 
 It wires three parts, each in its own file: admission (kernel/admission.py: validate
-and build requests), the step loop (kernel/step_loop.py: plan, submit, emit, await,
-apply) and output processing (kernel/output.py: tokens → text → stream chunks →
+and build requests), the step loop (kernel/scheduling/step_loop.py: plan, submit, emit, await,
+apply) and output processing (kernel/results/output.py: tokens → text → stream chunks →
 lifecycle events). Plugins (HTTP, admin socket, metrics) use only the public methods
 below; they never reach into the scheduler or the pools.
 """
@@ -21,16 +21,16 @@ from kernel import registry
 from kernel.admission import Admission, BadPrompt, ContextOverflow, EngineUnavailable, RequestError
 from kernel.components import Components, build_components, pick_device
 from kernel.config import Config, load_config
-from kernel.detokenizer import IncrementalDetokenizer
-from kernel.events import EventBus
-from kernel.grammar import GrammarError
-from kernel.grammar_gate import GrammarGate
 from kernel.logging_setup import setup_logging
-from kernel.output import Collected, OutputChunk, OutputProcessor
 from kernel.request import Request
+from kernel.results.detokenizer import IncrementalDetokenizer
+from kernel.results.events import EventBus
+from kernel.results.output import Collected, OutputChunk, OutputProcessor
 from kernel.sampling_params import SamplingParams
-from kernel.step_loop import StepLoop
-from kernel.storage_tier import StorageTier
+from kernel.scheduling.step_loop import StepLoop
+from kernel.structured.grammar import GrammarError
+from kernel.structured.grammar_gate import GrammarGate
+from kernel.tiers.storage_tier import StorageTier
 
 __all__ = [
     "AsyncEngine", "BadPrompt", "ContextOverflow", "EngineInfo", "EngineUnavailable", "GrammarError",
@@ -149,7 +149,7 @@ class AsyncEngine:
         self.loop.wake.set()
 
     async def prepare_grammars(self, params: Iterable[SamplingParams]) -> None:
-        """Compile the grammars `params` name (off the loop, cached; kernel/grammar_gate.py);
+        """Compile the grammars `params` name (off the loop, cached; kernel/structured/grammar_gate.py);
         raises GrammarError naming the problem. The HTTP layer awaits this before it
         answers, so a bad grammar is a 400, never a broken stream."""
         await self.grammars.prepare(params)

@@ -29,8 +29,6 @@ from gpu.step_inputs import NextTokens, StepInputs
 from gpu.tokenizer import Tokenizer
 from kernel import registry
 from kernel.config import Config, ConfigError
-from kernel.host_tier import HostTier
-from kernel.hybrid_state import HybridState
 from kernel.numerics_choice import (
     Numerics,
     log_numerics,
@@ -39,12 +37,14 @@ from kernel.numerics_choice import (
     use_cpu_kernels,
     wants_blocks,
 )
-from kernel.overlap import resolve_overlap
-from kernel.prefix_reuse import PrefixReuse
-from kernel.scheduler import Scheduler
-from kernel.storage_io import weights_fingerprint
-from kernel.storage_tier import StorageTier
-from kernel.tier_policy import PrefetchPolicy
+from kernel.scheduling.overlap import resolve_overlap
+from kernel.scheduling.prefix_reuse import PrefixReuse
+from kernel.scheduling.scheduler import Scheduler
+from kernel.states.hybrid_state import HybridState
+from kernel.tiers.host_tier import HostTier
+from kernel.tiers.storage_io import weights_fingerprint
+from kernel.tiers.storage_tier import StorageTier
+from kernel.tiers.tier_policy import PrefetchPolicy
 
 log = structlog.get_logger("tierserve")
 
@@ -56,7 +56,7 @@ class Components(NamedTuple):
     num_pages: int
     context_length: int
     model_name: str
-    overlap: bool = False  # scheduler.overlap resolved (kernel/overlap.py)
+    overlap: bool = False  # scheduler.overlap resolved (kernel/scheduling/overlap.py)
 
 
 def storage_model_id(weights: dict[str, torch.Tensor], quantization: str) -> str:

@@ -103,7 +103,7 @@ class SchedulerConfig:
     # A request whose prefix of at least this many tokens is being prefilled right now
     # by another request waits for it instead of computing it twice (0: never wait).
     share_prefix_min_tokens: int = 64
-    # Overlap scheduling (kernel/overlap.py): step N+1 is planned and submitted before
+    # Overlap scheduling (kernel/scheduling/overlap.py): step N+1 is planned and submitted before
     # step N's tokens are back, its decode rows reading N's tokens on the device.
     # auto: on for CUDA, off on CPU (measured: benchmarks/overlap.py) and for hybrid models.
     overlap: str = "auto"
@@ -223,7 +223,7 @@ class GraphsConfig:
 
 @dataclass(frozen=True)
 class StructuredConfig:
-    """Structured outputs (json_schema / regex / ebnf, kernel/grammar.py)."""
+    """Structured outputs (json_schema / regex / ebnf, kernel/structured/grammar.py)."""
 
     max_grammar_chars: int = 65536  # a longer schema, regex or grammar is a 400
     cache_size: int = 256  # compiled grammars kept, by (kind, text), least recently used out

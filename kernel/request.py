@@ -11,7 +11,7 @@ from kernel.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from cache.radix_node import TreeNode
-    from kernel.grammar import RequestGrammar
+    from kernel.structured.grammar import RequestGrammar
 
 _arrival = itertools.count()
 
@@ -40,7 +40,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    # Prompt logprobs of the scored tokens so far (kernel/prompt_logprobs.py): logprob,
+    # Prompt logprobs of the scored tokens so far (kernel/scheduling/prompt_logprobs.py): logprob,
     # rank and top (id, logprob) pairs per token, from the first scored token on.
     prompt_logprobs: list[float] = field(default_factory=list)
     prompt_ranks: list[int] = field(default_factory=list)
@@ -48,10 +48,10 @@ class Request:
     status: Status = Status.WAITING
     row: int | None = None
     pages: list[int] = field(default_factory=list)
-    shared_pages: int = 0  # leading pages owned by the prefix cache (see kernel/prefix_reuse.py)
+    shared_pages: int = 0  # leading pages owned by the prefix cache (see kernel/scheduling/prefix_reuse.py)
     cache_handle: TreeNode | None = None  # the cache's (locked) handle covering those pages
     kv_len: int = 0
-    # Hybrid models (kernel/hybrid_state.py): the live state slot this request writes,
+    # Hybrid models (kernel/states/hybrid_state.py): the live state slot this request writes,
     # a second slot some strategies keep, a cached slot lent for reading the next
     # chunk's starting state, the last checkpointed length, and the slots the step in
     # flight writes (at its end, and at grid points inside a prefill chunk).
@@ -61,26 +61,26 @@ class Request:
     checkpoint_len: int = 0
     step_dst: int | None = None
     step_track: list[tuple[int, int]] = field(default_factory=list)  # checkpoints inside the chunk
-    # Host tier (kernel/host_tier.py): the load-back this request waits for, and its hit
+    # Host tier (kernel/tiers/host_tier.py): the load-back this request waits for, and its hit
     # tokens by tier (device + host + storage == cached_tokens).
     loading: object | None = None
     host_wait: bool = False  # its host prefix cannot be loaded yet: wait for admission
     storage_fetch: object | None = None  # a storage fetch of its prefix it waits for (before admission)
-    storage_probes: int = 0  # storage checks of its prefix so far (kernel/storage_tier.py)
+    storage_probes: int = 0  # storage checks of its prefix so far (kernel/tiers/storage_tier.py)
     storage_matched: int = 0  # pages the tree held for it at the last check (or after its fetch)
     storage_deadline: float = 0.0  # when its wait for storage ends, all checks together
     storage_span: tuple[int, int] | None = None  # tokens its fetch brought into the host tier
     cached_by_tier: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
     cached_tokens: int = 0
     inflight: int = 0  # steps in flight that carry it (up to two with overlap scheduling)
-    # Overlap scheduling (kernel/overlap.py): kv_len and output_ids already count the step
+    # Overlap scheduling (kernel/scheduling/overlap.py): kv_len and output_ids already count the step
     # in flight, whose token is the placeholder (a negative id) at the end of output_ids.
     ahead: bool = False
     finish_reason: str | None = None
     matched_stop: str | int | None = None
     error: str | None = None
     num_retractions: int = 0
-    # Structured outputs (kernel/grammar.py): its matcher, advanced with each output token.
+    # Structured outputs (kernel/structured/grammar.py): its matcher, advanced with each output token.
     grammar: RequestGrammar | None = None
 
     @property

@@ -60,7 +60,7 @@ class SamplingParams:
     prompt_top_logprobs_num: int | None = None
     # Structured output, at most one: a JSON Schema (its JSON text; an object is serialized),
     # a regular expression, or an EBNF grammar (xgrammar's GBNF dialect, rule `root`).
-    # Compiled and checked by kernel/grammar.py when the request is queued.
+    # Compiled and checked by kernel/structured/grammar.py when the request is queued.
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from kernel import Engine
-from kernel.prefix_reuse import PrefixReuse
+from kernel.scheduling.prefix_reuse import PrefixReuse
 from tests import leaks
 from tests.conftest import GRAPHS_EMULATE, TINY_OVERRIDES, graph_replays
 
@@ -225,7 +225,7 @@ def test_red_off_by_one_in_reused_prefix(
 
 
 def test_red_unaligned_cut_under_pool_pressure(tiny_chat_folder: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    import kernel.scheduler as sched_mod
+    import kernel.scheduling.scheduler as sched_mod
 
     def unaligned(start: int, total: int, page_size: int, token_budget: int, owned_pages: int,
                   free_pages: int, grid: int | None = None) -> int:

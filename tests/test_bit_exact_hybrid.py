@@ -20,8 +20,8 @@ import pytest
 from handlers.state_extra_buffer import ExtraBuffer
 from handlers.state_extra_buffer_lazy import ExtraBufferLazy
 from kernel import Engine
-from kernel.prefix_reuse import PrefixReuse
 from kernel.request import Request
+from kernel.scheduling.prefix_reuse import PrefixReuse
 from tests import leaks
 from tests.conftest import GRAPHS_EMULATE, HYBRID_FAMILIES, HYBRID_OVERRIDES, graph_replays
 from tests.tiny_hybrid import VOCAB
@@ -113,7 +113,7 @@ def guard_small_pool(engine: Engine) -> None:
 
 def record_page_cuts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     """(start, length) of every prefill chunk the planner cut short for lack of pages."""
-    import kernel.scheduler as sched_mod
+    import kernel.scheduling.scheduler as sched_mod
 
     real = sched_mod.plan_chunk
     cuts: list[tuple[int, int]] = []
@@ -219,7 +219,7 @@ def test_red_unaligned_continuing_cut(
     hybrid_folders: dict[str, str], monkeypatch: pytest.MonkeyPatch, strategy: str
 ) -> None:
     """The field report: a continuing chunk cut wherever the pages end."""
-    import kernel.scheduler as sched_mod
+    import kernel.scheduling.scheduler as sched_mod
 
     def unaligned(start: int, total: int, page_size: int, token_budget: int, owned_pages: int,
                   free_pages: int, grid: int | None = None) -> int:

@@ -4,7 +4,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cache.allocator import pages_for
-from kernel.chunk_planner import plan_chunk
+from kernel.scheduling.chunk_planner import plan_chunk
 
 page_sizes = st.sampled_from([1, 2, 4, 8, 16, 32, 64])
 

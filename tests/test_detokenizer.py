@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from kernel.detokenizer import IncrementalDetokenizer
+from kernel.results.detokenizer import IncrementalDetokenizer
 
 CORPUS = [
     "héllo wörld 日本語 🙂",

@@ -174,7 +174,7 @@ def test_zero_max_new_tokens_generates_nothing(tiny_engine: Engine) -> None:
 def test_lifecycle_log_lines(tiny_engine: Engine) -> None:
     from structlog.testing import capture_logs
 
-    from kernel.events import log_lifecycle
+    from kernel.results.events import log_lifecycle
 
     unsubscribe = tiny_engine.engine.events.subscribe(log_lifecycle)
     try:

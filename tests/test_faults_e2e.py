@@ -94,7 +94,7 @@ async def test_red_without_the_step_guard_the_engine_halts(tiny_chat_folder: str
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Revert-then-red: with `await_step`'s guard removed, the same fault halts the
     engine and every request fails, the waiting ones included."""
-    from kernel.step_loop import StepLoop
+    from kernel.scheduling.step_loop import StepLoop
 
     async def unguarded(self: StepLoop, plan: Any, step: Any) -> Any:
         return await step

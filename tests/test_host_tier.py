@@ -89,7 +89,7 @@ def test_loads_jump_queued_offloads(tiny_chat_folder: str) -> None:
 
 
 def test_red_a_page_copied_to_the_wrong_host_slot(tiny_chat_folder: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    import kernel.host_tier as tier_mod
+    import kernel.tiers.host_tier as tier_mod
 
     real = tier_mod.offload
 

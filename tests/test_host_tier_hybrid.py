@@ -23,8 +23,8 @@ from typing import Any, cast
 import pytest
 
 from kernel import Engine
-from kernel.host_tier import HostTier, Load
 from kernel.request import Request
+from kernel.tiers.host_tier import HostTier, Load
 from tests import leaks
 from tests.conftest import HYBRID_FAMILIES, HYBRID_OVERRIDES
 from tests.tiny_hybrid import VOCAB
@@ -156,7 +156,7 @@ def test_decode_hit_from_host(hybrid_folders: dict[str, str], strategy: str) -> 
 def slow_loads(monkeypatch: pytest.MonkeyPatch, delay_s: float) -> threading.Event:
     """Loads back from host wait on the copy worker until `delay_s` passed or the
     returned event is set (the request's budget runs out meanwhile)."""
-    import kernel.host_tier as tier_mod
+    import kernel.tiers.host_tier as tier_mod
 
     real, release = tier_mod.load_back, threading.Event()
 
@@ -346,7 +346,7 @@ def test_red_a_page_copied_to_the_wrong_host_page(
     hybrid_folders: dict[str, str], monkeypatch: pytest.MonkeyPatch, strategy: str
 ) -> None:
     """The state is right but a node's KV pages land in each other's host pages."""
-    import kernel.host_tier as tier_mod
+    import kernel.tiers.host_tier as tier_mod
 
     real = tier_mod.offload
 

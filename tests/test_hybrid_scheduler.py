@@ -22,12 +22,12 @@ from gpu.forward_batch import SampledToken
 from handlers.evict_lru import LRU
 from handlers.fcfs import FCFS
 from kernel.config import SchedulerConfig
-from kernel.hybrid_state import HybridState
-from kernel.prefix_reuse import PrefixReuse
 from kernel.registry import lookup
 from kernel.request import Request
 from kernel.sampling_params import SamplingParams
-from kernel.scheduler import Scheduler
+from kernel.scheduling.prefix_reuse import PrefixReuse
+from kernel.scheduling.scheduler import Scheduler
+from kernel.states.hybrid_state import HybridState
 
 CPU = torch.device("cpu")
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from kernel.async_engine import AsyncEngine
-from kernel.prefix_reuse import PrefixReuse
+from kernel.scheduling.prefix_reuse import PrefixReuse
 from tests import leaks
 from tests.conftest import TINY_OVERRIDES
 

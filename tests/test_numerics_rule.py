@@ -13,7 +13,7 @@ from gpu.models.llama import LlamaModel
 from kernel.components import storage_model_id
 from kernel.config import ConfigError, load_config
 from kernel.numerics_choice import resolve_dtype, resolve_quantization
-from kernel.storage_io import weights_fingerprint
+from kernel.tiers.storage_io import weights_fingerprint
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 AVX2_EPYC = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c"})

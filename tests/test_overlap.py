@@ -1,4 +1,4 @@
-"""Overlap scheduling (`scheduler.overlap: on`, kernel/overlap.py): step N+1 is planned
+"""Overlap scheduling (`scheduler.overlap: on`, kernel/scheduling/overlap.py): step N+1 is planned
 and submitted before step N's tokens are applied, and it changes no output.
 
 In deterministic mode every request's tokens and logprobs with overlap on are equal
@@ -22,14 +22,14 @@ from gpu.forward_batch import ForwardBatch, PrefillChunk, SamplingRow, placehold
 from gpu.step_inputs import NextTokens, StepInputs
 from kernel import Engine
 from kernel.config import ConfigError, load_config
-from kernel.detokenizer import IncrementalDetokenizer
-from kernel.events import EventBus
-from kernel.output import OutputProcessor
-from kernel.overlap import resolve_overlap
-from kernel.prefix_reuse import PrefixReuse
 from kernel.request import Request
+from kernel.results.detokenizer import IncrementalDetokenizer
+from kernel.results.events import EventBus
+from kernel.results.output import OutputProcessor
 from kernel.sampling_params import SamplingParams
-from kernel.scheduler import Scheduler
+from kernel.scheduling.overlap import resolve_overlap
+from kernel.scheduling.prefix_reuse import PrefixReuse
+from kernel.scheduling.scheduler import Scheduler
 from tests.conftest import GRAPHS_EMULATE, TINY_OVERRIDES, graph_replays
 
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True, "return_logprob": True}

@@ -12,10 +12,10 @@ from pathlib import Path
 
 PLUGINS = Path(__file__).resolve().parent.parent / "plugins"
 ALLOWED_MODULES = {
-    "kernel.async_engine", "kernel.config", "kernel.sampling_params", "kernel.events", "kernel.registry",
-    "kernel.output", "kernel.cli", "cache.kv_events",
+    "kernel.async_engine", "kernel.config", "kernel.sampling_params", "kernel.results.events", "kernel.registry",
+    "kernel.results.output", "kernel.cli", "cache.kv_events",
     # The interface of the tool_parser registry kind (the chat route reads replies with it).
-    "kernel.tool_parser",
+    "kernel.structured.tool_parser",
     # Storage backends that need a server implement the cache's storage interface.
     "cache.storage.base", "cache.storage.keys", "cache.storage.page_file",
 }

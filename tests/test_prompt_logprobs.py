@@ -14,9 +14,10 @@ import pytest
 import torch
 
 import gpu.prompt_logprobs as device_side
-import kernel.prompt_logprobs as kernel_side
+import kernel.scheduling.prompt_logprobs as kernel_side
 import tests.test_bit_exact as bit_exact
-from kernel import Engine, prefix_reuse
+from kernel import Engine
+from kernel.scheduling import prefix_reuse
 from tests.conftest import GRAPHS_EMULATE, HYBRID_FAMILIES, HYBRID_OVERRIDES, TINY_OVERRIDES
 
 make = bit_exact.make

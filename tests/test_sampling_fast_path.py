@@ -12,7 +12,7 @@ from gpu.sampling import SamplingBatch, argmax_rows, sample
 from kernel import Engine
 from kernel.request import Request
 from kernel.sampling_params import SamplingParams
-from kernel.step_loop import sampling_row
+from kernel.scheduling.step_loop import sampling_row
 
 CPU = torch.device("cpu")
 VOCAB = 300

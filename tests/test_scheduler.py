@@ -15,10 +15,10 @@ from gpu.forward_batch import SampledToken
 from handlers.evict_lru import LRU
 from handlers.fcfs import FCFS
 from kernel.config import SchedulerConfig
-from kernel.prefix_reuse import PrefixReuse
 from kernel.request import Request, Status
 from kernel.sampling_params import SamplingParams
-from kernel.scheduler import Scheduler
+from kernel.scheduling.prefix_reuse import PrefixReuse
+from kernel.scheduling.scheduler import Scheduler
 
 EOS = 0
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from kernel.async_engine import AsyncEngine, EngineUnavailable
-from kernel.step_loop import StepLoop
+from kernel.scheduling.step_loop import StepLoop
 from tests.conftest import TINY_OVERRIDES
 
 PROMPT = list(range(100, 140))

@@ -92,7 +92,7 @@ def test_decode_hit_from_storage(tiny_chat_folder: str, tmp_path: Path) -> None:
 def test_red_pages_written_under_the_wrong_keys(
     tiny_chat_folder: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import kernel.storage_tier as storage_mod
+    import kernel.tiers.storage_tier as storage_mod
 
     real = storage_mod.StorageTier.write
 
@@ -292,7 +292,7 @@ def test_a_fetch_evicted_before_admission_is_fetched_again(
 ) -> None:
     """Host eviction can take what a fetch brought before its request is admitted; the
     request then checks storage again (probes=1 plants the old one-check behaviour)."""
-    import kernel.storage_tier as storage_mod
+    import kernel.tiers.storage_tier as storage_mod
 
     monkeypatch.setattr(storage_mod, "MAX_PROBES", probes)
     real = storage_mod.StorageTier._filled
@@ -351,7 +351,7 @@ def test_pages_copied_while_storage_was_off_are_written_once_it_is_on(tiny_chat_
 
 def test_red_missed_writes_forgotten(tiny_chat_folder: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Planted bug: a missed write is not remembered → the prefix never reaches storage."""
-    from kernel.storage_tier import StorageTier
+    from kernel.tiers.storage_tier import StorageTier
 
     monkeypatch.setattr(StorageTier, "missed", lambda self, node: None)
     engine = make(tiny_chat_folder, tmp_path)

@@ -120,10 +120,9 @@ def test_a_missing_state_resumes_at_the_deepest_stored_one(hybrid_folders: dict[
         engine.shutdown()
 
 
-def test_red_a_state_written_at_the_wrong_position(
-    hybrid_folders: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import kernel.storage_tier as storage_mod
+def plant_state_one_checkpoint_early(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node's pages and state key written with the state of the checkpoint before it."""
+    import kernel.tiers.storage_tier as storage_mod
 
     real = storage_mod.StorageTier.capture
 
@@ -138,6 +137,12 @@ def test_red_a_state_written_at_the_wrong_position(
             node.state_slot = own
 
     monkeypatch.setattr(storage_mod.StorageTier, "capture", one_checkpoint_early)
+
+
+def test_red_a_state_written_at_the_wrong_position(
+    hybrid_folders: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plant_state_one_checkpoint_early(monkeypatch)
     engine = make(hybrid_folders["qwen3_5_text"], "extra_buffer", tmp_path)
     try:
         ref = run(engine, PROMPT)
@@ -156,7 +161,7 @@ def test_red_a_state_read_before_its_queued_copy_landed(
     forward; reverting the wait (the copy to host and storage starts at once, and here
     reads the slot at once, as a fast copy worker would) stores a stale state, and the
     bit-exact compare catches it."""
-    import kernel.storage_tier as storage_mod
+    import kernel.tiers.storage_tier as storage_mod
     from cache.host_state_pool import slot_to_bytes
 
     real = storage_mod.StorageTier.capture

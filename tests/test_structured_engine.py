@@ -15,8 +15,8 @@ import jsonschema
 import pytest
 
 from kernel.async_engine import AsyncEngine
-from kernel.grammar import GrammarCompiler, GrammarError
 from kernel.sampling_params import SamplingParams
+from kernel.structured.grammar import GrammarCompiler, GrammarError
 from tests.conftest import TINY_OVERRIDES
 from tests.structured_cases import CASES, MAX_TOKENS, follows
 

@@ -17,8 +17,14 @@ from gpu.loader import resolve_model_path
 from gpu.loader.gguf import load_gguf_tokenizer
 from gpu.sampling import SamplingBatch, sample
 from gpu.tokenizer import Tokenizer
-from kernel.grammar import GrammarCache, GrammarCompiler, GrammarError, check_json_schema, grammar_key
 from kernel.sampling_params import SamplingParams, SamplingParamsError
+from kernel.structured.grammar import (
+    GrammarCache,
+    GrammarCompiler,
+    GrammarError,
+    check_json_schema,
+    grammar_key,
+)
 from tests.conftest import SMOLLM
 from tests.structured_cases import allowed_tokens
 

@@ -10,7 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernel import registry
-from kernel.tool_parser import ParsedReply, Piece, ToolCall, ToolParser, call_from_json, parse_reply
+from kernel.structured.tool_parser import (
+    ParsedReply,
+    Piece,
+    ToolCall,
+    ToolParser,
+    call_from_json,
+    parse_reply,
+)
 
 CALL_A = '{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'
 CALL_B = '{"name": "add", "arguments": {"a": 1, "b": 2.5}}'

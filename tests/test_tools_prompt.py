@@ -13,7 +13,7 @@ from gpu.loader import resolve_model_path
 from gpu.loader.gguf import load_gguf_tokenizer
 from gpu.tokenizer import Tokenizer
 from kernel import registry
-from kernel.tool_parser import parse_reply
+from kernel.structured.tool_parser import parse_reply
 from plugins.http.errors import APIError
 from plugins.http.protocol import parse_messages
 from plugins.http.tool_prompt import call_block, supports_tools, template_inputs

@@ -14,7 +14,7 @@ import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from kernel import registry
-from kernel.output import OutputChunk
+from kernel.results.output import OutputChunk
 from kernel.sampling_params import SamplingParams
 from plugins.http.chat import ChatRequest
 from plugins.http.choice import Choice

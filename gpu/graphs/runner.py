@@ -36,9 +36,8 @@ from gpu.attention.base import AttentionBackend
 from gpu.forward_batch import ForwardBatch, PrefillChunk, SamplingRow
 from gpu.graphs.control import check_control, control_of
 from gpu.graphs.static_buffers import BufferSpec, StaticBufferError, StaticBuffers
-from gpu.model_runner import flat_inputs
 from gpu.models.hybrid_step import HybridStep
-from gpu.step_inputs import StepInputs
+from gpu.step_inputs import StepInputs, flat_inputs
 from gpu.upload import to_device
 
 log = structlog.get_logger("tierserve")

@@ -8,26 +8,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Mapping
-from types import MappingProxyType
-from typing import NamedTuple
 
 import torch
 
-from gpu.model_config import ModelArchConfig
-from gpu.quant.gguf_blocks import Q4Blocks
-from gpu.tokenizer import Tokenizer
+from gpu.loader.checkpoint import Checkpoint
 
 PACKAGE_PREFIX = "package:"
 
-
-class Checkpoint(NamedTuple):
-    arch: ModelArchConfig
-    weights: dict[str, torch.Tensor]
-    tokenizer: Tokenizer | None
-    # Raw GGUF Q4_0/Q4_1 blocks of the 2-D weights stored that way (only when asked for:
-    # the 4-bit linears serve them as they are), rows in the same order as `weights`.
-    blocks: Mapping[str, Q4Blocks] = MappingProxyType({})
+__all__ = ["Checkpoint", "load_checkpoint", "resolve_model_path"]
 
 
 def resolve_model_path(path: str) -> str:
@@ -48,7 +36,7 @@ def load_checkpoint(path: str, dtype: torch.dtype, keep_blocks: bool = False) ->
     """Load a `.gguf` file or a Hugging Face folder (config.json + *.safetensors);
     `keep_blocks`: also a GGUF file's raw Q4 blocks (a folder has none)."""
     resolved = resolve_model_path(path)
-    # Imported here: the format modules import Checkpoint from this package.
+    # Imported here: only the format asked for is loaded (gguf or safetensors).
     if os.path.isdir(resolved):
         from gpu.loader.hf import load_hf_folder
 

@@ -20,7 +20,7 @@ import torch
 from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
-from gpu.loader import Checkpoint
+from gpu.loader.checkpoint import Checkpoint
 from gpu.loader.gguf_tokenizer import build_gguf_tokenizer
 from gpu.model_config import ModelArchConfig
 from gpu.quant.gguf_blocks import Q4Blocks, is_q4

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer as BackendTokenizer
 
-from gpu.loader import Checkpoint
+from gpu.loader.checkpoint import Checkpoint
 from gpu.model_config import ModelArchConfig
 from gpu.tokenizer import Tokenizer
 

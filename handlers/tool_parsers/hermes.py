@@ -9,7 +9,7 @@ open when the reply ends, stay content, tags included.
 from __future__ import annotations
 
 from kernel.registry import register
-from kernel.tool_parser import Piece, ToolParser, call_from_json, held_prefix
+from kernel.structured.tool_parser import Piece, ToolParser, call_from_json, held_prefix
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from cache.kv_events import KVEvent
 from kernel.async_engine import AsyncEngine
-from kernel.events import LifecycleEvent
+from kernel.results.events import LifecycleEvent
 
 
 class EventFeed:

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from cache.kv_events import KVEvent
 from kernel import registry
 from kernel.async_engine import AsyncEngine, PolicyError
-from kernel.events import LifecycleEvent
+from kernel.results.events import LifecycleEvent
 from plugins.admin.summary import RANKINGS, limited
 
 Message = dict[str, Any]

@@ -1,13 +1,11 @@
-"""POST /v1/chat/completions: messages through the model's chat template."""
+"""POST /v1/chat/completions, its parts: the body read into a ChatRequest (messages through
+the model's chat template) and the plain reply; the route itself is plugins/http/chat_route.py."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from aiohttp import web
-
-from kernel import registry
 from kernel.async_engine import AsyncEngine, OutputChunk
 from kernel.sampling_params import MAX_NEW_TOKENS_LIMIT, MAX_TOP_LOGPROBS, SamplingParams
 from plugins.http.choice import Choice
@@ -24,12 +22,10 @@ from plugins.http.protocol import (
     get_n,
     get_stream,
     parse_messages,
-    read_body,
 )
 from plugins.http.reply import JSON, Reply
 from plugins.http.response_format import ResponseFormat
-from plugins.http.sampling import PASSTHROUGH, build_params, expand, get_max_tokens
-from plugins.http.state import state_of
+from plugins.http.sampling import PASSTHROUGH, build_params, get_max_tokens
 from plugins.http.submission import token_limit
 from plugins.http.tool_prompt import template_inputs
 from plugins.http.tool_schema import with_forced_call
@@ -122,25 +118,6 @@ def parse_chat(body: dict[str, Any], engine: AsyncEngine) -> ChatRequest:
                           (top_n or 0) if want_logprobs else None, names_of(body))
     params = with_forced_call(params, tools)  # tool_choice required / named
     return ChatRequest(prompt_ids, get_n(body), params, want_logprobs, stream, include_usage, tools)
-
-
-async def create_chat_completion(request: web.Request) -> web.StreamResponse:
-    state = state_of(request)
-    engine = state.require_engine()
-    body = await read_body(request)
-    req = parse_chat(body, engine)
-    reply = chat_reply(engine, req, state.config.server.tool_parser)
-    async with state.generation(expand([req.prompt_ids], req.params, req.n), names_of(body)) as sub:
-        return await reply.respond(request, sub, req.stream)
-
-
-def chat_reply(engine: AsyncEngine, req: ChatRequest, tool_parser: str) -> ChatReply:
-    """The reply builder: tool-aware when the model may call tools."""
-    if req.tools.mode == "none":
-        return ChatReply(engine, req.n, req.include_usage, req.logprobs)
-    from plugins.http.tool_reply import ToolChatReply  # it builds on ChatReply, below
-
-    return ToolChatReply(engine, req, registry.lookup("tool_parser", tool_parser))
 
 
 class ChatReply(Reply):

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kernel.output import Collected
+from kernel.results.output import Collected
 
 if TYPE_CHECKING:
     from plugins.http.submission import Submission
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 @dataclass
 class Choice(Collected):
     """Everything one engine request has produced so far, and its place in the response
-    (`native()` is the engine's own result dict, kernel/output.py)."""
+    (`native()` is the engine's own result dict, kernel/results/output.py)."""
 
     index: int = 0
 

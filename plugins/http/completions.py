@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Literal
 from aiohttp import web
 
 from kernel.async_engine import AsyncEngine, OutputChunk
-from kernel.output import PromptScores
+from kernel.results.output import PromptScores
 from kernel.sampling_params import MAX_NEW_TOKENS_LIMIT, MAX_TOP_LOGPROBS, SamplingParams
 from plugins.http.choice import Choice
 from plugins.http.errors import bad_request

@@ -9,7 +9,8 @@ from aiohttp import web
 
 from gpu.tokenizer import Tokenizer
 from kernel.async_engine import AsyncEngine
-from plugins.http.chat import create_chat_completion, render_prompt
+from plugins.http.chat import render_prompt
+from plugins.http.chat_route import create_chat_completion
 from plugins.http.completions import create_completion
 from plugins.http.errors import APIError, bad_request
 from plugins.http.protocol import ChatMessage, check_model, get_bool, read_body

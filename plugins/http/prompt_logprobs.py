@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kernel.output import PromptScores
+from kernel.results.output import PromptScores
 from kernel.sampling_params import MAX_TOP_LOGPROBS
 from plugins.http.errors import bad_request
 from plugins.http.logprobs import TokenNames

@@ -3,7 +3,7 @@
 `{"type": "text"}` constrains nothing; `{"type": "json_object"}` is any JSON object (the
 schema `{"type": "object"}`); `{"type": "json_schema", "json_schema": {"name", "schema",
 "strict", "description"}}` follows `schema`. The schema itself is checked and compiled
-by the engine (kernel/grammar.py) before the request is answered.
+by the engine (kernel/structured/grammar.py) before the request is answered.
 """
 
 from __future__ import annotations

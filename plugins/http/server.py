@@ -19,7 +19,7 @@ from aiohttp.typedefs import Middleware
 
 from kernel.async_engine import AsyncEngine
 from kernel.config import Config
-from kernel.events import log_lifecycle
+from kernel.results.events import log_lifecycle
 from plugins.http import native_api, openai_api, openapi
 from plugins.http.auth import auth_middleware
 from plugins.http.engine_routes import ENGINE_ROUTES, EngineRoutes

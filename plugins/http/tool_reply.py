@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from kernel.async_engine import AsyncEngine, OutputChunk
-from kernel.tool_parser import Piece, ToolCall, ToolParser, call_from_json
+from kernel.structured.tool_parser import Piece, ToolCall, ToolParser, call_from_json
 from plugins.http.chat import ChatReply, ChatRequest, delta_choice
 from plugins.http.choice import Choice
 from plugins.http.reply import JSON

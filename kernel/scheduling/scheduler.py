@@ -12,36 +12,18 @@ recomputed); nothing is lost.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 from cache.allocator import PageAllocator, pages_for
 from cache.req_table import ReqToTokenTable
 from gpu.forward_batch import SampledToken
-from kernel.chunk_planner import plan_chunk
 from kernel.config import SchedulerConfig
-from kernel.grammar import advance_grammar
-from kernel.hybrid_state import HybridState
-from kernel.policy import SchedulePolicy
-from kernel.prefix_reuse import PrefixReuse
 from kernel.request import Request, Status
-
-
-class ScheduledChunk(NamedTuple):
-    req: Request
-    start: int
-    length: int
-    state_src: int = 0  # hybrid models: the slots this chunk reads / writes its state,
-    state_dst: int = 0
-    state_track: tuple[tuple[int, int], ...] = ()  # and (length, slot) checkpoints inside it
-    # A chunk that reaches the end of the known tokens produces the next token (unless
-    # nothing is to be generated: a prompt scored for its logprobs only). NOTE: fixed
-    # when planned: with overlap scheduling the request's length moves before it lands.
-    samples: bool = False
-
-
-class StepPlan(NamedTuple):
-    chunks: list[ScheduledChunk]
-    retracted: list[Request]
+from kernel.scheduling.chunk_planner import plan_chunk
+from kernel.scheduling.policy import SchedulePolicy
+from kernel.scheduling.prefix_reuse import PrefixReuse
+from kernel.scheduling.step_plan import ScheduledChunk, StepPlan
+from kernel.states.hybrid_state import HybridState
+from kernel.structured.grammar_gate import advance_grammar
 
 
 def _shared_pages(a: list[int], b: list[int], page_size: int) -> int:

@@ -23,7 +23,7 @@ from kernel.request import Request
 
 
 class StateSlots(Protocol):
-    """What a strategy may do with state slots (kernel/hybrid_state.py implements it)."""
+    """What a strategy may do with state slots (kernel/states/hybrid_state.py implements it)."""
 
     def allocate(self) -> int | None: ...
     def free(self, slot: int) -> None: ...

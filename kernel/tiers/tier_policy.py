@@ -1,6 +1,6 @@
 """When cached pages move between tiers (registry kinds `tier_write`, `tier_prefetch`;
 YAML `hicache.write_policy`, `hicache.prefetch_policy`; implementations in
-handlers/tier_*.py). The host tier (kernel/host_tier.py) asks; policies only answer.
+handlers/tier_*.py). The host tier (kernel/tiers/host_tier.py) asks; policies only answer.
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ from __future__ import annotations
 from cache.allocator import PageAllocator
 from cache.prefix_cache import MatchResult, PrefixCache
 from cache.req_table import ReqToTokenTable
-from kernel.host_tier import HostTier
-from kernel.prompt_logprobs import match_cap
 from kernel.request import Request
+from kernel.scheduling.prompt_logprobs import match_cap
+from kernel.tiers.host_tier import HostTier
 
 
 class PrefixReuse:
@@ -76,7 +76,7 @@ class PrefixReuse:
 
     def storage_wait(self, req: Request) -> bool:
         """Before admission: whether `req` waits while its prefix comes in from storage
-        (the first call probes storage past what the tree holds; see kernel/storage_tier.py)."""
+        (the first call probes storage past what the tree holds; see kernel/tiers/storage_tier.py)."""
         storage = self.host.storage if self.host is not None else None
         if storage is None:
             return False

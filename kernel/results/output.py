@@ -10,10 +10,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from kernel.detokenizer import IncrementalDetokenizer
-from kernel.events import EventBus
-from kernel.prompt_logprobs import PromptScores, scores
 from kernel.request import Request, Status
+from kernel.results.detokenizer import IncrementalDetokenizer
+from kernel.results.events import EventBus
+from kernel.scheduling.prompt_logprobs import PromptScores, scores
 
 
 class OutputChunk(NamedTuple):

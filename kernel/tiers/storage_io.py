@@ -1,4 +1,4 @@
-"""What runs on the storage tier's threads (kernel/storage_tier.py), never on the loop:
+"""What runs on the storage tier's threads (kernel/tiers/storage_tier.py), never on the loop:
 the backend calls of a probe and of a fill, a call's outage check, and the digest of a
 model's weights that storage keys carry."""
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-from kernel.prefix_reuse import PrefixReuse
 from kernel.request import Request
+from kernel.scheduling.prefix_reuse import PrefixReuse
 
 
 class SchedulePolicy(ABC):

@@ -5,7 +5,7 @@ runs them before the next forward (gpu/forward_batch.py `state_copies`).
 
 NOTE: invariants 1 and 2. With the prefix cache on, checkpoints sit on a grid of
 `cache.state_track_interval` tokens (a multiple of the page size), every non-final
-prefill chunk ends on it (kernel/chunk_planner.py), and a checkpoint slot covers
+prefill chunk ends on it (kernel/scheduling/chunk_planner.py), and a checkpoint slot covers
 exactly the tokens its step ended at; `req.checkpoint_len` is always on the grid.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from cache.state_pool import StatePool
 from kernel.request import Request
-from kernel.state_strategy import StateStrategy
+from kernel.states.state_strategy import StateStrategy
 
 EvictStates = Callable[[int], object]
 

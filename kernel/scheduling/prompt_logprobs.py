@@ -6,7 +6,7 @@ p >= k; token 0 has none (nothing precedes it), so the scored tokens are
 [max(k, 1), len(prompt)). Token p's logprob is read from the logits at position p - 1.
 
 NOTE: the match cap. Positions the prefix cache serves are never computed, so the match
-may cover at most the tokens before position first - 1 (`match_cap`; kernel/prefix_reuse.py
+may cover at most the tokens before position first - 1 (`match_cap`; kernel/scheduling/prefix_reuse.py
 applies it). A cache hit then recomputes exactly the scored positions: in deterministic
 mode their logprobs are equal (==) to a cold run's (invariant 7).
 """
@@ -20,7 +20,7 @@ from gpu.prompt_logprobs import PromptLogprobs, PromptLogprobSpan
 from kernel.request import Request
 
 if TYPE_CHECKING:
-    from kernel.scheduler import StepPlan
+    from kernel.scheduling.step_plan import StepPlan
 
 
 class PromptScores(NamedTuple):

@@ -27,7 +27,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import jsonschema
-import structlog
 import torch
 
 from gpu.tokenizer import Tokenizer
@@ -36,9 +35,6 @@ from kernel.sampling_params import GRAMMAR_FIELDS, SamplingParams, SamplingParam
 if TYPE_CHECKING:
     import xgrammar
 
-    from kernel.request import Request
-
-log = structlog.get_logger("tierserve")
 
 GrammarKey = tuple[str, str]  # (kind, text): kind is a SamplingParams field name
 _ENGINE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")  # xgrammar's "[time] file.cc:line: "
@@ -131,23 +127,6 @@ class RequestGrammar:
     def terminated(self) -> bool:
         """The grammar has ended (it accepted a stop token): the request is done."""
         return bool(self._matcher.is_terminated())
-
-
-def advance_grammar(req: Request, token_id: int) -> bool:
-    """Advance `req`'s matcher by its new token; True if that ended the request: the
-    grammar terminated (finish_reason "stop"), or refused the token ("error": the mask
-    was not applied, which is a bug worth a loud log line)."""
-    assert req.grammar is not None
-    if not req.grammar.accept(token_id):
-        log.error("grammar_refused_token", rid=req.rid, token_id=token_id)
-        req.finish("error")
-        req.error = f"token {token_id} is not allowed by the request's grammar"
-        return True
-    if req.grammar.terminated:
-        req.finish("stop", token_id)
-        return True
-    return False
-
 
 
 class GrammarCache:

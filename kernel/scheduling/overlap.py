@@ -18,7 +18,7 @@ A request in flight is never retracted: when the victim would be one, the schedu
 sets `drain` and the loop lands the step in flight before it plans again, so the same
 victim is retracted as without overlap. One that finishes at N (a stop token, a stop
 string, an abort) while it is in N+1 keeps its pages and row until N+1 lands; N+1's
-token is dropped (its stream already has its final chunk: kernel/output.py), and
+token is dropped (its stream already has its final chunk: kernel/results/output.py), and
 `kv_len` is cut back to the tokens it really has (`Scheduler._computed_len`), so the
 prefix cache never takes the KV of a dropped token. Duplicate pages freed when a
 request in N+1 joins the cache's copy wait until N+1 lands (`PrefixReuse.deferred`).
@@ -32,8 +32,8 @@ from __future__ import annotations
 import torch
 
 from gpu.forward_batch import placeholder
-from kernel import prompt_logprobs
-from kernel.scheduler import ScheduledChunk, StepPlan
+from kernel.scheduling import prompt_logprobs
+from kernel.scheduling.step_plan import ScheduledChunk, StepPlan
 
 
 def resolve_overlap(setting: str, device: torch.device, hybrid: bool) -> bool:

@@ -45,8 +45,8 @@ from cache.prefix_cache import PrefixCache
 from cache.state_pool import StatePool
 from cache.storage import PageFormat, StorageBackend, keys_for_hashes
 from kernel.request import Request
-from kernel.storage_io import checked_call, fill, probe
-from kernel.tier_policy import PrefetchPolicy
+from kernel.tiers.storage_io import checked_call, fill, probe
+from kernel.tiers.tier_policy import PrefetchPolicy
 
 log = structlog.get_logger("tierserve")
 

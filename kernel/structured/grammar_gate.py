@@ -3,6 +3,8 @@ compiled yet waits here (parked, not queued), so it never holds a batch slot or 
 while a worker thread compiles; once compiled it gets its own matcher and is queued, and
 a grammar that fails ends it with the error. `prepare` compiles ahead (the HTTP layer and
 the offline Engine await it before queueing), so the usual path never parks at all.
+`advance_grammar` is the other end: the scheduler advances a request's matcher by each
+token it accepts.
 """
 
 from __future__ import annotations
@@ -11,12 +13,16 @@ import asyncio
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import structlog
+
 from gpu.tokenizer import Tokenizer
 from kernel.admission import EngineUnavailable
 from kernel.config import StructuredConfig
-from kernel.grammar import GrammarCache, GrammarCompiler, GrammarError, GrammarKey, grammar_key
 from kernel.request import Request
 from kernel.sampling_params import SamplingParams
+from kernel.structured.grammar import GrammarCache, GrammarCompiler, GrammarError, GrammarKey, grammar_key
+
+log = structlog.get_logger("tierserve")
 
 
 class GrammarGate:
@@ -80,3 +86,19 @@ class GrammarGate:
         self.closed = True
         if self.cache is not None:
             self.cache.shutdown()
+
+
+def advance_grammar(req: Request, token_id: int) -> bool:
+    """Advance `req`'s matcher by its new token; True if that ended the request: the
+    grammar terminated (finish_reason "stop"), or refused the token ("error": the mask
+    was not applied, which is a bug worth a loud log line)."""
+    assert req.grammar is not None
+    if not req.grammar.accept(token_id):
+        log.error("grammar_refused_token", rid=req.rid, token_id=token_id)
+        req.finish("error")
+        req.error = f"token {token_id} is not allowed by the request's grammar"
+        return True
+    if req.grammar.terminated:
+        req.finish("stop", token_id)
+        return True
+    return False

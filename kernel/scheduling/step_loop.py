@@ -3,7 +3,7 @@
 Step N+1 is planned and submitted as soon as step N's tokens are applied, and only
 then is step N's output detokenized and streamed, so text work overlaps the forward.
 Planning waits for N's ids because a finish or a retraction changes the next plan.
-With `scheduler.overlap` on it does not (kernel/overlap.py): N+1 is planned and
+With `scheduler.overlap` on it does not (kernel/scheduling/overlap.py): N+1 is planned and
 submitted while N runs, its decode rows reading N's tokens on the device, and the loop
 applies and emits N while N+1 runs.
 
@@ -25,11 +25,12 @@ import structlog
 from gpu.device_thread import DeviceThread
 from gpu.forward_batch import ForwardBatch, PrefillChunk, SamplingRow
 from gpu.model_runner import ModelRunner, StepOutput
-from kernel import prompt_logprobs
-from kernel.output import OutputProcessor
-from kernel.overlap import look_ahead
 from kernel.request import Request
-from kernel.scheduler import Scheduler, StepPlan
+from kernel.results.output import OutputProcessor
+from kernel.scheduling import prompt_logprobs
+from kernel.scheduling.overlap import look_ahead
+from kernel.scheduling.scheduler import Scheduler
+from kernel.scheduling.step_plan import StepPlan
 
 log = structlog.get_logger("tierserve")
 

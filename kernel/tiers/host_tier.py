@@ -32,8 +32,8 @@ from cache.kv_pool import KVPool
 from cache.prefix_cache import MatchResult, PrefixCache
 from cache.req_table import ReqToTokenTable
 from kernel.request import Request
-from kernel.storage_tier import StorageTier
-from kernel.tier_policy import PrefetchPolicy, WritePolicy
+from kernel.tiers.storage_tier import StorageTier
+from kernel.tiers.tier_policy import PrefetchPolicy, WritePolicy
 
 log = structlog.get_logger("tierserve")
 

@@ -1,0 +1,1 @@
+"""What a step's tokens become: detokenized text, stream chunks, lifecycle events, result dicts."""

@@ -1,0 +1,29 @@
+"""What the scheduler plans for one step: the chunks to run and the requests retracted.
+
+Its own module so that everything reading a plan (prompt logprobs, overlap, the step
+loop) depends on the plan's shape, not on the scheduler that makes it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from kernel.request import Request
+
+
+class ScheduledChunk(NamedTuple):
+    req: Request
+    start: int
+    length: int
+    state_src: int = 0  # hybrid models: the slots this chunk reads / writes its state,
+    state_dst: int = 0
+    state_track: tuple[tuple[int, int], ...] = ()  # and (length, slot) checkpoints inside it
+    # A chunk that reaches the end of the known tokens produces the next token (unless
+    # nothing is to be generated: a prompt scored for its logprobs only). NOTE: fixed
+    # when planned: with overlap scheduling the request's length moves before it lands.
+    samples: bool = False
+
+
+class StepPlan(NamedTuple):
+    chunks: list[ScheduledChunk]
+    retracted: list[Request]

@@ -1,0 +1,1 @@
+"""Structured outputs and tool calls: grammars, the admission gate that compiles them, tool-call parsing."""
