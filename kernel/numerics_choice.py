@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import structlog
 import torch
 
+from gpu.kernels import cpu as cpu_kernels
 from gpu.numerics import auto_dtype, auto_quantization, int4_op_available, int8_op_available
 from kernel.config import Config, ConfigError
 
@@ -53,7 +54,8 @@ def resolve_quantization(config: Config, device: torch.device, model_cls: Any, h
 def use_cpu_kernels(config: Config, device: torch.device) -> bool:
     """Whether the model, its quantized linears and the attention backend try tierserve's
     C++ CPU kernels (gpu/kernels/cpu/: each falls back to torch ops if its build fails)."""
-    return config.model.cpu_kernels == "auto" and device.type == "cpu" and not config.deterministic
+    on = config.model.cpu_kernels == "auto" and device.type == "cpu" and not config.deterministic
+    return on and not cpu_kernels.switched_off()
 
 
 def log_numerics(config: Config, numerics: Numerics) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from gpu.kernels import cpu
 
@@ -40,7 +41,7 @@ class FakeToolchain:
 
     def start(self) -> bool:
         """One engine start of this install: a fresh process's `load`."""
-        cpu.load.cache_clear()
+        cpu._load.cache_clear()
         return cpu.load(NAME)
 
 
@@ -51,9 +52,9 @@ def toolchain(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeT
     monkeypatch.setattr(cpu, "_digest", lambda source: fake.key)
     monkeypatch.setattr(cpu, "_compile", fake.compile)
     monkeypatch.setattr(cpu, "_load_library", fake.loaded.append)
-    cpu.load.cache_clear()
+    cpu._load.cache_clear()
     yield fake
-    cpu.load.cache_clear()  # the real kernels load again (from the real cache) afterwards
+    cpu._load.cache_clear()  # the real kernels load again (from the real cache) afterwards
 
 
 def check_two_installs(fake: FakeToolchain) -> None:
@@ -126,3 +127,18 @@ def test_a_folder_without_its_library_is_rebuilt(toolchain: FakeToolchain) -> No
     assert cpu.library_path(NAME, toolchain.key).is_file() and not (leftover / "build.ninja").exists()
     assert [p.name for p in cpu.cache_dir().iterdir()] == [leftover.name]
     assert toolchain.start() and len(toolchain.builds) == 1
+
+
+def test_switched_off_loads_nothing_and_turns_the_setting_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`TIERSERVE_CPU_KERNELS=off` (how the suite runs its torch fallback everywhere): no
+    kernel loads, not even one loaded before, and `model.cpu_kernels: auto` resolves off."""
+    from kernel.config import load_config
+    from kernel.numerics_choice import use_cpu_kernels
+
+    config = load_config(None, {"model.cpu_kernels": "auto"})
+    on = use_cpu_kernels(config, torch.device("cpu"))
+    monkeypatch.setenv("TIERSERVE_CPU_KERNELS", "off")
+    assert not any(cpu.load(name) for name in cpu.names())
+    assert not use_cpu_kernels(config, torch.device("cpu"))
+    monkeypatch.delenv("TIERSERVE_CPU_KERNELS")
+    assert use_cpu_kernels(config, torch.device("cpu")) == on

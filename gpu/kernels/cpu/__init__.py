@@ -113,10 +113,20 @@ def library_path(name: str, key: str) -> Path:
     return entry_dir(name, key) / f"tierserve_{name}_{key}.so"
 
 
-@functools.cache
+def switched_off() -> bool:
+    """`TIERSERVE_CPU_KERNELS=off`: the operator's switch (and the suite's, to run its torch
+    fallback everywhere): no kernel loads, as if none built, and `model.cpu_kernels` is off."""
+    return os.environ.get("TIERSERVE_CPU_KERNELS", "").strip().lower() == "off"
+
+
 def load(name: str) -> bool:
     """Load the cached build of `<name>.cpp` (building it first if this key has no entry);
-    True when its ops are registered."""
+    True when its ops are registered. False, building nothing, while switched off."""
+    return not switched_off() and _load(name)
+
+
+@functools.cache
+def _load(name: str) -> bool:
     source = SOURCES / f"{name}.cpp"
     started = time.perf_counter()
     try:
