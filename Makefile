@@ -36,7 +36,9 @@ kernels: $(SERVE_STAMP)
 serve: kernels
 	$(BIN)/tierserve serve --config config/default.yaml
 
+# The suite's system services (redis-server, chromium) are installed first where missing.
 test: $(TEST_STAMP) kernels
+	$(BIN)/python -m tests.services
 	$(BIN)/python -m pytest tests
 
 bench: $(TEST_STAMP)
