@@ -115,7 +115,7 @@ def test_red_a_leak_at_session_end_fails_the_run(tiny_chat_folder: str, tmp_path
     (tmp_path / "test_leaks_at_exit.py").write_text(LEAKS_AT_EXIT)
     args = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "tests.conftest",
             "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(ROOT), str(tmp_path)]
-    run = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=240,
+    run = subprocess.run(args, check=False, cwd=ROOT, capture_output=True, text=True, timeout=240,
                          env={**os.environ, "TIERSERVE_TINY_CHAT": tiny_chat_folder})
     out = run.stdout + run.stderr
     assert "1 passed" in out, out  # the test itself passed: only the end-of-session check fails
