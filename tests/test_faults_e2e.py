@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,8 @@ import requests
 
 from tests.inprocess import Client, serve_http
 from tests.redis_server import redis_server
-from tests.test_storage_e2e import Served, procs, start, tokens, write_config  # noqa: F401 - fixture
+from tests.slow_storage import HOLD_ENV
+from tests.test_storage_e2e import Served, procs, start, tokens, wait_for, write_config  # noqa: F401 - fixture
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 SHARED = tokens(3, 24)  # six whole pages every prompt starts with
@@ -175,16 +177,18 @@ def stream_generate(url: str, seed: int, sink: dict[int, Any]) -> None:
         sink[seed] = (resp.status_code, events[-1] if events else None)
 
 
-def load_then_sigterm(server: Served, seeds: range) -> dict[int, Any]:
+def start_load(server: Served, seeds: range, ready: Callable[[], bool] | None = None,
+               ) -> tuple[list[threading.Thread], dict[int, Any]]:
+    """Streamed requests, returned once `ready()` (default: at least two of them run)."""
     sink: dict[int, Any] = {}
     workers = [threading.Thread(target=stream_generate, args=(server.url, s, sink)) for s in seeds]
     for w in workers:
         w.start()
-    deadline = time.monotonic() + 30
-    while server.info()["pool"]["running"] < 2:
-        assert time.monotonic() < deadline, "the load never ran"
-        time.sleep(0.01)
-    server.terminate()
+    wait_for("the load running", ready or (lambda: server.info()["pool"]["running"] >= 2))
+    return workers, sink
+
+
+def joined(workers: list[threading.Thread], sink: dict[int, Any]) -> dict[int, Any]:
     for w in workers:
         w.join(timeout=120)
     return sink
@@ -194,10 +198,11 @@ def test_sigterm_mid_load_drains_every_request(tiny_chat_folder: str, tmp_path: 
                                                procs: list[Served]) -> None:  # noqa: F811
     config = write_config(tmp_path / "serve.yaml", tiny_chat_folder, storage="file", storage_dir=str(tmp_path / "kv"))
     server = start(procs, config)
-    t0 = time.monotonic()
-    sink = load_then_sigterm(server, range(6))
+    workers, sink = start_load(server, range(6))
+    server.terminate()
+    joined(workers, sink)
+    # server.drain_grace_s is 30 by default: had the drain cut a request, it would lack tokens.
     assert server.proc.wait(timeout=45) == 0
-    assert time.monotonic() - t0 < 30 + 5  # server.drain_grace_s (30 by default) + the abort wait
     assert len(sink) == 6
     for status, last in sink.values():
         assert status == 200 and last["meta_info"]["completion_tokens"] == 150, last
@@ -205,19 +210,28 @@ def test_sigterm_mid_load_drains_every_request(tiny_chat_folder: str, tmp_path: 
 
 def test_sigterm_with_a_short_grace_cuts_requests_cleanly(tiny_chat_folder: str, tmp_path: Path,
                                                           procs: list[Served]) -> None:  # noqa: F811
+    """The load's first decoding step is held (tests/held_steps.py) from before the signal
+    until the 0.2 s grace has run out: no request can finish inside it."""
+    hold = tmp_path / "hold"
+    hold.mkdir()
     config = write_config(tmp_path / "serve.yaml", tiny_chat_folder)
     text = config.read_text().replace("host: 127.0.0.1", "host: 127.0.0.1\n  drain_grace_s: 0.2")
-    config.write_text(text)
-    server = start(procs, config)
-    sink = load_then_sigterm(server, range(6))
+    text = text.replace("deterministic: true", "deterministic: false")
+    config.write_text(text.replace("num_threads: 1", "num_threads: 1\n  attention: tests.held_steps:HeldTorchAttention"))
+    server = start(procs, config, env={HOLD_ENV: str(hold)})
+    (hold / "steps").touch()
+    try:
+        workers, sink = start_load(server, range(6), (hold / "step-held").exists)
+        server.terminate()
+        wait_for("the grace running out", lambda: "drain_timeout" in server.log_text())
+    finally:
+        (hold / "steps").unlink()
+    joined(workers, sink)
     assert server.proc.wait(timeout=30) == 0
-    log = server.log_text()
-    assert "drain_timeout" in log, log
     assert len(sink) == 6, sink  # every client got an answer: none hung
     cut = [last for status, last in sink.values() if status == 200 and "error" in (last or {})]
-    assert cut, sink  # at least one was still generating when the grace ran out ...
+    assert cut, sink  # those that had streamed a token were still generating when the grace ran out ...
     for last in cut:  # ... and ended with an error event naming the shutdown
         assert last["error"]["code"] in ("shutdown", "draining"), last
-    for status, last in sink.values():  # the others finished, or were refused while draining
-        assert last in cut or (status == 200 and last["meta_info"]["completion_tokens"] == 150) \
-            or status == 503, (status, last)
+    for status, last in sink.values():  # none could finish; the others were cut before their first token
+        assert last in cut or status == 503, (status, last)
