@@ -109,7 +109,40 @@ async def test_red_without_the_step_guard_the_engine_halts(tiny_chat_folder: str
         assert all(status == 503 for status, _ in results), results
 
 
-async def test_redis_killed_mid_run_and_restarted(tiny_chat_folder: str) -> None:
+def hold_a_step(engine: Any, monkeypatch: pytest.MonkeyPatch, on_call: int = 3) -> tuple[threading.Event, threading.Event]:
+    """The model runner's `on_call`-th step from now waits for `release`; `held` is set
+    once it does (the device thread is blocked, the event loop runs on)."""
+    runner = engine.loop.runner
+    real_run = runner.run
+    held, release = threading.Event(), threading.Event()
+    calls = {"n": 0}
+
+    def run(batch: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == on_call:
+            held.set()
+            release.wait(60)
+        return real_run(batch)
+
+    monkeypatch.setattr(runner, "run", run)
+    return held, release
+
+
+def assert_mid_run(engine: Any, load: asyncio.Future[Any]) -> None:
+    running = engine.stats()["requests"]["running"]
+    assert running > 0 and not load.done(), f"not mid-run: {running} requests running, load done: {load.done()}"
+
+
+async def test_red_a_kill_after_the_run_is_caught(tiny_chat_folder: str) -> None:
+    """What a fixed sleep before the kill gave on a fast machine: the load had finished."""
+    async with serve_http(tiny_chat_folder, FAULT_OVERRIDES) as (engine, http):
+        load = asyncio.ensure_future(generate(http, prompt(0)))
+        await load
+        with pytest.raises(AssertionError, match="not mid-run: 0 requests running, load done: True"):
+            assert_mid_run(engine, load)
+
+
+async def test_redis_killed_mid_run_and_restarted(tiny_chat_folder: str, monkeypatch: pytest.MonkeyPatch) -> None:
     with redis_server() as redis:
         overrides = {"cache.prefix": "radix", "cache.num_pages": 64, "hicache.host_pages": 128,
                      "hicache.storage": "redis", "hicache.redis_url": redis.url, "hicache.storage_fail_limit": 2,
@@ -124,9 +157,12 @@ async def test_redis_killed_mid_run_and_restarted(tiny_chat_folder: str) -> None
                                                                              for s in seeds))):
                     assert status == 200 and out["output_ids"] == expected[seed], (seed, out)
 
+            held, release = hold_a_step(engine, monkeypatch)
             first = asyncio.ensure_future(load(range(12)))
-            await asyncio.sleep(0.05)
-            redis.kill()  # mid-run
+            assert await asyncio.to_thread(held.wait, 60), "the load never reached its third step"
+            assert_mid_run(engine, first)
+            redis.kill()  # mid-run: the load's third step is held until now
+            release.set()
             await first
             await engine.settle_copies()  # writes to the dead Redis in flight fail (or time out) first
             assert engine.flush_cache()[0]  # from now on every prompt is new to the device and host
