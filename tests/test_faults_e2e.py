@@ -26,6 +26,7 @@ import orjson
 import pytest
 import requests
 
+from tests.held_steps import hold_a_step
 from tests.inprocess import Client, serve_http
 from tests.redis_server import redis_server
 from tests.slow_storage import HOLD_ENV
@@ -107,25 +108,6 @@ async def test_red_without_the_step_guard_the_engine_halts(tiny_chat_folder: str
         results = await asyncio.gather(*(generate(http, prompt(s)) for s in range(8)))
         assert engine.halt_reason is not None and "planted device fault" in engine.halt_reason
         assert all(status == 503 for status, _ in results), results
-
-
-def hold_a_step(engine: Any, monkeypatch: pytest.MonkeyPatch, on_call: int = 3) -> tuple[threading.Event, threading.Event]:
-    """The model runner's `on_call`-th step from now waits for `release`; `held` is set
-    once it does (the device thread is blocked, the event loop runs on)."""
-    runner = engine.loop.runner
-    real_run = runner.run
-    held, release = threading.Event(), threading.Event()
-    calls = {"n": 0}
-
-    def run(batch: Any) -> Any:
-        calls["n"] += 1
-        if calls["n"] == on_call:
-            held.set()
-            release.wait(60)
-        return real_run(batch)
-
-    monkeypatch.setattr(runner, "run", run)
-    return held, release
 
 
 def assert_mid_run(engine: Any, load: asyncio.Future[Any]) -> None:
