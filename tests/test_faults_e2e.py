@@ -16,9 +16,9 @@ kill -9 then restart with the file tier: tests/test_storage_e2e.py.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +26,12 @@ import orjson
 import pytest
 import requests
 
+from tests import leaks
 from tests.held_steps import hold_a_step
 from tests.inprocess import Client, serve_http
 from tests.redis_server import redis_server
 from tests.slow_storage import HOLD_ENV
-from tests.test_storage_e2e import Served, procs, start, tokens, wait_for, write_config  # noqa: F401 - fixture
+from tests.test_storage_e2e import Background, Served, procs, start, tokens, wait_for, write_config  # noqa: F401 - fixture
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 SHARED = tokens(3, 24)  # six whole pages every prompt starts with
@@ -104,6 +105,7 @@ async def test_red_without_the_step_guard_the_engine_halts(tiny_chat_folder: str
 
     monkeypatch.setattr(StepLoop, "await_step", unguarded)
     async with serve_http(tiny_chat_folder, FAULT_OVERRIDES) as (engine, http):
+        leaks.excuse(engine)  # it halts on purpose: its state is the evidence
         plant_device_fault(engine, monkeypatch, on_call=2)
         results = await asyncio.gather(*(generate(http, prompt(s)) for s in range(8)))
         assert engine.halt_reason is not None and "planted device fault" in engine.halt_reason
@@ -187,42 +189,36 @@ async def test_redis_killed_mid_run_and_restarted(tiny_chat_folder: str, monkeyp
 LONG = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 150}
 
 
-def stream_generate(url: str, seed: int, sink: dict[int, Any]) -> None:
-    """A streamed /generate: its last event (or error) lands in `sink[seed]`."""
+def stream_generate(url: str, seed: int) -> tuple[int, Any]:
+    """A streamed /generate: (its status, its last event or error)."""
     body = {"input_ids": prompt(seed), "sampling_params": LONG, "stream": True}
     with requests.post(f"{url}/generate", json=body, stream=True, timeout=120) as resp:
         events = [orjson.loads(ln[6:]) for ln in resp.iter_lines() if ln.startswith(b"data: {")]
-        sink[seed] = (resp.status_code, events[-1] if events else None)
+        return resp.status_code, events[-1] if events else None
 
 
-def start_load(server: Served, seeds: range, ready: Callable[[], bool] | None = None,
-               ) -> tuple[list[threading.Thread], dict[int, Any]]:
+def start_load(server: Served, seeds: range, ready: Callable[[], bool] | None = None) -> list[Background]:
     """Streamed requests, returned once `ready()` (default: at least two of them run)."""
-    sink: dict[int, Any] = {}
-    workers = [threading.Thread(target=stream_generate, args=(server.url, s, sink)) for s in seeds]
-    for w in workers:
-        w.start()
+    workers = [Background(partial(stream_generate, server.url, s)) for s in seeds]
     wait_for("the load running", ready or (lambda: server.info()["pool"]["running"] >= 2))
-    return workers, sink
+    return workers
 
 
-def joined(workers: list[threading.Thread], sink: dict[int, Any]) -> dict[int, Any]:
-    for w in workers:
-        w.join(timeout=120)
-    return sink
+def joined(workers: list[Background]) -> list[tuple[int, Any]]:
+    """Every worker's answer; a worker's own failure is raised as itself."""
+    return [w.result() for w in workers]
 
 
 def test_sigterm_mid_load_drains_every_request(tiny_chat_folder: str, tmp_path: Path,
                                                procs: list[Served]) -> None:  # noqa: F811
     config = write_config(tmp_path / "serve.yaml", tiny_chat_folder, storage="file", storage_dir=str(tmp_path / "kv"))
     server = start(procs, config)
-    workers, sink = start_load(server, range(6))
+    workers = start_load(server, range(6))
     server.terminate()
-    joined(workers, sink)
+    answers = joined(workers)
     # server.drain_grace_s is 30 by default: had the drain cut a request, it would lack tokens.
     assert server.proc.wait(timeout=45) == 0
-    assert len(sink) == 6
-    for status, last in sink.values():
+    for status, last in answers:
         assert status == 200 and last["meta_info"]["completion_tokens"] == 150, last
 
 
@@ -239,17 +235,16 @@ def test_sigterm_with_a_short_grace_cuts_requests_cleanly(tiny_chat_folder: str,
     server = start(procs, config, env={HOLD_ENV: str(hold)})
     (hold / "steps").touch()
     try:
-        workers, sink = start_load(server, range(6), (hold / "step-held").exists)
+        workers = start_load(server, range(6), (hold / "step-held").exists)
         server.terminate()
         wait_for("the grace running out", lambda: "drain_timeout" in server.log_text())
     finally:
         (hold / "steps").unlink()
-    joined(workers, sink)
+    answers = joined(workers)  # every client got an answer: none hung
     assert server.proc.wait(timeout=30) == 0
-    assert len(sink) == 6, sink  # every client got an answer: none hung
-    cut = [last for status, last in sink.values() if status == 200 and "error" in (last or {})]
-    assert cut, sink  # those that had streamed a token were still generating when the grace ran out ...
+    cut = [last for status, last in answers if status == 200 and "error" in (last or {})]
+    assert cut, answers  # those that had streamed a token were still generating when the grace ran out ...
     for last in cut:  # ... and ended with an error event naming the shutdown
         assert last["error"]["code"] in ("shutdown", "draining"), last
-    for status, last in sink.values():  # none could finish; the others were cut before their first token
+    for status, last in answers:  # none could finish; the others were cut before their first token
         assert last in cut or status == 503, (status, last)
