@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -98,6 +99,16 @@ def _no_leaks_after_test() -> Iterator[None]:
     errors = leaks.failures + leaks.check_live_engines()
     leaks.failures.clear()
     assert not errors, "engine accounting broken after the test:\n" + "\n".join(errors)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Session-scoped engines shut down after the last test's teardown: their leaks fail
+    the run here, or no test would ever report them."""
+    errors = leaks.session_report()
+    if not errors:
+        return
+    print("\nengine accounting broken at the end of the session:\n" + "\n".join(errors), file=sys.stderr)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 HYBRID_FAMILIES = ("qwen3_5_text", "lfm2")

@@ -16,8 +16,9 @@ kill -9 then restart with the file tier: tests/test_storage_e2e.py.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +26,12 @@ import orjson
 import pytest
 import requests
 
+from tests import leaks
+from tests.held_steps import hold_a_step
 from tests.inprocess import Client, serve_http
 from tests.redis_server import redis_server
-from tests.test_storage_e2e import Served, procs, start, tokens, write_config  # noqa: F401 - fixture
+from tests.slow_storage import HOLD_ENV
+from tests.test_storage_e2e import Background, Served, procs, start, tokens, wait_for, write_config  # noqa: F401 - fixture
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 SHARED = tokens(3, 24)  # six whole pages every prompt starts with
@@ -101,13 +105,28 @@ async def test_red_without_the_step_guard_the_engine_halts(tiny_chat_folder: str
 
     monkeypatch.setattr(StepLoop, "await_step", unguarded)
     async with serve_http(tiny_chat_folder, FAULT_OVERRIDES) as (engine, http):
+        leaks.excuse(engine)  # it halts on purpose: its state is the evidence
         plant_device_fault(engine, monkeypatch, on_call=2)
         results = await asyncio.gather(*(generate(http, prompt(s)) for s in range(8)))
         assert engine.halt_reason is not None and "planted device fault" in engine.halt_reason
         assert all(status == 503 for status, _ in results), results
 
 
-async def test_redis_killed_mid_run_and_restarted(tiny_chat_folder: str) -> None:
+def assert_mid_run(engine: Any, load: asyncio.Future[Any]) -> None:
+    running = engine.stats()["requests"]["running"]
+    assert running > 0 and not load.done(), f"not mid-run: {running} requests running, load done: {load.done()}"
+
+
+async def test_red_a_kill_after_the_run_is_caught(tiny_chat_folder: str) -> None:
+    """What a fixed sleep before the kill gave on a fast machine: the load had finished."""
+    async with serve_http(tiny_chat_folder, FAULT_OVERRIDES) as (engine, http):
+        load = asyncio.ensure_future(generate(http, prompt(0)))
+        await load
+        with pytest.raises(AssertionError, match="not mid-run: 0 requests running, load done: True"):
+            assert_mid_run(engine, load)
+
+
+async def test_redis_killed_mid_run_and_restarted(tiny_chat_folder: str, monkeypatch: pytest.MonkeyPatch) -> None:
     with redis_server() as redis:
         overrides = {"cache.prefix": "radix", "cache.num_pages": 64, "hicache.host_pages": 128,
                      "hicache.storage": "redis", "hicache.redis_url": redis.url, "hicache.storage_fail_limit": 2,
@@ -122,9 +141,12 @@ async def test_redis_killed_mid_run_and_restarted(tiny_chat_folder: str) -> None
                                                                              for s in seeds))):
                     assert status == 200 and out["output_ids"] == expected[seed], (seed, out)
 
+            held, release = hold_a_step(engine, monkeypatch)
             first = asyncio.ensure_future(load(range(12)))
-            await asyncio.sleep(0.05)
-            redis.kill()  # mid-run
+            assert await asyncio.to_thread(held.wait, 60), "the load never reached its third step"
+            assert_mid_run(engine, first)
+            redis.kill()  # mid-run: the load's third step is held until now
+            release.set()
             await first
             await engine.settle_copies()  # writes to the dead Redis in flight fail (or time out) first
             assert engine.flush_cache()[0]  # from now on every prompt is new to the device and host
@@ -167,57 +189,62 @@ async def test_redis_killed_mid_run_and_restarted(tiny_chat_folder: str) -> None
 LONG = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 150}
 
 
-def stream_generate(url: str, seed: int, sink: dict[int, Any]) -> None:
-    """A streamed /generate: its last event (or error) lands in `sink[seed]`."""
+def stream_generate(url: str, seed: int) -> tuple[int, Any]:
+    """A streamed /generate: (its status, its last event or error)."""
     body = {"input_ids": prompt(seed), "sampling_params": LONG, "stream": True}
     with requests.post(f"{url}/generate", json=body, stream=True, timeout=120) as resp:
         events = [orjson.loads(ln[6:]) for ln in resp.iter_lines() if ln.startswith(b"data: {")]
-        sink[seed] = (resp.status_code, events[-1] if events else None)
+        return resp.status_code, events[-1] if events else None
 
 
-def load_then_sigterm(server: Served, seeds: range) -> dict[int, Any]:
-    sink: dict[int, Any] = {}
-    workers = [threading.Thread(target=stream_generate, args=(server.url, s, sink)) for s in seeds]
-    for w in workers:
-        w.start()
-    deadline = time.monotonic() + 30
-    while server.info()["pool"]["running"] < 2:
-        assert time.monotonic() < deadline, "the load never ran"
-        time.sleep(0.01)
-    server.terminate()
-    for w in workers:
-        w.join(timeout=120)
-    return sink
+def start_load(server: Served, seeds: range, ready: Callable[[], bool] | None = None) -> list[Background]:
+    """Streamed requests, returned once `ready()` (default: at least two of them run)."""
+    workers = [Background(partial(stream_generate, server.url, s)) for s in seeds]
+    wait_for("the load running", ready or (lambda: server.info()["pool"]["running"] >= 2))
+    return workers
+
+
+def joined(workers: list[Background]) -> list[tuple[int, Any]]:
+    """Every worker's answer; a worker's own failure is raised as itself."""
+    return [w.result() for w in workers]
 
 
 def test_sigterm_mid_load_drains_every_request(tiny_chat_folder: str, tmp_path: Path,
                                                procs: list[Served]) -> None:  # noqa: F811
     config = write_config(tmp_path / "serve.yaml", tiny_chat_folder, storage="file", storage_dir=str(tmp_path / "kv"))
     server = start(procs, config)
-    t0 = time.monotonic()
-    sink = load_then_sigterm(server, range(6))
+    workers = start_load(server, range(6))
+    server.terminate()
+    answers = joined(workers)
+    # server.drain_grace_s is 30 by default: had the drain cut a request, it would lack tokens.
     assert server.proc.wait(timeout=45) == 0
-    assert time.monotonic() - t0 < 30 + 5  # server.drain_grace_s (30 by default) + the abort wait
-    assert len(sink) == 6
-    for status, last in sink.values():
+    for status, last in answers:
         assert status == 200 and last["meta_info"]["completion_tokens"] == 150, last
 
 
 def test_sigterm_with_a_short_grace_cuts_requests_cleanly(tiny_chat_folder: str, tmp_path: Path,
                                                           procs: list[Served]) -> None:  # noqa: F811
+    """The load's first decoding step is held (tests/held_steps.py) from before the signal
+    until the 0.2 s grace has run out: no request can finish inside it."""
+    hold = tmp_path / "hold"
+    hold.mkdir()
     config = write_config(tmp_path / "serve.yaml", tiny_chat_folder)
     text = config.read_text().replace("host: 127.0.0.1", "host: 127.0.0.1\n  drain_grace_s: 0.2")
-    config.write_text(text)
-    server = start(procs, config)
-    sink = load_then_sigterm(server, range(6))
+    text = text.replace("deterministic: true", "deterministic: false")
+    config.write_text(text.replace("num_threads: 1", "num_threads: 1\n  attention: tests.held_steps:HeldTorchAttention"))
+    server = start(procs, config, env={HOLD_ENV: str(hold)})
+    (hold / "steps").touch()
+    try:
+        workers = start_load(server, range(6), (hold / "step-held").exists)
+        server.terminate()
+        wait_for("the grace running out", lambda: "drain_timeout" in server.log_text())
+    finally:
+        (hold / "steps").unlink()
+    answers = joined(workers)  # every client got an answer: none hung
     assert server.proc.wait(timeout=30) == 0
-    log = server.log_text()
-    assert "drain_timeout" in log, log
-    assert len(sink) == 6, sink  # every client got an answer: none hung
-    cut = [last for status, last in sink.values() if status == 200 and "error" in (last or {})]
-    assert cut, sink  # at least one was still generating when the grace ran out ...
+    cut = [last for status, last in answers if status == 200 and "error" in (last or {})]
+    assert cut, answers  # those that had streamed a token were still generating when the grace ran out ...
     for last in cut:  # ... and ended with an error event naming the shutdown
         assert last["error"]["code"] in ("shutdown", "draining"), last
-    for status, last in sink.values():  # the others finished, or were refused while draining
-        assert last in cut or (status == 200 and last["meta_info"]["completion_tokens"] == 150) \
-            or status == 503, (status, last)
+    for status, last in answers:  # none could finish; the others were cut before their first token
+        assert last in cut or status == 503, (status, last)

@@ -17,6 +17,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests import leaks
 from tests.inprocess import Client, serve_http
 
 REASON = "integrity check failed: planted by the test"
@@ -58,6 +59,8 @@ async def test_health_info_admin_and_metrics_report_the_halt(tiny_chat_folder: s
         assert await healthy_gauge(http) == 1
 
         engine.halt_reason = REASON
+
+        leaks.excuse(engine)  # halted on purpose: its state is the evidence
         health = await http.get("/health")
         assert_halted(health.status, await health.json())
         info = await http.get("/server_info")  # still answers: that is where an operator looks
@@ -70,6 +73,7 @@ async def test_health_info_admin_and_metrics_report_the_halt(tiny_chat_folder: s
 async def test_new_requests_on_every_generation_route_get_503_at_once(tiny_chat_folder: str) -> None:
     async with serve_http(tiny_chat_folder) as (engine, http):
         engine.halt_reason = REASON
+        leaks.excuse(engine)  # halted on purpose: its state is the evidence
         for path, body in ROUTES:
             # wait_for: a request queued on a dead loop would hang instead.
             resp = await asyncio.wait_for(http.post(path, json=body), 5)
@@ -96,6 +100,7 @@ async def test_requests_in_flight_end_with_the_reason(tiny_chat_folder: str) -> 
         while engine.stats()["requests"]["running"] < 2:
             await asyncio.sleep(0.01)
         engine.halt_reason = REASON
+        leaks.excuse(engine)  # halted on purpose: its state is the evidence
         resp = await asyncio.wait_for(whole, 5)
         assert_halted(resp.status, await resp.json())
         rest = [line async for line in stream.content if line.startswith(b"data: ")]
@@ -125,6 +130,7 @@ async def test_a_real_halt_ends_requests_in_flight(tiny_chat_folder: str, monkey
             raise RuntimeError("planted planner bug")
 
         monkeypatch.setattr(engine.scheduler, "schedule", broken_planner)
+        leaks.excuse(engine)  # it halts on purpose: its state is the evidence
         resp = await asyncio.wait_for(whole, 5)
         body = await resp.json()
         assert resp.status == 503 and "planted planner bug" in body["error"]["message"], body

@@ -4,7 +4,8 @@
   the same directory serves the prompt's prefix from storage, with the same tokens and
   logprobs (official `openai` client).
 - Two servers sharing one Redis: what A computed, B serves from storage, identically.
-- SIGTERM drains: storage writes still queued when the signal comes land before exit.
+- SIGTERM drains: storage writes still queued when the signal comes (held back by the
+  test's backend) land before exit.
 - A backend that keeps failing switches itself off (/server_info, /metrics) and the
   admin websocket switches it back on; a bad `enable` value changes nothing.
 
@@ -22,7 +23,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ from openai import OpenAI
 from cache.storage.file_backend import FileBackend
 from tests.inprocess import serve_http
 from tests.redis_server import redis_server
-from tests.slow_storage import DELAY_ENV
+from tests.slow_storage import HOLD_ENV
 from tests.test_http_fixtures import ROOT, ServerProcess, free_port
 
 PAGE = 4
@@ -205,47 +206,89 @@ def test_two_servers_share_one_redis(tiny_chat_folder: str, tmp_path: Path, proc
         assert a.stop() == 0 and b.stop() == 0
 
 
+class Background(threading.Thread):
+    """A call run in a thread; `result()` joins it and returns what it returned, or
+    raises what it raised (an assertion in the thread surfaces as itself)."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        super().__init__(daemon=True)
+        self._fn = fn
+        self._out: Any = None
+        self._error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self._out = self._fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test by result()
+            self._error = exc
+
+    def result(self, timeout_s: float = 120.0) -> Any:
+        self.join(timeout_s)
+        assert not self.is_alive(), "the call in the background never returned"
+        if self._error is not None:
+            raise self._error
+        return self._out
+
+
+def test_red_an_assertion_in_a_background_call_surfaces_as_itself() -> None:
+    def fails() -> None:
+        raise AssertionError("planted: the background request got a 500")
+
+    with pytest.raises(AssertionError, match="planted: the background request got a 500"):
+        Background(fails).result()
+
+
+def wait_for(what: str, ready: Callable[[], bool], limit_s: float = 60.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not ready():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.01)
+
+
 def test_sigterm_drain_flushes_queued_storage_writes(tiny_chat_folder: str, tmp_path: Path,
                                                      procs: list[Served]) -> None:
-    """Writes are slow (1 s a call): when SIGTERM comes, one request has just finished
-    with its pages' writes still queued and another is generating. The drain lets the
-    second finish, then flushes every write before the process exits 0."""
-    kv = tmp_path / "kv"
-    config = write_config(tmp_path / "serve.yaml", tiny_chat_folder, storage="tests.slow_storage:SlowFileBackend",
-                          storage_dir=str(kv), storage_flush_timeout_s=30)
-    server = start(procs, config, env={DELAY_ENV: "1.0"})
+    """Writes are held (tests/slow_storage.py) until the drain has begun, so when SIGTERM
+    comes, one request has finished with its pages' writes queued; another is held on its
+    storage probe, so it is in flight. The drain lets the second finish, then flushes
+    every write before the process exits 0."""
+    kv, hold = tmp_path / "kv", tmp_path / "hold"
+    hold.mkdir()
+    (hold / "writes").touch()
+    config = write_config(tmp_path / "serve.yaml", tiny_chat_folder, storage="tests.slow_storage:HeldFileBackend",
+                          storage_dir=str(kv), storage_flush_timeout_s=30, storage_timeout_s=120)
+    server = start(procs, config, env={HOLD_ENV: str(hold)})
     ref = server.generate(PROMPT)
     info = server.info()
     st, host = info["storage"], info["host"]
-    # The request is done, its pages are not on disk yet: their writes are queued (or
+    # The request is done, none of its pages is on disk: their writes are queued (or
     # their host copies, which queue them, are still in flight).
     assert st["queued_bytes"] > 0 or host["host_pages"]["copying"] > 0, (st, host)
-    assert pages_on_disk(kv) < 16
+    assert pages_on_disk(kv) == 0
 
-    second: dict[str, Any] = {}
+    (hold / "reads").touch()
     prompt_b = tokens(12, 67)
-    worker = threading.Thread(target=lambda: second.update(server.generate(prompt_b, max_new_tokens=100)))
-    worker.start()
+    second = Background(lambda: server.generate(prompt_b, max_new_tokens=100))
     try:
-        deadline = time.monotonic() + 20
-        while server.info()["pool"]["running"] == 0 and worker.is_alive():
-            assert time.monotonic() < deadline, "the second request never ran"
-            time.sleep(0.01)
+        wait_for("the second request's storage probe", (hold / "read-held").exists)
         server.terminate()
+        wait_for("the drain", lambda: "draining" in server.log_text())
     finally:
-        worker.join(timeout=60)
+        (hold / "reads").unlink()
+        (hold / "writes").unlink()
+    out_b = second.result()
     assert server.proc.wait(timeout=45) == 0
     log = server.log_text()
     assert "storage_flushed" in log and "complete=True" in log, log
-    assert "in_flight=1" in log, log  # the signal came while the second request ran
-    assert second["meta_info"]["completion_tokens"] == 100  # ... and the drain let it finish
+    assert "in_flight=1" in log, log  # the signal came while the second request was held
+    assert out_b["meta_info"]["completion_tokens"] == 100  # ... and the drain let it finish
     # Both prompts' pages landed (16 whole pages each, more for their outputs).
     assert FileBackend(kv, 1 << 30).stats()["pages"] >= 32
 
     # A restarted server (plain `file` backend over the same directory) serves both from there.
     plain = write_config(tmp_path / "plain.yaml", tiny_chat_folder, storage="file", storage_dir=str(kv))
     again = start(procs, plain)
-    for prompt, before, params in ((PROMPT, ref, {}), (prompt_b, second, {"max_new_tokens": 100})):
+    for prompt, before, params in ((PROMPT, ref, {}), (prompt_b, out_b, {"max_new_tokens": 100})):
         out = again.generate(prompt, **params)
         assert out["meta_info"]["cached_tokens_by_tier"]["storage"] == 64, out["meta_info"]
         assert out["output_ids"] == before["output_ids"] and logprobs(out) == logprobs(before)

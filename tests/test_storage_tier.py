@@ -16,8 +16,10 @@ from typing import Any
 import pytest
 
 from kernel import Engine
+from kernel.tiers.storage_tier import Fetch, StorageTier
 from tests import leaks
 from tests.conftest import TINY_OVERRIDES
+from tests.slow_storage import Hold
 from tests.test_host_tier import GREEDY, TIERED, logprobs, tokens
 
 
@@ -156,29 +158,48 @@ def test_a_bad_page_is_recomputed(tiny_chat_folder: str, tmp_path: Path, damage:
         engine.shutdown()
 
 
+def slow_read_is_not_waited_for(engine: Engine, hold: Hold, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prompt's pages are in storage, but their read is held until the test lets it
+    go: the request must time out (`storage_timeout_s`) and compute while it is held."""
+    backend = tier(engine).backend
+    ref = engine.generate(PROMPT, GREEDY)
+    settle(engine)
+    monkeypatch.setattr(backend, "get_pages", hold.wrap(backend.get_pages))
+    warm = engine.generate(PROMPT, GREEDY)
+    assert hold.returned == 0, "the request waited for the held storage read"
+    assert warm["meta_info"]["cached_tokens"] == 0
+    assert same(warm, ref)  # type: ignore[arg-type]
+    assert tier(engine).counters.prefetch["timed_out"] == 1
+    hold.release()
+    settle(engine)  # the late read still lands in the tree, for later requests
+    assert tier(engine).counters.prefetch["completed"] + tier(engine).counters.prefetch["revoked"] == 1
+
+
 def test_a_slow_storage_read_times_out_and_computes(
     tiny_chat_folder: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = make(tiny_chat_folder, tmp_path, **{"hicache.storage_timeout_s": 0.2})
-    backend = tier(engine).backend
-    real = backend.get_pages
-
-    def slow(keys: list[str]) -> list[bytes | None]:
-        time.sleep(1.0)
-        return real(keys)
-
     try:
-        ref = engine.generate(PROMPT, GREEDY)
-        settle(engine)
-        monkeypatch.setattr(backend, "get_pages", slow)
-        t0 = time.monotonic()
-        warm = engine.generate(PROMPT, GREEDY)
-        assert time.monotonic() - t0 < 0.9  # it did not wait for the slow read
-        assert warm["meta_info"]["cached_tokens"] == 0
-        assert same(warm, ref)  # type: ignore[arg-type]
-        assert tier(engine).counters.prefetch["timed_out"] == 1
-        settle(engine)  # the late read still lands in the tree, for later requests
-        assert tier(engine).counters.prefetch["completed"] + tier(engine).counters.prefetch["revoked"] == 1
+        slow_read_is_not_waited_for(engine, Hold(), monkeypatch)
+    finally:
+        engine.shutdown()
+
+
+def test_red_a_fetch_waited_for_past_its_deadline(
+    tiny_chat_folder: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bug: admission waits for a fetch in flight whatever its deadline. The read is
+    held for 1 s (then let through by the hold itself): the request waits for it."""
+    real_wait = StorageTier.wait
+
+    def waits_for_the_read(self: StorageTier, req: Any, *args: Any) -> bool:
+        return isinstance(req.storage_fetch, Fetch) or real_wait(self, req, *args)
+
+    monkeypatch.setattr(StorageTier, "wait", waits_for_the_read)
+    engine = make(tiny_chat_folder, tmp_path, **{"hicache.storage_timeout_s": 0.2})
+    try:
+        with pytest.raises(AssertionError, match="the request waited for the held storage read"):
+            slow_read_is_not_waited_for(engine, Hold(limit_s=1.0), monkeypatch)
     finally:
         engine.shutdown()
 

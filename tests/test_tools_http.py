@@ -1,18 +1,23 @@
 """Tools on /v1/chat/completions against the real server: malformed tools and choices are
-400s naming the field, answered while a good request generates undisturbed and without
-leaking anything (the `server` fixture waits for an idle, page-complete pool); tool
+400s naming the field, answered while a good request's step is held (so it is still
+generating) and before any reaches the engine; the good one then finishes undisturbed; tool
 messages go back through the template; tool_choice none hides the tools."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from typing import Any
 
-import aiohttp
 import openai
 import pytest
 from openai import OpenAI
 
+from kernel.async_engine import AsyncEngine
+from plugins.http import chat
+from plugins.http.tools import ToolUse
+from tests.held_steps import hold_a_step
+from tests.inprocess import serve_http
 from tests.test_http_errors import _send
 from tests.test_http_fixtures import GOOD, InFlight, ServerProcess, post
 
@@ -60,13 +65,37 @@ BAD: list[tuple[dict[str, Any], str]] = [
 ]
 
 
-async def test_malformed_tools_are_400s_and_a_good_request_is_unaffected(server: ServerProcess) -> None:
-    expected = post(server, C, GOOD).json()["choices"][0]["text"]
-    async with aiohttp.ClientSession() as session, InFlight(server.url + C) as good:
-        results = await asyncio.gather(*(
-            _send(session, server.url + CHAT, {"messages": USER, "max_tokens": 4, **body}) for body, _ in BAD))
-        assert server.info()["pool"]["running"] == 1 and not good.finished  # refused while it generated
-        assert await good.text() == expected
+async def answered_before_the_engine(engine: AsyncEngine, sends: list[Awaitable[Any]]) -> list[Any]:
+    """Await `sends` while the good request's step is held: none may reach the engine
+    (it would wait on the held step), so the engine holds the good request alone."""
+    tasks = [asyncio.ensure_future(send) for send in sends]
+    try:
+        while not all(t.done() for t in tasks):
+            reqs = engine.stats()["requests"]
+            assert reqs == {"waiting": 0, "running": 1}, f"a malformed request reached the engine: {reqs}"
+            await asyncio.wait(tasks, timeout=0.01)
+        return [t.result() for t in tasks]
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def malformed_while_a_good_one_is_held(folder: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The good request's third step is held until every malformed one is answered."""
+    async with serve_http(folder) as (engine, http):
+        expected = (await (await http.post(C, json=GOOD)).json())["choices"][0]["text"]
+        held, release = hold_a_step(engine, monkeypatch)
+        try:
+            async with InFlight(str(http.make_url(C))) as good:
+                assert await asyncio.to_thread(held.wait, 60), "the good request never reached its third step"
+                results = await answered_before_the_engine(engine, [
+                    _send(http.session, str(http.make_url(CHAT)), {"messages": USER, "max_tokens": 4, **body})
+                    for body, _ in BAD])
+                assert not good.finished  # by construction: its step is held
+                release.set()
+                assert await good.text() == expected
+        finally:
+            release.set()
     for (body, param), (status, err) in zip(BAD, results):
         assert status == 400, (body, err)
         assert set(err["error"]) == {"message", "type", "param", "code"}, err
@@ -74,6 +103,21 @@ async def test_malformed_tools_are_400s_and_a_good_request_is_unaffected(server:
     messages = [err["error"]["message"] for _, err in results]
     assert "not a valid JSON Schema" in messages[10] and "not a valid JSON Schema" in messages[11]  # meta-schema
     assert "'nope'" in messages[18] and "['get_weather']" in messages[18]
+
+
+async def test_malformed_tools_are_400s_and_a_good_request_is_unaffected(
+    tiny_chat_folder: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await malformed_while_a_good_one_is_held(tiny_chat_folder, monkeypatch)
+
+
+async def test_red_a_malformed_tool_that_reaches_the_engine(
+    tiny_chat_folder: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bug: the tool fields are not checked, so those requests are admitted."""
+    monkeypatch.setattr(chat, "parse_tool_use", lambda body: ToolUse((), "none", parallel=True))
+    with pytest.raises(AssertionError, match="a malformed request reached the engine"):
+        await malformed_while_a_good_one_is_held(tiny_chat_folder, monkeypatch)
 
 
 def client(server: ServerProcess) -> OpenAI:

@@ -117,7 +117,7 @@ class PrefixReuse:
         return self._insert(req, length // self.page_size, state_slot)
 
     def _insert(self, req: Request, full: int, state_slot: int | None) -> bool:
-        assert req.row is not None
+        assert req.row is not None, f"request {req.rid} reached the prefix cache without its table row"
         mine = req.pages[:full]
         tokens = req.token_slice(0, full * self.page_size)
         result = self.cache.insert(tokens, mine, req.namespace, req.priority, state_slot=state_slot)
