@@ -42,6 +42,7 @@ TOP = 2  # the reference's top 2 give its margin
 PARAMS = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True, "return_logprob": True,
           "top_logprobs_num": TOP}
 
+
 class Scored(NamedTuple):
     """One sequence's scored positions: each token's logprob and the top (logprob, id)
     pairs at its position, most likely first."""
@@ -59,8 +60,8 @@ class Numerics(NamedTuple):
     agreement: float  # top-1 agreement over those
 
     def __str__(self) -> str:
-        return (f"{self.positions} positions: mean |Δ logprob| {self.mean:.4f}, p99 {self.p99:.4f}, "
-                f"max {self.worst:.4f}; top-1 agreement {self.agreement:.4f} over {self.confident} "
+        return (f"{self.positions} positions: mean |Δ logprob| {self.mean:.2e}, p99 {self.p99:.2e}, "
+                f"max {self.worst:.2e}; top-1 agreement {self.agreement:.4f} over {self.confident} "
                 "positions past the margin gap")
 
 
@@ -76,9 +77,9 @@ class NumericsOutOfBounds(AssertionError):
 
 
 def check(result: Numerics, bounds: Bounds, what: str) -> None:
-    broken = [f"mean |Δ logprob| {result.mean:.4f} >= {bounds.mean}"] if result.mean >= bounds.mean else []
+    broken = [f"mean |Δ logprob| {result.mean:.2e} >= {bounds.mean}"] if result.mean >= bounds.mean else []
     if result.p99 >= bounds.p99:
-        broken.append(f"p99 |Δ logprob| {result.p99:.4f} >= {bounds.p99}")
+        broken.append(f"p99 |Δ logprob| {result.p99:.2e} >= {bounds.p99}")
     if result.confident == 0 or result.agreement < bounds.agreement:
         broken.append(f"top-1 agreement {result.agreement:.4f} < {bounds.agreement} (margin > {bounds.gap})")
     if broken:
@@ -143,6 +144,33 @@ def reference(engine: Any, prompts: Sequence[Any] = PROMPTS, params: dict[str, A
     seqs = [p + list(o["output_ids"]) for p, o in zip(ids, outputs)]
     scorer = functools.partial(score, engine)
     return Reference(scorer, list(prompts), params, ids, outputs, scorer(seqs, [1] * len(seqs)))
+
+
+def hf_scorer(model: Any) -> Scorer:
+    """transformers' full forward over each sequence as a scorer: tokens starts[i].. (token
+    p from the logits at p - 1), with the top pairs."""
+    import torch
+
+    def scorer(seqs: Sequence[list[int]], starts: Sequence[int]) -> list[Scored]:
+        scored = []
+        with torch.inference_mode():
+            for seq, start in zip(seqs, starts, strict=True):
+                logp = torch.log_softmax(model(torch.tensor([seq])).logits[0, start - 1 : -1].float(), -1)
+                chosen = logp.gather(1, torch.tensor(seq[start:])[:, None])[:, 0]
+                top = logp.topk(TOP, dim=-1)
+                pairs = [list(zip(v.tolist(), i.tolist())) for v, i in zip(top.values, top.indices)]
+                scored.append(Scored(chosen.tolist(), pairs))
+        return scored
+
+    return scorer
+
+
+def fixed_reference(scorer: Scorer, prompt_ids: list[list[int]], output_ids: list[list[int]],
+                    params: dict[str, Any]) -> Reference:
+    """A reference from given greedy tokens (e.g. transformers' generate), scored by `scorer`."""
+    outputs = [{"output_ids": ids} for ids in output_ids]
+    seqs = [p + o for p, o in zip(prompt_ids, output_ids, strict=True)]
+    return Reference(scorer, prompt_ids, params, prompt_ids, outputs, scorer(seqs, [1] * len(seqs)))
 
 
 class FreeRunning(NamedTuple):

@@ -9,7 +9,7 @@ float32 on both sides. Measured on an AMD EPYC AVX2: MEASURED. Bounds: mean |Δ 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -18,12 +18,12 @@ from tests.conftest import CONFIG, TEST_OVERRIDES
 from tests.numerics_compare import (
     TOP,
     Bounds,
-    Reference,
-    Scored,
     as_scored,
     check,
     check_report,
     evaluate,
+    fixed_reference,
+    hf_scorer,
     measure,
 )
 
@@ -51,38 +51,15 @@ def hf_greedy(model, ids: list[int]) -> list[int]:  # type: ignore[no-untyped-de
     return tokens
 
 
-def hf_score(model, seqs: Sequence[list[int]], starts: Sequence[int]) -> list[Scored]:  # type: ignore[no-untyped-def]
-    """transformers' full forward over each sequence: tokens starts[i].. scored (token p
-    from the logits at p - 1), with the top pairs."""
-    scored = []
-    with torch.inference_mode():
-        for seq, start in zip(seqs, starts, strict=True):
-            logp = torch.log_softmax(model(torch.tensor([seq])).logits[0, start - 1 : -1].float(), -1)
-            chosen = logp.gather(1, torch.tensor(seq[start:])[:, None])[:, 0]
-            top = logp.topk(TOP, dim=-1)
-            pairs = [list(zip(v.tolist(), i.tolist())) for v, i in zip(top.values, top.indices)]
-            scored.append(Scored(chosen.tolist(), pairs))
-    return scored
-
-
-def hf_reference(model, prompt_ids: list[list[int]]) -> Reference:  # type: ignore[no-untyped-def]
-    outputs = [{"output_ids": hf_greedy(model, ids)} for ids in prompt_ids]
-    seqs = [ids + o["output_ids"] for ids, o in zip(prompt_ids, outputs)]
-
-    def scorer(seqs: Sequence[list[int]], starts: Sequence[int]) -> list[Scored]:
-        return hf_score(model, seqs, starts)
-
-    return Reference(scorer, prompt_ids, PARAMS, prompt_ids, outputs, scorer(seqs, [1] * len(seqs)))
-
-
 def test_matches_transformers_teacher_forced(smollm_engine, hf_smollm) -> None:  # type: ignore[no-untyped-def]
-    ref = hf_reference(hf_smollm, [smollm_engine.tokenizer.encode(p) for p in PROMPTS])
+    prompt_ids = [smollm_engine.tokenizer.encode(p) for p in PROMPTS]
+    ref = fixed_reference(hf_scorer(hf_smollm), prompt_ids, [hf_greedy(hf_smollm, ids) for ids in prompt_ids], PARAMS)
     check_report(evaluate(smollm_engine, ref, BOUNDS.gap), BOUNDS)
 
 
 def assert_matches_hf(model, ids: list[int], out: dict) -> None:  # type: ignore[no-untyped-def,type-arg]
     """The engine's own greedy tokens, scored by transformers (reverse)."""
-    result = measure(hf_score(model, [ids + out["output_ids"]], [len(ids)]), [as_scored(out)], BOUNDS.gap)
+    result = measure(hf_scorer(model)([ids + out["output_ids"]], [len(ids)]), [as_scored(out)], BOUNDS.gap)
     print(result)
     check(result, BOUNDS, "reverse (decode)")
 

@@ -19,7 +19,7 @@ import pytest
 
 import gpu.sampling
 from tests.conftest import smollm_folder
-from tests.inprocess import Client, serve_http
+from tests.inprocess import Client, record_seeds, serve_http
 from tests.structured_cases import CASES, MAX_TOKENS, Schema, follows, response_format
 
 RADIX = {"cache.prefix": "radix", "structured.max_grammar_chars": 4096}
@@ -126,14 +126,7 @@ async def test_json_object_and_completions_route(tiny_chat_folder: str) -> None:
 
 async def test_each_of_n_choices_has_its_own_matcher(tiny_chat_folder: str, monkeypatch: pytest.MonkeyPatch) -> None:
     async with serve_http(tiny_chat_folder, RADIX) as (engine, http):
-        seeds: list[int | None] = []
-        add_request = engine.add_request
-
-        def spy(prompt: Any, params: Any, *args: Any, **kwargs: Any) -> str:
-            seeds.append(params.seed)
-            return add_request(prompt, params, *args, **kwargs)
-
-        monkeypatch.setattr(engine, "add_request", spy)
+        seeds = record_seeds(engine, monkeypatch)
         prompt, schema = CASES[8]
         client = openai_client(http)
         out = await client.chat.completions.create(
