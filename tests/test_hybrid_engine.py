@@ -19,7 +19,8 @@ PROMPTS = [[(5 * j + 11 * i + 3) % VOCAB for j in range(n)] for i, n in enumerat
 GREEDY = {"max_new_tokens": NUM_DECODE, "temperature": 0, "ignore_eos": True, "return_logprob": True,
           "top_logprobs_num": TOP}
 # float32 on both sides: teacher-forced (tests/numerics_compare.py), the engine's greedy
-# sequences scored by transformers and transformers' by the engine.
+# sequences scored by transformers and transformers' by the engine. Measured on an AMD EPYC
+# AVX2 (model.cpu_kernels auto and off alike): mean |Δ logprob| <= 3.4e-6, p99 <= 3.2e-5.
 BOUNDS = Bounds(mean=1e-4, p99=1e-3, agreement=1.0, gap=1e-2)
 
 
