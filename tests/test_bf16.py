@@ -8,7 +8,7 @@ Measured (mean / p99 |Δ logprob|; top-1 agreement past the gap):
 
 | machine, model.cpu_kernels | forward | reverse |
 |---|---|---|
-| AMD EPYC AVX2 (bf16 emulated), auto | 0.029 / 0.168; 1.0 (286) | 0.024 / 0.123; 1.0 (220) |
+| AMD EPYC AVX2 (bf16 emulated), auto | 0.029 / 0.168; 1.0 (286) | 0.024 / 0.117-0.123; 1.0 (220) |
 | AMD EPYC AVX2 (bf16 emulated), off | 0.027 / 0.168; 1.0 (286) | 0.021 / 0.113; 1.0 (217) |
 
 Free-running (printed only) on that EPYC: first divergences [17, 6, 2, 32, 3, 32, 24, 32]
