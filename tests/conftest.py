@@ -44,12 +44,13 @@ def smollm_engine() -> Iterator[object]:
 
 
 @pytest.fixture(scope="session")
-def fp32_greedy(smollm_engine: object) -> list[dict[str, object]]:
-    """The float32 engine's greedy outputs on the fixed prompt set the bf16 and quantized
-    paths are compared against (tests/numerics_compare.py)."""
-    from tests.numerics_compare import PARAMS, PROMPTS
+def fp32_reference(smollm_engine: object) -> object:
+    """The float32 engine's greedy outputs on the fixed prompt set and its teacher-forced
+    scores of them, which the bf16 and quantized paths are compared against
+    (tests/numerics_compare.py)."""
+    from tests.numerics_compare import reference
 
-    return smollm_engine.generate(PROMPTS, PARAMS)  # type: ignore[attr-defined,no-any-return]
+    return reference(smollm_engine)
 
 
 @pytest.fixture(scope="session")

@@ -131,12 +131,14 @@ class Driver:
 
 
 def run_schedule(
-    driver: Driver, prompts: list[list[int]], chunks: list[list[int]], num_decode: int
+    driver: Driver, prompts: list[list[int]], chunks: list[list[int]], num_decode: int,
+    forced: list[list[int]] | None = None,
 ) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy generation, continuous-batching style: each step, every request brings its
-    next prefill chunk (sizes from `chunks`) or, once its prompt is in, its last sampled
-    token. Returns per request the generated ids and the logprobs [num_decode, vocab] of
-    each generated position."""
+    next prefill chunk (sizes from `chunks`) or, once its prompt is in, its last token:
+    its own greedy one, or teacher-forced, the next of `forced` (e.g. a reference's).
+    Returns per request the greedy ids and the logprobs [num_decode, vocab] of each
+    generated position."""
     assert all(sum(c) == len(p) for c, p in zip(chunks, prompts))
     reqs = [driver.new_request() for _ in prompts]
     cursor = [0] * len(prompts)  # next prefill chunk of each request
@@ -151,7 +153,7 @@ def run_schedule(
                 work.append((req, prompt[start : start + chunks[i][cursor[i]]]))
                 cursor[i] += 1
             elif len(out_ids[i]) < num_decode:
-                work.append((req, [out_ids[i][-1]]))
+                work.append((req, [out_ids[i][-1] if forced is None else forced[i][len(out_ids[i]) - 1]]))
             else:
                 continue
             who.append(i)

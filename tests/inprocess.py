@@ -58,3 +58,17 @@ async def _serving(app: web.Application, engine: AsyncEngine) -> AsyncIterator[C
     finally:
         await client.close()
         await engine.shutdown()
+
+
+def record_seeds(engine: AsyncEngine, monkeypatch: Any) -> list[int | None]:
+    """The sampling seed of every request the server submits to `engine` from now on
+    (what ran, for tests of `n` choices: each its own seed, whatever tokens come out)."""
+    seeds: list[int | None] = []
+    add_request = engine.add_request
+
+    def spy(prompt: Any, params: Any, *args: Any, **kwargs: Any) -> str:
+        seeds.append(params.seed)
+        return add_request(prompt, params, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", spy)
+    return seeds

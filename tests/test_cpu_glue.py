@@ -9,7 +9,11 @@ Tolerances (measured on random and extreme inputs, then given ~4x headroom):
   alike (measured: equal on all but ~4 in a million norm elements, where the float32
   statistic straddles a rounding boundary); RoPE and the residual sum bit-equal (the same
   roundings of exact products);
-- engine, float32, auto vs off: greedy tokens equal, logprobs within 1e-4 (measured 4.8e-7 on all three).
+- engine, float32, auto vs off, teacher-forced (tests/numerics_compare.py): mean |Δ logprob|
+  < 1e-5, p99 < 1e-4, every top-1 equal where the margin exceeds 1e-3 (measured on an AMD EPYC
+  AVX2: max 4.8e-7 on all three, forward and reverse; free-running, the same max was measured
+  on an AVX-512 Xeon). The planted RoPE swap measures mean 7e-4 to 8e-4, the planted norm eps
+  0.08: red on the mean bound.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch.nn.functional as F
 from gpu.models import llama_glue as glue
 from gpu.models.llama import LlamaModel, _apply_rope
 from tests.conftest import TINY_OVERRIDES
+from tests.numerics_compare import TOP, Bounds, NumericsOutOfBounds, check_report, evaluate, reference
 
 pytestmark = pytest.mark.skipif(
     not glue.available(True, torch.float32, torch.device("cpu")),
@@ -253,8 +258,9 @@ def test_other_dtypes_are_refused() -> None:
 # --- engine level: the tiny models with model.cpu_kernels auto vs off, float32 ---------------
 
 PROMPTS = [[1, 17, 250, 33, 99, 4, 410], list(range(3, 60)), [1, 2, 3]]
-PARAMS = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True, "return_logprob": True}
-LOGPROB_BOUND = 1e-4
+PARAMS = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True, "return_logprob": True,
+          "top_logprobs_num": TOP}
+ENGINE_BOUNDS = Bounds(mean=1e-5, p99=1e-4, agreement=1.0, gap=1e-3)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
@@ -279,15 +285,12 @@ def fused_model(engine: object) -> LlamaModel:
 
 
 def check_engines_agree(engines: dict[str, object]) -> None:
-    outs = {mode: engine.generate(PROMPTS, PARAMS) for mode, engine in engines.items()}  # type: ignore[attr-defined]
-    for off, auto in zip(outs["off"], outs["auto"]):
-        assert auto["output_ids"] == off["output_ids"]
-        lp_off = [lp for lp, _ in off["meta_info"]["output_token_logprobs"]]
-        lp_auto = [lp for lp, _ in auto["meta_info"]["output_token_logprobs"]]
-        assert max(abs(a - b) for a, b in zip(lp_auto, lp_off)) < LOGPROB_BOUND
+    """auto (glue) against off, teacher-forced (tests/numerics_compare.py)."""
+    report = evaluate(engines["auto"], reference(engines["off"], PROMPTS, PARAMS), ENGINE_BOUNDS.gap)
+    check_report(report, ENGINE_BOUNDS)
 
 
-def test_engine_greedy_equal_with_and_without_glue(engines: dict[str, object]) -> None:
+def test_engine_agrees_with_and_without_glue(engines: dict[str, object]) -> None:
     assert fused_model(engines["auto"]).fused and not fused_model(engines["off"]).fused
     check_engines_agree(engines)
 
@@ -301,5 +304,5 @@ def test_engine_with_a_swapped_rope_goes_red(
     monkeypatch.setattr(glue, "rope", lambda qkv, cos, sin, h, kv: real_rope(qkv, sin, cos, h, kv))
     if fused_model(engines["auto"]).layers[0].q_norm is not None:
         monkeypatch.setattr(glue, "add_rms_norm", lambda h, d, w, eps: real_add_norm(h, d, w, 1.0))
-    with pytest.raises(AssertionError):
+    with pytest.raises(NumericsOutOfBounds, match="teacher-forced .* out of bounds"):
         check_engines_agree(engines)

@@ -1,7 +1,8 @@
 """Qwen3.5 (Gated DeltaNet) and LFM2 (short conv) tiny checkpoints against transformers, driven
 engine-less (KV pool, request rows, torch attention, StatePool): chunked prefill on and off
-the 64-token and page grids, batched with decodes; slot copies and resumes; deterministic
-mode's prefill == decode bit for bit."""
+the 64-token and page grids, batched with decodes, teacher-forced on transformers' tokens
+(measured max |Δ logprob| 1.5e-5 LFM2, 5.5e-5 Qwen3.5 on an AMD EPYC AVX2; bound 1e-3); slot
+copies and resumes; deterministic mode's prefill == decode bit for bit."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from cache.state_pool import StatePool
+from gpu.batch_invariant import linear_tiled
 from gpu.loader.hf import build_arch_config, load_hf_folder
 from gpu.models.qwen3_5 import Qwen3_5Model
 from kernel.registry import lookup
@@ -38,17 +41,27 @@ def reference(family: tuple[str, str]) -> list[tuple[list[int], torch.Tensor]]:
 
 
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
-def test_greedy_matches_transformers(
+def test_teacher_forced_matches_transformers(
     family: tuple[str, str], reference: list[tuple[list[int], torch.Tensor]], schedule: str
 ) -> None:
+    """transformers' greedy tokens fed back (teacher-forced), so every position is compared
+    in the same context: every logprob of the vocabulary within 1e-3 (float32 on both
+    sides; measured ~1e-6 on an AMD EPYC AVX2), and the same top-1 wherever transformers'
+    top-2 margin exceeds 1e-2. Free-running agreement is printed, not asserted."""
     model = load_model(family[1])
-    ids, logprobs = run_schedule(Driver(model, page_size=16), PROMPTS, SCHEDULES[schedule], NUM_DECODE)
-    worst = 0.0
+    forced = [ids for ids, _ in reference]
+    ids, logprobs = run_schedule(Driver(model, page_size=16), PROMPTS, SCHEDULES[schedule], NUM_DECODE, forced)
+    worst, flips = 0.0, 0
     for ours_ids, ours_lp, (ref_ids, ref_lp) in zip(ids, logprobs, reference):
-        assert ours_ids == ref_ids
         worst = max(worst, float((ours_lp - ref_lp).abs().max()))
-    print(f"{family[0]} {schedule}: max |dlogprob| vs transformers over {NUM_DECODE} steps = {worst:.2e}")
-    assert worst < 1e-3
+        top2 = ref_lp.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 1e-2
+        flips += int((torch.tensor(ours_ids) != torch.tensor(ref_ids))[clear].sum())
+    free = run_schedule(Driver(model, page_size=16), PROMPTS, SCHEDULES[schedule], NUM_DECODE)[0]
+    agree = sum(a == b for ours, (ref, _) in zip(free, reference) for a, b in zip(ours, ref))
+    print(f"{family[0]} {schedule}: teacher-forced max |dlogprob| vs transformers over {NUM_DECODE} steps "
+          f"= {worst:.2e}; free-running: {agree} of {NUM_DECODE * len(PROMPTS)} tokens alike")
+    assert worst < 1e-3 and flips == 0, (worst, flips)
 
 
 def test_arch_config_and_state_shapes(family: tuple[str, str]) -> None:
@@ -170,20 +183,47 @@ def _three_ways(model: HybridModel) -> list[list[torch.Tensor]]:
     ]
 
 
-def _bitwise_same(runs: list[list[torch.Tensor]]) -> bool:
+def assert_bitwise_same(runs: list[list[torch.Tensor]]) -> None:
     assert all(len(r) == 7 for r in runs)
-    return all(torch.equal(x, y) for other in runs[1:] for x, y in zip(runs[0], other))
+    for k, other in enumerate(runs[1:], 1):
+        for step, (x, y) in enumerate(zip(runs[0], other)):
+            if not torch.equal(x, y):
+                raise AssertionError(f"way {k} differs bit-wise from one prefill at step {step}")
 
 
-def test_deterministic_state_is_the_same_from_prefill_or_decode(family: tuple[str, str]) -> None:
+def spy_delta_rule(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """The `recurrent` flag of every Gated DeltaNet call (which form of the rule ran)."""
+    from gpu.models import qwen3_5
+
+    forms: list[bool] = []
+    rule = qwen3_5.gated_delta_varlen
+
+    def spy(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        forms.append(kwargs["recurrent"])
+        return rule(*args, **kwargs)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(qwen3_5, "gated_delta_varlen", spy)
+    return forms
+
+
+def test_deterministic_state_is_the_same_from_prefill_or_decode(
+    family: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """NOTE: invariant 7. In deterministic mode a position's logprobs are bit-identical
     whether its prefix was one prefill, a chunked prefill, or partly fed as decode steps,
-    in batches of different composition. The default mode (chunked delta rule, plain
-    linears) agrees to rounding only: the same comparison fails there."""
-    strict = _three_ways(load_model(family[1], deterministic=True))
-    loose = _three_ways(load_model(family[1], deterministic=False))
-    assert _bitwise_same(strict)
-    assert not _bitwise_same(loose)
+    in batches of different composition. The default mode runs other kernels (plain
+    linears; for Gated DeltaNet the chunked delta rule in prefill), checked by what ran,
+    and agrees to rounding."""
+    forms = spy_delta_rule(monkeypatch)
+    strict_model = load_model(family[1], deterministic=True)
+    strict = _three_ways(strict_model)
+    strict_forms, forms[:] = set(forms), []
+    loose_model = load_model(family[1], deterministic=False)
+    loose = _three_ways(loose_model)
+    assert_bitwise_same(strict)
+    assert strict_model.linear is linear_tiled and loose_model.linear is F.linear
+    if family[0] == "qwen3_5_text":
+        assert strict_forms == {True} and set(forms) == {False}, (strict_forms, forms)
     assert max(float((x - y).abs().max()) for x, y in zip(strict[0], loose[0])) < 1e-3
 
 
@@ -202,7 +242,8 @@ def test_deterministic_guard_catches_chunked_delta_rule(
         return chunked(*args, **{**kwargs, "recurrent": False})
 
     monkeypatch.setattr(qwen3_5, "gated_delta_varlen", planted)
-    assert not _bitwise_same(_three_ways(load_model(family[1], deterministic=True)))
+    with pytest.raises(AssertionError, match="differs bit-wise from one prefill"):
+        assert_bitwise_same(_three_ways(load_model(family[1], deterministic=True)))
 
 
 # States tracked inside a prefill chunk (checkpoints): a request resumed from one behaves

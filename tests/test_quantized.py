@@ -1,30 +1,40 @@
 """Quantized linears end to end against the float32 engine on the packaged SmolLM2 (its
-linears are Q4_1 blocks, its tied embedding / output head Q8_0), 8 prompts x 32 greedy
-tokens (tests/numerics_compare.py).
+linears are Q4_1 blocks, its tied embedding / output head Q8_0), teacher-forced
+(tests/numerics_compare.py): forward, the float32 engine's greedy sequences scored by the
+quantized engine (prefill: many rows, so the dense copies run); reverse, the quantized
+engine's own greedy tokens (decode) scored by float32. The engine tested runs at most 4
+requests at once, so every decode step has <= 4 rows and every linear runs its quantized op
+(torch's int8 op stops at 4 rows, int4 at 8; the C++ kernels at 12 and 16): a spy counts
+the calls. `model.cpu_kernels: auto` runs tierserve's C++ kernels (gpu/quant/gemv.py),
+`off` torch's int4 / int8 ops.
 
-Measured on an AVX-512 BF16 Xeon (first divergences; agreement; max chosen-token logprob
-error up to and including the first divergence) and the bounds enforced, with
-`model.cpu_kernels: auto` (tierserve's C++ quantized kernels, gpu/quant/gemv.py) and, for
-the default setting, `off` (torch's int4 / int8 ops):
+Measured on an AMD EPYC AVX2 (bf16 emulated): mean / p99 |Δ logprob|; top-1 agreement where
+float32's top-2 margin exceeds GAP (positions):
 
-| setting | measured | bounds |
-|---|---|---|
-| float32 + int4 | [32, 0, 17, 32, 32, 32, 18, 32]; 0.76; 0.146 | >= 0.5; < 0.3 |
-| bfloat16 + int4 | [32, 6, 17, 32, 3, 32, 18, 21]; 0.63; 0.296 | >= 0.35; < 0.4 |
-| bfloat16 + int4, kernels off | [24, 32, 17, 32, 3, 32, 18, 21]; 0.70; 0.149 | >= 0.35; < 0.4 |
-| bfloat16 + int8 | [19, 6, 17, 6, 3, 32, 18, 21]; 0.48; 0.301 | >= 0.3; < 0.5 |
+| setting | forward | reverse | bounds |
+|---|---|---|---|
+| float32 + int4 | 0 / 0; 1.0 (286) | 0.023 / 0.138; 1.0 (217) | < 0.06 / < 0.35; >= 0.95 |
+| bfloat16 + int4 | 0.029 / 0.168; 1.0 (286) | 0.026-0.027 / 0.133-0.155; 1.0 (216) | < 0.1 / < 0.5; >= 0.95 |
+| bfloat16 + int4, kernels off | 0.027 / 0.168; 1.0 (286) | 0.029 / 0.168-0.217; 1.0 (214) | < 0.1 / < 0.5; >= 0.95 |
+| bfloat16 + int8 | 0.029 / 0.168; 1.0 (286) | 0.035-0.036 / 0.179; 1.0 (213) | < 0.1 / < 0.5; >= 0.95 |
+| bfloat16 + int8, kernels off | 0.027 / 0.168; 1.0 (286) | 0.036-0.037 / 0.201; 1.0 (213) | < 0.1 / < 0.5; >= 0.95 |
 
-(The 8 prompts decode together, 8 rows a step: the kernels run the int8 output head up to 8
-rows, torch's op up to 4, above which the dense head runs, so `off` is closer to float32.)
+(Ranges: two runs.) Free-running (printed only), bf16 + int8 in those two runs: 0.46 of the
+tokens alike, first divergences [17, 6, 3, 6, 3, 32, 18, 32], then 0.38, [17, 6, 3, 6, 3, 13,
+18, 32]: the teacher-forced figures moved by < 0.002 in the mean.
 
-float32 + int4 computes the linears with the checkpoint's own 4-bit levels exactly (the
-float32 engine dequantizes the same blocks), so its error is the int8 output head's alone;
-its one divergence at token 0 is a near tie (float32's top two logprobs differ by 0.038).
+The old free-running test, on an AVX-512 BF16 Xeon, saw max chosen-token errors of 0.146
+(float32 + int4), 0.296 (bf16 + int4), 0.301 (bf16 + int8) before the first divergence:
+the same size. float32 + int4 computes the linears with the checkpoint's own 4-bit levels
+exactly (the float32 engine dequantizes the same blocks), so its forward error is ~0 (the
+prefill runs the dense copies, which are those levels) and its reverse error is the int8
+output head's. The bounds leave 2-3x headroom over the worst measured setting of each row.
 The op-level numerics (tight bounds, planted nibble swap) are in tests/test_quantized_ops.py.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -35,13 +45,23 @@ from gpu.quant.dispatch import QuantizedWeight
 from gpu.quant.linears import Int4Linear, Int8Linear
 from kernel import Engine
 from tests.conftest import CONFIG, TEST_OVERRIDES
-from tests.numerics_compare import PARAMS, PROMPTS, compare
+from tests.numerics_compare import Bounds, Reference, check_report, evaluate
 
-BOUNDS = {  # setting (dtype, quantization, model.cpu_kernels) -> (min agreement, max logprob error)
-    ("float32", "int4", "auto"): (0.5, 0.3),
-    ("bfloat16", "int4", "auto"): (0.35, 0.4),
-    ("bfloat16", "int4", "off"): (0.35, 0.4),
-    ("bfloat16", "int8", "auto"): (0.3, 0.5),
+# SmolLM2 greedy decoding on both engines plus three scorings: on a small shared CPU this runs
+# past the default per-test timeout (a safety net, not a bound: nothing here is timed).
+pytestmark = pytest.mark.timeout(900)
+
+GAP = 0.3
+# At most 4 requests at once: every decode row runs the quantized op (docstring).
+FEW_ROWS = {"scheduler.max_running_requests": 4}
+FLOAT32_INT4 = Bounds(mean=0.06, p99=0.35, agreement=0.95, gap=GAP)
+BF16_QUANT = Bounds(mean=0.1, p99=0.5, agreement=0.95, gap=GAP)
+BOUNDS = {  # setting (dtype, quantization, model.cpu_kernels) -> bounds
+    ("float32", "int4", "auto"): FLOAT32_INT4,
+    ("bfloat16", "int4", "auto"): BF16_QUANT,
+    ("bfloat16", "int4", "off"): BF16_QUANT,
+    ("bfloat16", "int8", "auto"): BF16_QUANT,
+    ("bfloat16", "int8", "off"): BF16_QUANT,
 }
 
 
@@ -62,20 +82,34 @@ def runs_kernel(layer: Int4Linear | Int8Linear) -> bool:
     return layer.kernel if isinstance(layer, Int4Linear) else layer.kernel_scales is not None
 
 
+def count_quantized_calls(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """A spy: how many times each quantized op ran (what ran, not what numbers came out)."""
+    calls: Counter[str] = Counter()
+    for cls in (Int4Linear, Int8Linear):
+        def spy(self: Any, x: torch.Tensor, bias: torch.Tensor | None = None, op: Any = cls.__call__,
+                name: str = cls.__name__) -> torch.Tensor:
+            calls[name] += 1
+            return op(self, x, bias)  # type: ignore[no-any-return]
+
+        monkeypatch.setattr(cls, "__call__", spy)
+    return calls
+
+
 @pytest.mark.parametrize(("dtype", "quantization", "cpu_kernels"), list(BOUNDS))
 def test_quantized_agrees_with_float32(
-    fp32_greedy: list[dict[str, Any]], dtype: str, quantization: str, cpu_kernels: str
+    fp32_reference: Reference, monkeypatch: pytest.MonkeyPatch, dtype: str, quantization: str, cpu_kernels: str
 ) -> None:
     engine = Engine(CONFIG, {**TEST_OVERRIDES, "model.dtype": dtype, "model.quantization": quantization,
-                             "model.cpu_kernels": cpu_kernels})
+                             "model.cpu_kernels": cpu_kernels, **FEW_ROWS})
+    calls = count_quantized_calls(monkeypatch)
+    bounds = BOUNDS[(dtype, quantization, cpu_kernels)]
     try:
         model = engine.engine.parts.runner.model
         assert model.dtype == getattr(torch, dtype)
         check_layers(model, quantization, cpu_kernels == "auto" and gemv.available(model.dtype))
-        got = engine.generate(PROMPTS, PARAMS)
+        report = evaluate(engine, fp32_reference, bounds.gap)
     finally:
         engine.shutdown()
-    result = compare(fp32_greedy, got)  # type: ignore[arg-type]
-    min_agreement, max_error = BOUNDS[(dtype, quantization, cpu_kernels)]
-    assert result.agreement >= min_agreement, str(result)
-    assert result.max_logprob_error < max_error, str(result)
+    # The quantized ops ran (decode steps), not only the dense copies (prefill).
+    assert calls["Int8Linear"] > 0 and (quantization == "int8" or calls["Int4Linear"] > 0), calls
+    check_report(report, bounds)

@@ -21,7 +21,7 @@ from kernel.sampling_params import SamplingParams
 from plugins.http import tool_schema
 from plugins.http.errors import APIError
 from plugins.http.tools import NO_PARAMETERS, Function, parse_tool_use
-from tests.inprocess import Client, serve_http
+from tests.inprocess import Client, record_seeds, serve_http
 from tests.test_tools_prompt import TOOLS_TEMPLATE
 
 MESSAGES: list[Any] = [{"role": "user", "content": "Call a tool."}]
@@ -165,13 +165,16 @@ async def test_a_tools_aware_template_renders_the_request_tools(tiny_chat_folder
         check_call(out.choices[0].message, out.choices[0].finish_reason, "add")
 
 
-async def test_each_of_n_choices_is_its_own_call_and_logprobs_follow_the_tokens(tiny_chat_folder: str) -> None:
+async def test_each_of_n_choices_is_its_own_call_and_logprobs_follow_the_tokens(
+    tiny_chat_folder: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     async with serve_http(tiny_chat_folder) as (engine, http):
+        seeds = record_seeds(engine, monkeypatch)
         client, model = openai_client(http), engine.info.model_name
         out = await client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required",
                                                    n=3, temperature=1.0, seed=3, max_tokens=120)
         calls = [check_call(c.message, c.finish_reason) for c in out.choices]
-        assert len(set(map(json.dumps, calls))) > 1  # seeds seed+j: the choices differ
+        assert len(calls) == 3 and seeds == [3, 4, 5]  # seed + j per choice: its own draw, each a call
         stream = await client.chat.completions.create(
             model=model, messages=MESSAGES, tools=TOOLS, tool_choice=named("add"), max_tokens=60, logprobs=True,
             stream=True, stream_options={"include_usage": True})
