@@ -39,7 +39,7 @@ serve: kernels
 # The suite's system services (redis-server, chromium) are installed first where missing.
 test: $(TEST_STAMP) kernels
 	$(BIN)/python -m tests.services
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest -n auto --maxprocesses 4 --dist loadfile tests
 
 bench: $(TEST_STAMP)
 	$(BIN)/python benchmarks/throughput.py

