@@ -19,8 +19,11 @@ built from the pinned llama.cpp of benchmarks/llamacpp_build.py on the packaged 
 its F32 and BF16 requantizations (llama-quantize: the same weights, dequantized); tierserve's
 offline Engine with config/default.yaml at float32/none, bfloat16/none, bfloat16/int8,
 bfloat16/int4 and the default (`auto`/`auto`, resolved by gpu/numerics.py's rules for this
-CPU), scored with prompt logprobs (`logprob_start_len` = n_ctx/2+1). Only `cache.num_pages`
-is lowered (the KV pool's size, no effect on the numbers).
+CPU), scored with prompt logprobs (`logprob_start_len` = n_ctx/2+1); `cache.num_pages` is
+lowered (the KV pool's size, no effect on the numbers). A quantized setting is scored twice:
+as a served prompt is (its 512-row prefill runs the layer's dense copy: gpu/quant/dispatch.py)
+and in steps of a few tokens (page, chunk and step size lowered), where every linear runs the
+quantized op, as decode does.
 
 Printed: one table (ppl, ratio to transformers) and the two targets: tierserve float32
 within 0.1 % of transformers; the default's loss against tierserve float32
@@ -38,6 +41,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -188,7 +192,8 @@ def llama_ppl(binary: Path, model: Path, text: Path, n_chunks: int, bar: tqdm) -
     seen, log = 0, b""
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
         assert proc.stdout is not None
-        for piece in iter(lambda: proc.stdout.read1(4096), b""):  # type: ignore[union-attr]
+        fd = proc.stdout.fileno()
+        for piece in iter(lambda: os.read(fd, 4096), b""):
             log += piece
             done = len(CHUNK_DONE.findall(log))
             bar.update(done - seen)
@@ -239,13 +244,13 @@ def plan(args: argparse.Namespace, tree: llamacpp_build.LlamaCpp, packaged: Path
     kind = gguf_sizes(packaged)[2]  # the packaged file's main weight type: Q4_1
     rows: list[tuple[str, str, str, Scorer]] = [
         ("transformers", f"float32 (dequantized {kind})", "dense",
-         lambda bar: transformers_ppl(packaged, chunks, bar)),
+         partial(transformers_ppl, packaged, chunks)),
     ]
     files = [(t, llamacpp_build.requantize(tree, packaged, t)) for t in LLAMA_TYPES] + [(kind, packaged)]
     for ftype, path in files:
         weights = ftype if path != packaged else f"{kind} (packaged)"
         rows.append((f"llama.cpp {ftype}", weights, "ggml, 512-token batches",
-                     lambda bar, p=path: llama_ppl(tree.binary("llama-perplexity"), p, args.text, len(chunks), bar)))
+                     partial(llama_ppl, tree.binary("llama-perplexity"), path, args.text, len(chunks))))
     default = "/".join(tierserve_numerics(packaged, []))
     step = quant_op_rows()
     for setting in dict.fromkeys([*TIERSERVE_SETTINGS, default]):
@@ -253,10 +258,10 @@ def plan(args: argparse.Namespace, tree: llamacpp_build.LlamaCpp, packaged: Path
         overrides = {} if setting == default else setting_overrides(setting)
         quantized = not setting.endswith("/none")
         rows.append((label, setting, "dense copy, 512-token steps" if quantized else "dense, 512-token steps",
-                     lambda bar, o=overrides: tierserve_ppl(o, chunks, bar)))
+                     partial(tierserve_ppl, overrides, chunks)))
         if quantized:
             rows.append((label, setting, f"quantized op, {step}-token steps",
-                         lambda bar, o=overrides: tierserve_ppl({**o, **quant_op_overrides(step)}, chunks, bar)))
+                         partial(tierserve_ppl, {**overrides, **quant_op_overrides(step)}, chunks)))
     return rows
 
 
