@@ -113,6 +113,16 @@ def groups(chunks: list[list[int]]) -> Iterator[list[list[int]]]:
 # ---- tokens ------------------------------------------------------------------------------
 
 
+def as_llama_reads(text: Path, cache: Path) -> Path:
+    """The text as llama-perplexity's `-f` reads it (one trailing newline dropped), written
+    where both llama.cpp tools read it: llama-tokenize keeps a trailing newline."""
+    body = text.read_text()
+    out = cache / "quality" / text.name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(body.removesuffix("\n"))
+    return out
+
+
 def tokenize(packaged: Path, text: Path, tokenize_bin: Path) -> tuple[list[int], int | None]:
     """tierserve's ids of the text, proven equal to llama.cpp's; and the BOS to put first in
     each chunk (None: the vocabulary adds none)."""
@@ -122,7 +132,7 @@ def tokenize(packaged: Path, text: Path, tokenize_bin: Path) -> tuple[list[int],
     assert tok is not None, f"{packaged} has no tokenizer"
     ours = tok.encode(text.read_text(), add_special_tokens=True)
     out = llamacpp_build.run_checked([str(tokenize_bin), "-m", str(packaged), "-f", str(text), "--ids",
-                                      "--log-disable"])
+                                      "--no-escape", "--log-disable"])
     theirs = [int(t) for t in re.findall(r"-?\d+", out.strip().splitlines()[-1])]
     if ours != theirs:
         at = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), min(len(ours), len(theirs)))
@@ -188,7 +198,7 @@ def llama_ppl(binary: Path, model: Path, text: Path, n_chunks: int, bar: tqdm) -
     per-chunk output drives the bar."""
     threads = str(len(os.sched_getaffinity(0)))
     cmd = [str(binary), "-m", str(model), "-f", str(text), "-c", str(N_CTX), "-b", str(N_CTX),
-           "--chunks", str(n_chunks), "-t", threads, "-tb", threads]
+           "--chunks", str(n_chunks), "-t", threads, "-tb", threads, "--no-escape"]
     seen, log = 0, b""
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
         assert proc.stdout is not None
@@ -316,6 +326,7 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     tree = llamacpp_build.build(args.cache, args.jobs, True, TOOLS)
     packaged = model_file()
+    args.text = as_llama_reads(args.text, args.cache)
     ids, bos = tokenize(packaged, args.text, tree.binary("llama-tokenize"))
     chunks = make_chunks(ids, N_CTX, bos, args.chunks)
     per_chunk = N_CTX - first_scored(N_CTX)

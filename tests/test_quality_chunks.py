@@ -5,6 +5,7 @@ Nothing is built, loaded or served."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,3 +104,12 @@ def test_prompts_in_quant_op_steps_run_the_quantized_op() -> None:
     rows = q.quant_op_rows()
     assert rows & (rows - 1) == 0 and rows <= min(Int4Linear.kernel_max_rows, Int8Linear.kernel_max_rows)
     assert q.quant_op_overrides(rows)["scheduler.max_num_batched_tokens"] == rows
+
+
+def test_the_text_is_written_as_llama_perplexity_reads_it(tmp_path: Path) -> None:
+    """Its `-f` drops one trailing newline; llama-tokenize and tierserve then see those bytes."""
+    src = tmp_path / "text"
+    src.write_text("one\ntwo\n\n")
+    assert q.as_llama_reads(src, tmp_path / "cache").read_text() == "one\ntwo\n"
+    src.write_text("no newline")
+    assert q.as_llama_reads(src, tmp_path / "cache").read_text() == "no newline"
