@@ -98,9 +98,9 @@ def cmake_args(tree: LlamaCpp) -> list[str]:
     ]
 
 
-def compile_targets(tree: LlamaCpp, jobs: int, show: bool) -> None:
+def compile_targets(tree: LlamaCpp, jobs: int, show: bool, targets: tuple[str, ...] = TARGETS) -> None:
     """ninja, with its `[n/N]` lines turned into a progress bar."""
-    cmd = ["ninja", "-C", str(tree.build_dir), f"-j{jobs}", *TARGETS]
+    cmd = ["ninja", "-C", str(tree.build_dir), f"-j{jobs}", *targets]
     progress = Progress("llama.cpp", 1, show)
     tail: list[str] = []
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
@@ -129,21 +129,24 @@ def check_no_amx(binary: Path) -> None:
     stamp.touch()
 
 
-def build(cache: Path, jobs: int, show_progress: bool) -> LlamaCpp:
+def build(cache: Path, jobs: int, show_progress: bool, targets: tuple[str, ...] = TARGETS) -> LlamaCpp:
+    """The pinned tree with `targets` built (only those: one configure serves every caller);
+    the first target is the one smoke-checked with `--version`."""
     tree = fetch_source(cache)
     if not (tree.build_dir / "build.ninja").exists():
         print(f"configuring llama.cpp (llama-cpp-python {LLAMA_CPP_PYTHON}) in {tree.build_dir}")
         run_checked(cmake_args(tree))
     # Built once: delete the build folder to rebuild (ninja would re-run the server's
     # always-dirty UI step on every call).
-    if not all(tree.binary(t).exists() for t in TARGETS):
-        print(f"building {', '.join(TARGETS)} with {jobs} jobs (once; cached in {tree.root})")
-        compile_targets(tree, jobs, show_progress)
-    for target in TARGETS:
+    if not all(tree.binary(t).exists() for t in targets):
+        print(f"building {', '.join(targets)} with {jobs} jobs (once; cached in {tree.root})")
+        compile_targets(tree, jobs, show_progress, targets)
+    for target in targets:
         check_no_amx(tree.binary(target))
-    version = subprocess.run([str(tree.binary("llama-server")), "--version"], check=False, capture_output=True, text=True)
+    smoke = [str(tree.binary(targets[0])), "--version"]
+    version = subprocess.run(smoke, check=False, capture_output=True, text=True)
     if version.returncode != 0:  # the smoke check: the binary starts on this CPU
-        raise SystemExit(f"llama-server --version failed ({version.returncode}): {version.stderr[-500:]}")
+        raise SystemExit(f"{targets[0]} --version failed ({version.returncode}): {version.stderr[-500:]}")
     return tree
 
 
