@@ -81,7 +81,7 @@ def _trap_value_shaped(mp: pytest.MonkeyPatch, where: str) -> None:
 
     mp.setattr(torch, "where", where_)
     for owner, prefix in ((torch, "torch"), (torch.Tensor, "Tensor")):
-        real = getattr(owner, "repeat_interleave")
+        real = owner.repeat_interleave
         mp.setattr(owner, "repeat_interleave", _sized_repeat(real, f"{prefix}.repeat_interleave", where))
 
 
