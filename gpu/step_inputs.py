@@ -65,8 +65,9 @@ def host_inputs(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.
     prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64)
     extend = torch.tensor(batch.extend_lens, dtype=torch.int64)
     starts = torch.cumsum(extend, 0) - extend  # first flat index of each request
-    offsets = torch.arange(len(batch.input_ids)) - torch.repeat_interleave(starts, extend)
-    positions = torch.repeat_interleave(prefix, extend) + offsets
+    tokens = len(batch.input_ids)  # known on the host: no size to read from `extend`
+    offsets = torch.arange(tokens) - torch.repeat_interleave(starts, extend, output_size=tokens)
+    positions = torch.repeat_interleave(prefix, extend, output_size=tokens) + offsets
     last = (starts + extend - 1)[torch.tensor(batch.sample_rows, dtype=torch.int64)]
     return input_ids, positions, last
 

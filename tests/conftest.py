@@ -186,3 +186,10 @@ def graph_replays(engine: object) -> dict[str, int]:
     for bucket, n in graphs.replays.items():
         counts[bucket.kind] += n
     return counts
+
+
+def assert_replayed(engine: object, before: dict[str, int], kinds: tuple[str, ...] = ("decode", "prefill")) -> None:
+    """Steps ran in graph buckets of every kind in `kinds` since `before` (graph_replays)."""
+    after = graph_replays(engine)
+    idle = [kind for kind in kinds if after[kind] <= before[kind]]
+    assert not idle, f"replay guard: no {idle} graph replayed ({before} -> {after})"

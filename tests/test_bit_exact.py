@@ -16,7 +16,7 @@ import pytest
 from kernel import Engine
 from kernel.scheduling.prefix_reuse import PrefixReuse
 from tests import leaks
-from tests.conftest import GRAPHS_EMULATE, TINY_OVERRIDES, graph_replays
+from tests.conftest import GRAPHS_EMULATE, TINY_OVERRIDES, assert_replayed, graph_replays
 from tests.numerics_compare import TOP, Bounds, check_report, evaluate, reference
 
 PAGE = TINY_OVERRIDES["cache.page_size"]
@@ -71,13 +71,23 @@ def assert_bit_exact(out: dict[str, Any], ref: dict[str, Any]) -> None:
     assert logprobs(out) == logprobs(ref), "bit-exact guard: logprobs differ from the cold run"  # no tolerance
 
 
+def assert_hit(warm: dict[str, Any], ref: dict[str, Any], planned: int) -> None:
+    """A planned hit: `==` to the cold run, and it reused exactly the planned prefix."""
+    assert_bit_exact(warm, ref)
+    got = warm["meta_info"]["cached_tokens"]
+    assert got == planned, f"hit guard: the warm run reused {got} tokens, not the planned {planned}"
+
+
 # ---- guards ---------------------------------------------------------------------
 def guard_prefill_hit(engine: Engine) -> None:
-    prompt = tokens(1, 90)
+    """The hit is the warm-up's prefix, which ends mid-page (the cold run's own insert is
+    flushed first): its whole pages, where its generated tokens part from the prompt."""
+    prompt, warm_up = tokens(1, 90), 61
     for params in (GREEDY, SAMPLED):
         ref = cold(engine, prompt, params)
-        engine.generate(prompt[:61], GREEDY)  # warm a prefix that ends mid-page
-        assert_same(engine.generate(prompt, params), ref)  # type: ignore[arg-type]
+        assert engine.flush_cache()
+        engine.generate(prompt[:warm_up], GREEDY)
+        assert_hit(engine.generate(prompt, params), ref, warm_up // PAGE * PAGE)  # type: ignore[arg-type]
 
 
 def guard_decode_hit(engine: Engine) -> None:
@@ -170,8 +180,7 @@ def det_emulate(tiny_chat_folder: str) -> Iterator[Engine]:
 def test_guards_with_graphs_emulated(det_emulate: Engine, guard: Any) -> None:
     before = graph_replays(det_emulate)
     guard(det_emulate)
-    after = graph_replays(det_emulate)
-    assert after["decode"] > before["decode"] and after["prefill"] > before["prefill"], (before, after)
+    assert_replayed(det_emulate, before)
 
 
 def test_e_small_pool_with_graphs_emulated(tiny_chat_folder: str) -> None:
@@ -179,7 +188,7 @@ def test_e_small_pool_with_graphs_emulated(tiny_chat_folder: str) -> None:
                                                          "scheduler.max_num_batched_tokens": 32})
     try:
         assert guard_small_pool(engine) > 0
-        assert all(graph_replays(engine).values())
+        assert_replayed(engine, {"decode": 0, "prefill": 0})
     finally:
         engine.shutdown()
 
@@ -268,3 +277,23 @@ def test_red_stale_page_after_eviction(
     finally:
         leaks.excuse(engine.engine)
         engine.shutdown()
+
+
+def test_red_hit_from_the_cold_runs_insert(det_unchecked: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted: a flush that keeps the tree. The warm run then hits the cold run's own
+    insert (the whole prompt), not the warm-up's prefix: `==` holds, the hit guard fires."""
+    from kernel.engine import Engine as OfflineEngine
+
+    assert det_unchecked.flush_cache()  # the cold run's "flush" below must find it empty
+    monkeypatch.setattr(OfflineEngine, "flush_cache", lambda self: True)
+    with pytest.raises(AssertionError, match="hit guard: the warm run reused 88 tokens, not the planned 60"):
+        guard_prefill_hit(det_unchecked)
+
+
+def test_red_emulated_guard_without_replays(det_emulate: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted: the graph runner finds no bucket (every step eager): the replay guard fires."""
+    from gpu.graphs.runner import GraphRunner
+
+    monkeypatch.setattr(GraphRunner, "bucket_for", lambda self, batch: None)
+    with pytest.raises(AssertionError, match=r"replay guard: no \['decode', 'prefill'\] graph replayed"):
+        test_guards_with_graphs_emulated(det_emulate, guard_decode_hit)

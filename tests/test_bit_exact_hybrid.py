@@ -23,7 +23,7 @@ from kernel import Engine
 from kernel.request import Request
 from kernel.scheduling.prefix_reuse import PrefixReuse
 from tests import leaks
-from tests.conftest import GRAPHS_EMULATE, HYBRID_FAMILIES, HYBRID_OVERRIDES, graph_replays
+from tests.conftest import GRAPHS_EMULATE, HYBRID_FAMILIES, HYBRID_OVERRIDES, assert_replayed, graph_replays
 from tests.tiny_hybrid import VOCAB
 
 INTERVAL = HYBRID_OVERRIDES["cache.state_track_interval"]
@@ -62,13 +62,23 @@ def assert_same(warm: dict[str, Any], ref: dict[str, Any]) -> None:
     assert_bit_exact(warm, ref)
 
 
+def assert_hit(warm: dict[str, Any], ref: dict[str, Any], planned: int) -> None:
+    """A planned hit: `==` to the cold run, and it resumed from exactly the planned state."""
+    assert_bit_exact(warm, ref)
+    got = warm["meta_info"]["cached_tokens"]
+    assert got == planned, f"hit guard: the warm run reused {got} tokens, not the planned {planned}"
+
+
 # ---- guards ---------------------------------------------------------------------
 def guard_prefill_hit(engine: Engine) -> None:
-    prompt = tokens(1, 5 * INTERVAL + 3)
+    """The hit is the warm-up's prefix, which ends off the grid (the cold run's own insert
+    is flushed first): its last checkpoint, before its generated tokens part from the prompt."""
+    prompt, warm_up = tokens(1, 5 * INTERVAL + 3), 3 * INTERVAL + 5
     for params in (GREEDY, SAMPLED):
         ref = cold(engine, prompt, params)
-        engine.generate(prompt[: 3 * INTERVAL + 5], GREEDY)  # warm a prefix ending off the grid
-        assert_same(engine.generate(prompt, params), ref)  # type: ignore[arg-type]
+        assert engine.flush_cache()
+        engine.generate(prompt[:warm_up], GREEDY)
+        assert_hit(engine.generate(prompt, params), ref, warm_up // INTERVAL * INTERVAL)  # type: ignore[arg-type]
 
 
 def guard_decode_hit(engine: Engine) -> None:
@@ -143,21 +153,26 @@ class _Guards:
     def det(cls, request: pytest.FixtureRequest, hybrid_folders: dict[str, str]) -> Iterator[Engine]:
         engine = make(hybrid_folders[request.param], cls.strategy, **cls.extra)
         yield engine
-        if cls.extra:  # the guards ran in the graph buckets, decode and prefill
-            assert all(graph_replays(engine).values()), graph_replays(engine)
         engine.shutdown()
 
+    def check(self, engine: Engine, guard: Any, *args: Any) -> None:
+        """Run the guard; with graphs emulated, it ran in decode and prefill buckets."""
+        before = graph_replays(engine) if self.extra else {}
+        guard(engine, *args)
+        if self.extra:
+            assert_replayed(engine, before)
+
     def test_a_prefill_hit(self, det: Engine) -> None:
-        guard_prefill_hit(det)
+        self.check(det, guard_prefill_hit)
 
     def test_b_decode_hit(self, det: Engine) -> None:
-        guard_decode_hit(det)
+        self.check(det, guard_decode_hit)
 
     def test_c_branching(self, det: Engine) -> None:
-        guard_branching(det)
+        self.check(det, guard_branching)
 
     def test_d_under_16_concurrent_requests(self, det: Engine) -> None:
-        guard_branching(det, noise=15)
+        self.check(det, guard_branching, 15)
 
     @pytest.mark.parametrize("family", HYBRID_FAMILIES)
     def test_e_continuing_chunk_cut_under_pressure(
@@ -166,7 +181,7 @@ class _Guards:
         cuts = record_page_cuts(monkeypatch)
         engine = make(hybrid_folders[family], self.strategy, **SMALL_POOL, **self.extra)
         try:
-            guard_small_pool(engine)
+            self.check(engine, guard_small_pool)
         finally:
             engine.shutdown()
         # The field report's scenario happened: a continuing chunk cut short by pages.
@@ -265,18 +280,22 @@ def test_red_no_buffer_checkpoint_without_its_copy(
             **{"debug.check_invariants": False, "scheduler.chunked_prefill_size": INTERVAL})
 
 
+# Which guard sees the stale track slot: the per-step accounting, else the allocator's
+# always-on double-free check. (With that check planted away too, guard_prefill_hit's
+# outputs stay `==`: the overwritten slot is not one its warm run resumes from.)
+CAUGHT_BY = {"accounting": "state slot leak", "allocator": r"state slot \d+ freed twice or never allocated"}
+
+
 @pytest.mark.parametrize("strategy", ["extra_buffer", "extra_buffer_lazy"])
-@pytest.mark.parametrize("checks", [True, False])
+@pytest.mark.parametrize("caught_by", list(CAUGHT_BY))
 def test_red_stale_track_slot(
-    hybrid_folders: dict[str, str], monkeypatch: pytest.MonkeyPatch, strategy: str, checks: bool
+    hybrid_folders: dict[str, str], monkeypatch: pytest.MonkeyPatch, strategy: str, caught_by: str
 ) -> None:
-    """A checkpoint lands in another position's cached slot. The slot accounting sees a
-    slot with two owners; without the check, the bit-exact compare sees the damage."""
+    """A checkpoint lands in another position's cached slot: a slot with two owners."""
     plant_stale_track(strategy, monkeypatch)
-    caught_by = "owned|leak|held|twice|bit-exact" if checks else "bit-exact|freed twice"
     # One checkpoint per chunk: every chunk after a donation starts from a lent slot.
-    run_red(hybrid_folders["qwen3_5_text"], strategy, guard_prefill_hit, caught_by,
-            **{"debug.check_invariants": checks, "scheduler.chunked_prefill_size": INTERVAL})
+    run_red(hybrid_folders["qwen3_5_text"], strategy, guard_prefill_hit, CAUGHT_BY[caught_by],
+            **{"debug.check_invariants": caught_by == "accounting", "scheduler.chunked_prefill_size": INTERVAL})
 
 
 @pytest.mark.parametrize("strategy", [ExtraBuffer, ExtraBufferLazy], ids=["extra_buffer", "extra_buffer_lazy"])
@@ -311,3 +330,27 @@ def test_red_off_by_one_checkpoint_length(
     monkeypatch.setattr(PrefixReuse, "cache_checkpoint", short)
     run_red(hybrid_folders["qwen3_5_text"], strategy, guard_prefill_hit, "bit-exact",
             **{"debug.check_invariants": False})
+
+
+def test_red_hit_from_the_cold_runs_insert(hybrid_folders: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted: a flush that keeps the tree. The warm run then resumes from the cold run's
+    own deepest checkpoint, not the warm-up's: `==` holds, the hit guard fires."""
+    from kernel.engine import Engine as OfflineEngine
+
+    monkeypatch.setattr(OfflineEngine, "flush_cache", lambda self: True)
+    planned, deepest = 3 * INTERVAL, 5 * INTERVAL
+    run_red(hybrid_folders["lfm2"], "extra_buffer", guard_prefill_hit,
+            f"hit guard: the warm run reused {deepest} tokens, not the planned {planned}")
+
+
+@pytest.mark.parametrize("strategy", ["no_buffer", "extra_buffer"])
+def test_red_emulated_guard_without_replays(
+    hybrid_folders: dict[str, str], monkeypatch: pytest.MonkeyPatch, strategy: str
+) -> None:
+    """Planted: the graph runner finds no bucket (every step eager): the replay guard fires."""
+    from gpu.graphs.runner import GraphRunner
+
+    monkeypatch.setattr(GraphRunner, "bucket_for", lambda self, batch: None)
+    guards = TestNoBufferGraphsEmulated() if strategy == "no_buffer" else TestExtraBufferGraphsEmulated()
+    run_red(hybrid_folders["qwen3_5_text"], strategy, lambda e: guards.check(e, guard_decode_hit),
+            r"replay guard: no \['decode', 'prefill'\] graph replayed", **GRAPHS_EMULATE)

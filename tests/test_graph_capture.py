@@ -7,7 +7,8 @@ models in every bucket (deterministic and triton backends), hybrid models in dec
 buckets — their state layers decide by the step's lengths, so only a decode bucket (every
 request one token, nothing tracked) is captured for them, and a live step whose control
 differs from the capture's is an error. Planted: a decode path that builds its index
-tensors from the lengths goes red. On a GPU: captured hybrid decode graphs give the
+tensors from the lengths goes red, and so does each host-value construct of
+tests/host_reads.py planted into the dense forward. On a GPU: captured hybrid decode graphs give the
 emulated run's bits, every state strategy, both families.
 """
 
@@ -18,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -31,7 +33,7 @@ from gpu.graphs.static_buffers import StaticBufferError
 from gpu.kernels import gated_delta, short_conv
 from kernel.components import Components
 from tests.conftest import GRAPHS_EMULATE, HYBRID_OVERRIDES, TINY_OVERRIDES, graph_replays
-from tests.host_reads import HostRead, trap_host_reads
+from tests.host_reads import HostRead, trap_host_tensors
 from tests.test_graph_runner import batch, parts
 
 FAMILIES = ["qwen3_5_text", "lfm2"]
@@ -47,14 +49,14 @@ def need_interpreted_triton() -> None:
 @contextmanager
 def no_host_traffic(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Inside: building a tensor from host values, or reading one back, raises."""
-
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise HostRead("the forward called torch.tensor")
-
     with monkeypatch.context() as m:
-        m.setattr(torch, "tensor", refuse)
-        trap_host_reads(m, "a captured forward")
+        trap_host_tensors(m, "a captured forward")
         yield
+
+
+@pytest.fixture(scope="module")
+def dense_emulated(tiny_chat_folder: str) -> Components:
+    return parts(tiny_chat_folder, TINY_OVERRIDES, **GRAPHS_EMULATE)
 
 
 def forward_without_host_traffic(
@@ -117,8 +119,55 @@ def test_red_decode_path_indexing_by_lengths(
         monkeypatch.setattr(short_conv, "_one_token_each", lambda x, windows, weight, bias: short_conv._varlen(
             x, windows, [1] * x.shape[0], weight, bias))
     components = parts(hybrid_folders[family], HYBRID_OVERRIDES, **GRAPHS_EMULATE)
-    with pytest.raises(HostRead, match="the forward called torch.tensor"):
+    with pytest.raises(HostRead, match="torch.tensor during a captured forward"):
         forward_without_host_traffic(components, monkeypatch)
+
+
+# Tensors made from host values, each planted into the dense forward: (construct, HostRead's message).
+HOST_TENSORS: dict[str, tuple[Any, str]] = {
+    "tensor": (lambda x: torch.tensor([1, 2], device=x.device), "torch.tensor"),
+    "as_tensor": (lambda x: torch.as_tensor([1, 2], device=x.device), "torch.as_tensor"),
+    "asarray": (lambda x: torch.asarray([1, 2]), "torch.asarray"),
+    "from_numpy": (lambda x: torch.from_numpy(np.arange(3)), "torch.from_numpy"),
+    "scalar_tensor": (lambda x: torch.scalar_tensor(3), "torch.scalar_tensor"),
+    "full": (lambda x: torch.full((2,), 5, device=x.device), "torch.full with a host value"),
+    "full_like": (lambda x: torch.full_like(x, 5), "torch.full_like with a host value"),
+    "new_full": (lambda x: x.new_full((2,), 5), "Tensor.new_full with a host value"),
+    "fill_": (lambda x: x.clone().fill_(5), "Tensor.fill_ with a host value"),
+    "new_tensor": (lambda x: x.new_tensor([1, 2]), "Tensor.new_tensor"),
+    "list-index": (lambda x: x[[0]], "indexing with a host list"),
+    "mask-index": (lambda x: x[x > 0], "boolean-mask indexing"),
+    "nonzero": (lambda x: x.nonzero(), "Tensor.nonzero"),
+}
+
+
+@pytest.mark.parametrize("construct", list(HOST_TENSORS))
+def test_red_forward_making_a_tensor_from_host_values(
+    dense_emulated: Components, monkeypatch: pytest.MonkeyPatch, construct: str
+) -> None:
+    """Each construct planted into the dense forward (after its rope) trips the trap."""
+    from gpu.models import llama
+
+    plant, message = HOST_TENSORS[construct]
+    real = llama._apply_rope
+
+    def rope_then_plant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        out = real(x, cos, sin)
+        plant(out)
+        return out
+
+    monkeypatch.setattr(llama, "_apply_rope", rope_then_plant)
+    with pytest.raises(HostRead, match=f"^{message}.* during a captured forward$"):
+        forward_without_host_traffic(dense_emulated, monkeypatch)
+
+
+def test_the_capture_trap_lets_constant_fills_through() -> None:
+    """A float constant (a running max's start), a tensor fill and as_tensor of a tensor pass."""
+    x = torch.zeros(3)
+    with pytest.MonkeyPatch.context() as mp:
+        trap_host_tensors(mp, "a captured forward")
+        assert torch.full((2,), -1.0e30).shape == (2,) and x.clone().fill_(x[0]).shape == (3,)
+        assert torch.as_tensor(x) is x and torch.zeros_like(x).shape == (3,)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

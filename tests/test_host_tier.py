@@ -7,6 +7,7 @@ is caught by the bit-exact compare."""
 from __future__ import annotations
 
 import random
+import threading
 from typing import Any
 
 import pytest
@@ -107,20 +108,70 @@ def test_red_a_page_copied_to_the_wrong_host_slot(tiny_chat_folder: str, monkeyp
         engine.shutdown()
 
 
-@pytest.mark.parametrize("policy", ["best_effort", "wait_complete", "timeout"])
-def test_prefetch_policies_give_the_same_output(tiny_chat_folder: str, policy: str) -> None:
-    engine = make(tiny_chat_folder, **{"hicache.prefetch_policy": policy})
+def assert_host_hit(warm: dict[str, Any]) -> None:
+    tiers = warm["meta_info"]["cached_tokens_by_tier"]
+    assert tiers["host"] > 0, f"host-hit guard: the warm run loaded nothing from host ({tiers})"
+
+
+# timeout: a budget no load of 60 tokens outlasts (the budget of a real deployment is ms).
+POLICIES = {"best_effort": {}, "wait_complete": {}, "timeout": {"hicache.prefetch_timeout_s": 60.0}}
+
+
+def policy_run(folder: str, policy: str, **extra: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, int]]:
+    """(cold reference, warm run, prefetch counters) of host_hit under the policy."""
+    engine = make(folder, **{"hicache.prefetch_policy": policy, **POLICIES[policy], **extra})
     try:
         ref, warm = host_hit(engine)
-        assert warm["output_ids"] == ref["output_ids"] and logprobs(warm) == logprobs(ref)
-        prefetch = engine.engine.stats()["host"]["prefetch"]
-        assert prefetch["issued"] >= 1
-        if policy == "wait_complete":
-            assert warm["meta_info"]["cached_tokens_by_tier"]["host"] > 0
-        if policy == "best_effort":
-            assert warm["meta_info"]["cached_tokens_by_tier"]["host"] == 0  # it did not wait
+        return ref, warm, engine.engine.stats()["host"]["prefetch"]
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_prefetch_policies_give_the_same_output(tiny_chat_folder: str, policy: str) -> None:
+    ref, warm, prefetch = policy_run(tiny_chat_folder, policy)
+    assert warm["output_ids"] == ref["output_ids"] and logprobs(warm) == logprobs(ref)
+    assert prefetch["issued"] >= 1
+    if policy == "best_effort":
+        assert warm["meta_info"]["cached_tokens_by_tier"]["host"] == 0  # it did not wait
+    else:  # it waited for the load, within its budget
+        assert_host_hit(warm)
+        assert prefetch["completed"] >= 1 and prefetch["timed_out"] == 0, prefetch
+
+
+def test_red_timeout_that_never_waits(tiny_chat_folder: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted: the timeout policy's budget is lost (it waits like best_effort)."""
+    from handlers.tier_prefetch import Timeout
+
+    monkeypatch.setattr(Timeout, "budget_s", lambda self, num_tokens: 0.0)
+    with pytest.raises(AssertionError, match="host-hit guard: the warm run loaded nothing from host"):
+        test_prefetch_policies_give_the_same_output(tiny_chat_folder, "timeout")
+
+
+def test_timeout_expires_while_the_load_is_held(tiny_chat_folder: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The load is held until the request's budget has run out (an event, not a clock):
+    the request computes its prefix itself, `==`, and the timeout is counted."""
+    import kernel.tiers.host_tier as tier_mod
+
+    expired = threading.Event()
+    real_load, real_expire = tier_mod.load_back, tier_mod.HostTier.expire
+
+    def held_load(*args: Any) -> int:
+        assert expired.wait(60), "the request's budget never ran out"
+        return real_load(*args)  # type: ignore[no-any-return]
+
+    def expire(self: Any, req: Any) -> None:
+        before = self.counters.prefetch["timed_out"]
+        real_expire(self, req)
+        if self.counters.prefetch["timed_out"] > before:
+            expired.set()
+
+    monkeypatch.setattr(tier_mod, "load_back", held_load)
+    monkeypatch.setattr(tier_mod.HostTier, "expire", expire)
+    ref, warm, prefetch = policy_run(tiny_chat_folder, "timeout", **{"hicache.prefetch_timeout_s": 1e-6,
+                                                                     "hicache.prefetch_timeout_per_token_s": 0.0})
+    assert warm["output_ids"] == ref["output_ids"] and logprobs(warm) == logprobs(ref)
+    assert warm["meta_info"]["cached_tokens_by_tier"]["host"] == 0 and prefetch["timed_out"] == 1, prefetch
 
 
 def test_decode_hit_from_host(tiny_chat_folder: str) -> None:

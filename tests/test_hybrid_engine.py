@@ -1,5 +1,5 @@
 """Hybrid models served by the engine: logprobs match transformers teacher-forced with and
-without the prefix cache; running out of state slots is a wait, never a crash."""
+without the prefix cache; running out of state slots is a wait (counted), never a crash."""
 
 from __future__ import annotations
 
@@ -49,11 +49,25 @@ def test_matches_transformers(
         engine.shutdown()
 
 
-@pytest.mark.parametrize("strategy", ["no_buffer", "extra_buffer", "extra_buffer_lazy"])
-def test_out_of_state_slots_is_a_wait(hybrid_folders: dict[str, str], strategy: str) -> None:
-    """3 usable slots: at most one or two requests run at once; all finish, and agree with
-    an engine that has room, teacher-forced."""
-    folder = hybrid_folders["qwen3_5_text"]
+def count_slot_waits(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry per admission the scheduler held back for lack of state slots."""
+    from kernel.states.hybrid_state import HybridState
+
+    real, waits = HybridState.can_admit, []
+
+    def counting(self: HybridState) -> bool:
+        ok = real(self)
+        if not ok:
+            waits.append(1)
+        return ok
+
+    monkeypatch.setattr(HybridState, "can_admit", counting)
+    return waits
+
+
+def slots_run(folder: str, strategy: str, waits: list[int]) -> None:
+    """6 requests on 3 usable slots: all finish, each agreeing (teacher-forced) with an engine
+    that has room, and some waited."""
     small = Engine(None, {**HYBRID_OVERRIDES, "model.path": folder, "cache.state_slots": 4,
                           "cache.state_strategy": strategy})
     roomy = Engine(None, {**HYBRID_OVERRIDES, "model.path": folder, "cache.prefix": "none"})
@@ -65,6 +79,25 @@ def test_out_of_state_slots_is_a_wait(hybrid_folders: dict[str, str], strategy: 
     finally:
         small.shutdown()
         roomy.shutdown()
+    assert waits, "slot-wait guard: no request waited for a state slot"
+
+
+@pytest.mark.parametrize("strategy", ["no_buffer", "extra_buffer", "extra_buffer_lazy"])
+def test_out_of_state_slots_is_a_wait(
+    hybrid_folders: dict[str, str], monkeypatch: pytest.MonkeyPatch, strategy: str
+) -> None:
+    """3 usable slots: at most one or two requests run at once; the others wait, all finish, correct."""
+    slots_run(hybrid_folders["qwen3_5_text"], strategy, count_slot_waits(monkeypatch))
+
+
+def test_red_state_slots_setting_ignored(hybrid_folders: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted: the state pool sized by the default, not cache.state_slots: nothing waits."""
+    from kernel import components
+
+    real = components.StatePool
+    monkeypatch.setattr(components, "StatePool", lambda shapes, num, *rest: real(shapes, 64, *rest))
+    with pytest.raises(AssertionError, match="slot-wait guard: no request waited for a state slot"):
+        slots_run(hybrid_folders["qwen3_5_text"], "extra_buffer", count_slot_waits(monkeypatch))
 
 
 def test_truncated_hits_are_counted(hybrid_folders: dict[str, str]) -> None:

@@ -1,7 +1,8 @@
 """A step's launch (`ModelRunner.run`) reads nothing back from the device: every host read
-of a tensor (`tolist`, `item`, `bool`, `int`, `float`, `cpu`, `numpy`) is made to raise
-while it runs, and the step still launches; only its `finish()` reads the sampled tokens
-back, and what it gives is the StepOutput of the step run without the trap.
+of a tensor (`tolist`, `item`, `bool`, ..., `nonzero`, boolean-mask indexing, unsized
+`repeat_interleave`, uploads from host lists: tests/host_reads.py) is made to raise while
+it runs, and the step still launches; only its `finish()` reads the sampled tokens back,
+and what it gives is the StepOutput of the step run without the trap.
 
 On CUDA each of those reads would wait for the device (tests/test_readback_cuda.py
 checks the real thing under `torch.cuda.set_sync_debug_mode("error")`); here the trap
@@ -105,7 +106,7 @@ def test_a_decode_steps_launch_reads_nothing_back(parts: Components) -> None:
     expected = launch(parts).finish()
     with no_host_reads():
         pending = launch(parts)
-        with pytest.raises(HostRead):
+        with pytest.raises(HostRead, match="during a step's launch"):
             pending.finish()  # the reads are all here
     got = pending.finish()
     assert isinstance(got, StepOutput) and len(got.tokens) == 5 and got.tokens[0].token_id in ALLOWED
@@ -113,15 +114,54 @@ def test_a_decode_steps_launch_reads_nothing_back(parts: Components) -> None:
     assert repr(got) == repr(expected)  # logprobs (NaN where not asked) and top logprobs too
 
 
-def test_red_when_the_launch_reads_a_tensor_back(parts: Components, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The trap above can fail: a `.tolist()` planted into the sampler's launch trips it."""
+# What a launch may not do, each planted on the sampled tokens: (the construct, HostRead's message).
+READS: dict[str, tuple[Any, str]] = {
+    "tolist": (lambda t: t.tolist(), "Tensor.tolist"),
+    "item": (lambda t: t[0].item(), "Tensor.item"),
+    "int": (lambda t: int(t[0]), "Tensor.__int__"),
+    "nonzero": (lambda t: t.nonzero(), "Tensor.nonzero"),
+    "torch.nonzero": (lambda t: torch.nonzero(t), "torch.nonzero"),
+    "argwhere": (lambda t: torch.argwhere(t), "torch.argwhere"),
+    "unique": (lambda t: t.unique(), "Tensor.unique"),
+    "masked_select": (lambda t: t.masked_select(t > 0), "Tensor.masked_select"),
+    "where-one-arg": (lambda t: torch.where(t > 0), "torch.where with one argument"),
+    "mask-get": (lambda t: t[t > 0], "boolean-mask indexing"),
+    "mask-set": (lambda t: t.clone().__setitem__(t > 0, 0), "boolean-mask indexing"),
+    "list-index": (lambda t: t[[0, 1]], "indexing with a host list"),
+    "repeat_interleave": (lambda t: torch.ones_like(t).repeat_interleave(torch.ones_like(t)),
+                          "Tensor.repeat_interleave by a tensor without output_size"),
+    "torch.repeat_interleave": (lambda t: torch.repeat_interleave(torch.ones_like(t)),
+                                "torch.repeat_interleave by a tensor without output_size"),
+    "tensor-upload": (lambda t: torch.tensor([1, 2], device=t.device), "torch.tensor onto a device"),
+    "as_tensor-upload": (lambda t: torch.as_tensor([1, 2], device=t.device), "torch.as_tensor onto a device"),
+}
+
+
+@pytest.mark.parametrize("construct", list(READS))
+def test_red_when_the_launch_reads_a_tensor_back(
+    parts: Components, monkeypatch: pytest.MonkeyPatch, construct: str
+) -> None:
+    """The trap above can fail: each host read planted into the sampler's launch trips it."""
     real = sampling_mod.argmax_rows
+    plant, message = READS[construct]
 
     def reads_back(scores: torch.Tensor) -> torch.Tensor:
         out = real(scores)
-        out.tolist()
+        plant(out)
         return out
 
     monkeypatch.setattr(sampling_mod, "argmax_rows", reads_back)
-    with no_host_reads(), pytest.raises(HostRead, match="tolist"):
+    with no_host_reads(), pytest.raises(HostRead, match=f"^{message}.* during a step's launch$"):
         launch(parts)
+
+
+def test_the_trap_lets_device_only_ops_through() -> None:
+    """What the launch path does on the device passes: the sized and by-int repeats,
+    three-argument where, integer-tensor indexing, constructors without a device."""
+    t = torch.arange(4)
+    with pytest.MonkeyPatch.context() as mp:
+        trap_host_reads(mp, "a step's launch")
+        assert t.repeat_interleave(t, output_size=6).shape == (6,) and t.repeat_interleave(2).shape == (8,)
+        assert torch.repeat_interleave(t, t, output_size=6).shape == (6,)
+        assert torch.where(t > 1, t, 0).shape == (4,) and t[t[:2]].shape == (2,) and t[1:, None].shape == (3, 1)
+        assert torch.tensor([1, 2]).shape == (2,) and torch.as_tensor(t, device=t.device) is t

@@ -1,7 +1,8 @@
 """Prompt logprobs through the offline Engine on the tiny model: every scored position
 across chunk boundaries equals transformers' full forward; in deterministic mode a
 cache hit (the match capped at the first scored position) gives values `==` to a cold
-run, and so do other chunk slicings, the lm_head slice size and the graph runner.
+run, and so do other chunk slicings, the lm_head slice size and the graph runner (whose
+decode steps replay graphs; prompt-logprob chunks run eagerly).
 Planted bugs (match not capped, capped one token too far, targets off by one) go red.
 """
 
@@ -19,7 +20,14 @@ import tests.test_bit_exact as bit_exact
 from kernel import Engine
 from kernel.scheduling import prefix_reuse
 from tests import leaks
-from tests.conftest import GRAPHS_EMULATE, HYBRID_FAMILIES, HYBRID_OVERRIDES, TINY_OVERRIDES
+from tests.conftest import (
+    GRAPHS_EMULATE,
+    HYBRID_FAMILIES,
+    HYBRID_OVERRIDES,
+    TINY_OVERRIDES,
+    assert_replayed,
+    graph_replays,
+)
 
 make = bit_exact.make
 det = bit_exact.det  # the fixture: a deterministic radix engine on the tiny chat model
@@ -61,11 +69,11 @@ def ref(tiny_chat_folder: str) -> list[float]:
     return reference(tiny_chat_folder, IDS)
 
 
-
-
 def assert_close(ours: list[float | None], ref: list[float]) -> None:
-    assert len(ours) == len(ref)
-    assert max(abs(a - b) for a, b in zip(ours, ref, strict=True) if a is not None) < 1e-4
+    """The guard against transformers; its message lets the planted-bug test say it fired."""
+    assert len(ours) == len(ref), f"prompt-logprob guard: {len(ours)} values, transformers {len(ref)}"
+    worst = max(abs(a - b) for a, b in zip(ours, ref, strict=True) if a is not None)
+    assert worst < 1e-4, f"prompt-logprob guard: {worst:.3g} off transformers"
 
 
 @pytest.mark.parametrize("start", [0, 1, 5, CHUNK, CHUNK + 1, 2 * CHUNK, len(IDS) - 1])
@@ -110,18 +118,34 @@ def test_cache_hit_equals_cold_run(det: Engine) -> None:
     assert values(warm)[:5] == cold[CHUNK : CHUNK + 5]
 
 
-def test_chunking_slicing_and_graphs_do_not_change_values(
+def test_chunking_and_slicing_do_not_change_values(
     det: Engine, tiny_chat_folder: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cold = values(score(det, IDS, 0))
     monkeypatch.setattr(device_side, "SLICE_ROWS", 5)  # the lm_head in slices of 5 rows
     assert values(score(det, IDS, 0)) == cold
-    for extra in ({"scheduler.chunked_prefill_size": 8, "scheduler.max_num_batched_tokens": 16}, GRAPHS_EMULATE):
-        engine = make(tiny_chat_folder, **extra)
-        try:
-            assert values(score(engine, IDS, 0)) == cold
-        finally:
-            engine.shutdown()
+    engine = make(tiny_chat_folder, **{"scheduler.chunked_prefill_size": 8, "scheduler.max_num_batched_tokens": 16})
+    try:
+        assert values(score(engine, IDS, 0)) == cold
+    finally:
+        engine.shutdown()
+
+
+def test_graphs_do_not_change_values(det: Engine, tiny_chat_folder: str) -> None:
+    """Prefill chunks with prompt logprobs run eagerly though a bucket holds them (no graph
+    keeps their span rows); the decode steps after them replay graphs. Both `==` graphs off."""
+    gen = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    want = score(det, IDS, 0, **gen)
+    engine = make(tiny_chat_folder, **GRAPHS_EMULATE)
+    try:
+        before = graph_replays(engine)
+        got = score(engine, IDS, 0, **gen)
+        assert graph_replays(engine)["prefill"] == before["prefill"], "a prompt-logprob chunk ran in a graph"
+        assert_replayed(engine, before, ("decode",))
+    finally:
+        engine.shutdown()
+    assert values(got) == values(want)
+    assert got["output_ids"] == want["output_ids"] and bit_exact.logprobs(got) == bit_exact.logprobs(want)
 
 
 def test_device_side_gathers_the_span_rows_in_slices(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -176,7 +200,7 @@ def test_red_targets_off_by_one(tiny_engine: Engine, ref: list[float], monkeypat
         return span._replace(targets=tuple(req.prompt_ids[first : first + len(span.targets)]))
 
     monkeypatch.setattr(kernel_side, "chunk_span", shifted)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="prompt-logprob guard: .* off transformers"):
         assert_close(values(score(tiny_engine, IDS, 0))[1:], ref)
 
 
