@@ -112,6 +112,18 @@ def tiny_engine(tiny_chat_folder: str) -> Iterator[object]:
     engine.shutdown()
 
 
+@pytest.fixture(scope="session")
+def tiny_det_engine(tiny_chat_folder: str) -> Iterator[object]:
+    """The tiny chat model in deterministic mode, no prefix cache: the cold reference of tests
+    that compare tokens with `==` (only deterministic mode makes a token independent of batch
+    composition, chunking and cache hits; elsewhere a near tie may flip on another CPU)."""
+    from kernel import Engine
+
+    engine = Engine(None, {"model.path": tiny_chat_folder, **TINY_OVERRIDES, "deterministic": True})
+    yield engine
+    engine.shutdown()
+
+
 @pytest.fixture(autouse=True)
 def _no_leaks_after_test() -> Iterator[None]:
     """Every engine the test built or used: accounting checked (see tests/leaks.py)."""
