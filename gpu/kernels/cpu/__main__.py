@@ -14,6 +14,9 @@ from gpu.kernels import cpu
 
 
 def main() -> None:
+    if cpu.switched_off():
+        print("C++ CPU kernels switched off (TIERSERVE_CPU_KERNELS=off): the engine runs torch ops", flush=True)
+        return
     started = time.perf_counter()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     code = "import sys; from gpu.kernels import cpu; sys.exit(0 if cpu.load(sys.argv[1]) else 1)"
