@@ -45,6 +45,13 @@ class FakeToolchain:
         return cpu.load(NAME)
 
 
+@pytest.fixture(autouse=True)
+def switched_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests drive the cache itself: the suite's `TIERSERVE_CPU_KERNELS=off` run must not
+    switch it off under them."""
+    monkeypatch.delenv("TIERSERVE_CPU_KERNELS", raising=False)
+
+
 @pytest.fixture
 def toolchain(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeToolchain]:
     fake = FakeToolchain()
