@@ -86,12 +86,33 @@ def fp32_reference(smollm_engine: object) -> object:
     return reference(smollm_engine)
 
 
+def convert_smollm_for_transformers(folder: Path) -> None:
+    """transformers' own reading of the packaged GGUF (its dequantized float32 weights, q/k
+    un-permuted, and its tokenizer), saved as a Hugging Face folder."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(smollm_folder(), gguf_file=SMOLLM_FILE, dtype=torch.float32)
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(smollm_folder(), gguf_file=SMOLLM_FILE).save_pretrained(folder)
+
+
 @pytest.fixture(scope="session")
-def hf_smollm() -> object:
+def hf_smollm_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The packaged GGUF as transformers reads it, converted once per run for every worker:
+    transformers' GGUF reader takes ~40 s a load here (gguf's Python parser, twice per load),
+    the saved folder ~1 s."""
+    from tests.shared_once import build_once
+
+    return str(build_once(tmp_path_factory, "hf_smollm", convert_smollm_for_transformers))
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(hf_smollm_folder: str) -> object:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(smollm_folder(), gguf_file=SMOLLM_FILE, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(hf_smollm_folder, dtype=torch.float32)
     model.eval()
     return model
 

@@ -48,10 +48,10 @@ def ours() -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def theirs():  # type: ignore[no-untyped-def]
+def theirs(hf_smollm_folder: str):  # type: ignore[no-untyped-def]
+    """transformers' tokenizer as it reads the GGUF (converted once per run, tests/conftest.py)."""
     transformers = pytest.importorskip("transformers")
-    folder, filename = os.path.split(resolve_model_path(SMOLLM))
-    return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+    return transformers.AutoTokenizer.from_pretrained(hf_smollm_folder)
 
 
 @pytest.mark.parametrize("text", TEXTS)
