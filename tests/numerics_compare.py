@@ -26,17 +26,17 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+# Six prompts of 24 greedy tokens: ~200 scored positions a direction (p99 is about the
+# second-worst of them), for a few seconds of float32 CPU time per scoring.
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    ",
     "Once upon a time, in a small village by the sea, there lived",
     "<|im_start|>user\nWhat is 12 times 7?<|im_end|>\n<|im_start|>assistant\n",
-    "The three primary colors are",
     "import numpy as np\n\n# compute the mean of a list\ndef mean(xs):",
     "<|im_start|>user\nName a planet in the solar system.<|im_end|>\n<|im_start|>assistant\n",
-    "Water boils at a temperature of",
 ]
-NEW_TOKENS = 32
+NEW_TOKENS = 24
 TOP = 2  # the reference's top 2 give its margin
 # Greedy generation that returns each output position's top 2.
 PARAMS = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True, "return_logprob": True,
