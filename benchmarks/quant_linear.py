@@ -24,6 +24,13 @@ kernels (gpu/quant/gemv.py) and bfloat16 F.linear, warm (weights in cache) and c
 with each kernel's effective bandwidth (weight bytes / time) and its speedup over the op:
 
     .venv/bin/python benchmarks/quant_linear.py --kernels --m 1 4 8
+
+`--int8-float32` compares, per SmolLM2 shape, the int8 layer's two ways with float32
+activations (model.dtype float32 with int8 weights, the C++ kernels off or in deterministic
+mode): torch's op, which has no vectorized float32 path, and the blocked dequantize-and-GEMM
+that `Int8Linear` runs instead (gpu/quant/linears.py), with float32 F.linear for scale:
+
+    .venv/bin/python benchmarks/quant_linear.py --int8-float32 --m 1 4 32
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.quant_kernels import bench_kernels
-from gpu.quant.linears import Int4Linear, Int8Linear
+from gpu.quant.linears import Int4Linear, Int8Linear, int8_matmul_float32
 
 SHAPES = ((576, 576), (576, 1536), (1536, 576), (576, 49152))  # (K, N) of SmolLM2's linears
 
@@ -138,6 +145,28 @@ def bench_model(ms: list[int], rounds: int, force_quant: bool) -> None:
               + " ".join(f"{best['fp32'] / best[n]:14.2f}" for n in models))
 
 
+def bench_int8_float32(ms: list[int], rounds: int) -> None:
+    print(f"{'M':>4} {'K':>5} {'N':>6} | {'fp32 ms':>8} {'op ms':>9} {'blocked ms':>10} | {'op/blocked':>10}")
+    for m in ms:
+        for k, n in SHAPES:
+            torch.manual_seed(0)
+            w, x = torch.randn(n, k) * 0.02, torch.randn(m, k)
+            layer = Int8Linear.quantize(w, torch.float32)
+            q, scales = layer.qweight, layer.scales
+            cases: dict[str, Callable[[], torch.Tensor]] = {
+                "fp32": lambda: F.linear(x, w),
+                "op": lambda: torch.ops.aten._weight_int8pack_mm(x, q, scales),
+                "blocked": lambda: int8_matmul_float32(x, q, scales),
+            }
+            times: dict[str, list[float]] = {name: [] for name in cases}
+            for _ in range(rounds):  # round robin: machine noise hits all alike
+                for name, fn in cases.items():
+                    time_ms(fn, times[name])
+            t = {name: sorted(v)[len(v) // 2] for name, v in times.items()}
+            print(f"{m:>4} {k:>5} {n:>6} | {t['fp32']:8.3f} {t['op']:9.3f} {t['blocked']:10.3f} |"
+                  f" {t['op'] / t['blocked']:10.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--m", type=int, nargs="+", default=[1, 4, 16, 32, 256])
@@ -145,7 +174,12 @@ def main() -> None:
     ap.add_argument("--model", action="store_true", help="all linears of the packaged SmolLM2 instead")
     ap.add_argument("--force-quant", action="store_true", help="--model: the quantized op at every M")
     ap.add_argument("--kernels", action="store_true", help="torch's ops vs tierserve's C++ kernels, warm and cold")
+    ap.add_argument("--int8-float32", action="store_true",
+                    help="int8 weights with float32 activations: torch's op vs the blocked GEMM")
     args = ap.parse_args()
+    if args.int8_float32:
+        bench_int8_float32(args.m, args.rounds)
+        return
     if args.model:
         bench_model(args.m, args.rounds, args.force_quant)
         return

@@ -89,6 +89,15 @@ def test_int8_op_matches_its_dequantized_weight(dtype: torch.dtype) -> None:
     assert relative_error(layer(x.to(dtype)), x @ layer.dequantize().t()) < BOUND[dtype]
 
 
+def test_int8_float32_op_blocks_cover_every_output_channel() -> None:
+    """float32 activations run the blocked int8 matmul (gpu/quant/linears.py): 700 channels
+    of K = 576 are three blocks, the last one partial."""
+    w = torch.randn(700, K) * 0.02
+    layer = Int8Linear.quantize(w, torch.float32)
+    x = torch.randn(5, K)
+    assert relative_error(layer(x), x @ layer.dequantize().t()) < BOUND[torch.float32]
+
+
 def test_int4_quantize_of_float_weight_is_close() -> None:
     w = torch.randn(N, K) * 0.02
     layer = Int4Linear.quantize(w, torch.float32)
@@ -97,11 +106,12 @@ def test_int4_quantize_of_float_weight_is_close() -> None:
     assert float(err.max()) <= 0.5 + 1e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layer_cls", [Int4Linear, Int8Linear])
-def test_quant_tiled_rows_do_not_depend_on_the_batch(layer_cls: type) -> None:
+def test_quant_tiled_rows_do_not_depend_on_the_batch(layer_cls: type, dtype: torch.dtype) -> None:
     """Invariant 7 for quantized linears: a row's output is the same whatever rows share the call."""
-    layer = layer_cls.quantize(torch.randn(N, K) * 0.02, torch.bfloat16)
-    x = torch.randn(45, K).bfloat16()
+    layer = layer_cls.quantize(torch.randn(N, K) * 0.02, dtype)
+    x = torch.randn(45, K).to(dtype)
     full = quant_tiled(layer, x, None)
     for rows in (slice(0, 1), slice(3, 4), slice(7, 40)):
         assert torch.equal(quant_tiled(layer, x[rows], None), full[rows])
