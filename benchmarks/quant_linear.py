@@ -145,19 +145,23 @@ def bench_model(ms: list[int], rounds: int, force_quant: bool) -> None:
               + " ".join(f"{best['fp32'] / best[n]:14.2f}" for n in models))
 
 
+def int8_float32_cases(m: int, k: int, n: int) -> dict[str, Callable[[], torch.Tensor]]:
+    torch.manual_seed(0)
+    w, x = torch.randn(n, k) * 0.02, torch.randn(m, k)
+    layer = Int8Linear.quantize(w, torch.float32)
+    q, scales = layer.qweight, layer.scales
+    return {
+        "fp32": lambda: F.linear(x, w),
+        "op": lambda: torch.ops.aten._weight_int8pack_mm(x, q, scales),
+        "blocked": lambda: int8_matmul_float32(x, q, scales),
+    }
+
+
 def bench_int8_float32(ms: list[int], rounds: int) -> None:
     print(f"{'M':>4} {'K':>5} {'N':>6} | {'fp32 ms':>8} {'op ms':>9} {'blocked ms':>10} | {'op/blocked':>10}")
     for m in ms:
         for k, n in SHAPES:
-            torch.manual_seed(0)
-            w, x = torch.randn(n, k) * 0.02, torch.randn(m, k)
-            layer = Int8Linear.quantize(w, torch.float32)
-            q, scales = layer.qweight, layer.scales
-            cases: dict[str, Callable[[], torch.Tensor]] = {
-                "fp32": lambda: F.linear(x, w),
-                "op": lambda: torch.ops.aten._weight_int8pack_mm(x, q, scales),
-                "blocked": lambda: int8_matmul_float32(x, q, scales),
-            }
+            cases = int8_float32_cases(m, k, n)
             times: dict[str, list[float]] = {name: [] for name in cases}
             for _ in range(rounds):  # round robin: machine noise hits all alike
                 for name, fn in cases.items():

@@ -42,7 +42,7 @@ def size_torch_threads() -> None:
 pin_xdist_worker()
 size_torch_threads()
 
-from tests import leaks  # noqa: E402  (imports torch: after the pin)
+from tests import leaks  # imports torch: after the pin
 
 leaks.track_engines()
 

@@ -11,7 +11,6 @@ the pre-tokenizer itself, where the difference is visible.
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 import tokenizers
