@@ -93,6 +93,10 @@ def convert_smollm_for_transformers(folder: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(smollm_folder(), gguf_file=SMOLLM_FILE, dtype=torch.float32)
+    # Its weights are plain float32 once read; only the GGUF quantizer's marker stops a save.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(smollm_folder(), gguf_file=SMOLLM_FILE).save_pretrained(folder)
 
