@@ -172,6 +172,26 @@ def _no_leaks_after_test() -> Iterator[None]:
     assert not errors, "engine accounting broken after the test:\n" + "\n".join(errors)
 
 
+# The slowest files on a 2-core machine (`--durations`), longest first. NOTE: `--dist
+# loadfile` hands files to workers in collection order; a long file handed out last keeps
+# one worker busy after the other is done, so these go first. A file missing here only
+# runs later; the list is a schedule, not a selection.
+SLOW_FIRST = (
+    "test_bit_exact_hybrid.py", "test_quantized.py", "test_bf16.py", "test_triton_graphs.py",
+    "test_bit_exact.py", "test_loader.py", "test_fuzz_openapi.py", "test_storage_e2e.py",
+    "test_host_tier_hybrid.py", "test_faults_e2e.py", "test_graph_runner.py", "test_bit_exact_numerics.py",
+    "test_parity_transformers.py", "test_leak_check.py", "test_graph_capture.py", "test_http_errors.py",
+    "test_optional_deps.py", "test_soak.py", "test_batch_invariance.py", "test_hybrid_models.py",
+)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Slow files first (SLOW_FIRST); a stable sort, so each file keeps its own order."""
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Session-scoped engines shut down after the last test's teardown: their leaks fail
     the run here, or no test would ever report them."""

@@ -25,9 +25,8 @@ def test_single_chunk_is_final_or_aligned(prompt: int, page_size: int, budget: i
         assert n % page_size == 0
 
 
-@settings(
-    max_examples=300, deadline=None, suppress_health_check=list(HealthCheck)
-)
+# Each example drives a request to completion (up to 2,000 chunks at page size 1).
+@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     prompt=st.integers(1, 2000),
     page_size=page_sizes,

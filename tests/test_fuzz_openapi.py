@@ -30,7 +30,7 @@ from schemathesis.specs.openapi.checks import (
 
 from tests.test_http_fixtures import ServerProcess
 
-EXAMPLES = 20  # per operation and phase: the suite's time budget, not the fuzzer's appetite
+EXAMPLES = 12  # per operation and phase: the suite's time budget, not the fuzzer's appetite
 CALL_TIMEOUT_S = 30
 ERROR_FIELDS = {"message", "type", "param", "code"}
 
