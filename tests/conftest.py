@@ -88,9 +88,9 @@ def fp32_reference(smollm_engine: object) -> object:
 
 def convert_smollm_for_transformers(folder: Path) -> None:
     """transformers' own reading of the packaged GGUF (its dequantized float32 weights, q/k
-    un-permuted, and its tokenizer), saved as a Hugging Face folder."""
+    un-permuted), saved as a Hugging Face folder."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(smollm_folder(), gguf_file=SMOLLM_FILE, dtype=torch.float32)
     # Its weights are plain float32 once read; only the GGUF quantizer's marker stops a save.
@@ -98,7 +98,6 @@ def convert_smollm_for_transformers(folder: Path) -> None:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(smollm_folder(), gguf_file=SMOLLM_FILE).save_pretrained(folder)
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ the pre-tokenizer itself, where the difference is visible.
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import tokenizers
@@ -47,10 +48,10 @@ def ours() -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def theirs(hf_smollm_folder: str):  # type: ignore[no-untyped-def]
-    """transformers' tokenizer as it reads the GGUF (converted once per run, tests/conftest.py)."""
+def theirs():  # type: ignore[no-untyped-def]
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(hf_smollm_folder)
+    folder, filename = os.path.split(resolve_model_path(SMOLLM))
+    return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=filename)
 
 
 @pytest.mark.parametrize("text", TEXTS)
