@@ -28,7 +28,7 @@ def test_single_chunk_is_final_or_aligned(prompt: int, page_size: int, budget: i
 # Each example drives a request to completion (up to 2,000 chunks at page size 1).
 @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
-    prompt=st.integers(1, 2000),
+    prompt=st.integers(1, 800),
     page_size=page_sizes,
     data=st.data(),
 )

@@ -195,7 +195,7 @@ def test_engine_emulated_matches_eager(tiny_chat_folder: str) -> None:
     emulation), within TIGHT; and both kinds of bucket ran."""
     from tests.test_bit_exact import tokens
 
-    prompts = [tokens(70 + i, 5 + 13 * i) for i in range(4)]
+    prompts = [tokens(70 + i, 5 + 13 * i) for i in range(3)]
     engines = [Engine(None, {**TINY_OVERRIDES, "model.path": tiny_chat_folder, "model.attention": "triton",
                              "cache.prefix": "radix", **extra}) for extra in ({}, GRAPHS_EMULATE)]
     eager, emulated = engines
