@@ -172,9 +172,9 @@ def _no_leaks_after_test() -> Iterator[None]:
 
 
 # The slowest files on a 2-core machine (`--durations`), longest first. NOTE: `--dist
-# loadfile` hands files to workers in collection order; a long file handed out last keeps
-# one worker busy after the other is done, so these go first. A file missing here only
-# runs later; the list is a schedule, not a selection.
+# loadfile --no-loadscope-reorder` (Makefile) hands files to workers in collection order; a
+# long file handed out last keeps one worker busy after the other is done, so these go
+# first. A file missing here only runs later; the list is a schedule, not a selection.
 SLOW_FIRST = (
     "test_bit_exact_hybrid.py", "test_quantized.py", "test_bf16.py", "test_triton_graphs.py",
     "test_bit_exact.py", "test_loader.py", "test_fuzz_openapi.py", "test_storage_e2e.py",
