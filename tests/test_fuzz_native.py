@@ -26,7 +26,7 @@ from tests.test_http_fixtures import ServerProcess
 
 pytest_plugins = ["tests.fuzz_server"]
 
-FUZZ = settings(max_examples=150, derandomize=True, deadline=None, database=None,
+FUZZ = settings(max_examples=80, derandomize=True, deadline=None, database=None,
                 suppress_health_check=list(HealthCheck))
 ERROR_FIELDS = {"message", "type", "param", "code"}
 SAMPLING_NAMES = [f.name for f in dataclasses.fields(SamplingParams)] + ["max_tokens"]
