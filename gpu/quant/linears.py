@@ -86,7 +86,7 @@ def int8_matmul_float32(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
     does not depend on the other rows of the call (invariant 7, with fixed tiles)."""
     n, k = qweight.shape
     block = max(256, (1 << 17) // k)
-    out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    out = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
     for start in range(0, n, block):
         torch.mm(x, qweight[start : start + block].float().t(), out=out[:, start : start + block])
     return out.mul_(scales.float())
