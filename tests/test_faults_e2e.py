@@ -56,19 +56,23 @@ async def references(http: Client, seeds: range) -> dict[int, list[int]]:
     return outs
 
 
-def plant_device_fault(engine: Any, monkeypatch: pytest.MonkeyPatch, on_call: int = 3) -> None:
-    """The model runner raises once, on its `on_call`-th step (mid-generation)."""
+def plant_device_fault(engine: Any, monkeypatch: pytest.MonkeyPatch, on_call: int = 3) -> list[int]:
+    """The model runner raises once, on its `on_call`-th step (mid-generation). -> the
+    request-table rows of the step that failed (filled when it fails)."""
     runner = engine.loop.runner
     real_run = runner.run
     calls = {"n": 0}
+    faulted: list[int] = []
 
     def run_once_broken(batch: Any) -> Any:
         calls["n"] += 1
         if calls["n"] == on_call:
+            faulted.extend(batch.rows)
             raise RuntimeError("planted device fault")
         return real_run(batch)
 
     monkeypatch.setattr(runner, "run", run_once_broken)
+    return faulted
 
 
 # Four run at once: the other four wait, so they are in no step when it fails.
@@ -79,11 +83,13 @@ async def test_a_failing_device_step_fails_only_its_requests(tiny_chat_folder: s
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     async with serve_http(tiny_chat_folder, FAULT_OVERRIDES) as (engine, http):
         expected = await references(http, range(8))
-        plant_device_fault(engine, monkeypatch)
+        faulted = plant_device_fault(engine, monkeypatch)
         results = await asyncio.gather(*(generate(http, prompt(s)) for s in range(8)))
         failed = [out for status, out in results if status != 200]
         served = [(s, out) for s, (status, out) in enumerate(results) if status == 200]
-        assert 1 <= len(failed) <= 4 and len(served) >= 4, results
+        # Exactly the requests of the failed step fail (at most the 4 running); the rest are served.
+        assert 1 <= len(faulted) <= 4 and len(failed) == len(faulted), (faulted, results)
+        assert len(served) == 8 - len(faulted), results
         assert all(status in (200, 500) for status, _ in results), results
         for out in failed:
             assert set(out) == {"error"} and "planted device fault" in out["error"]["message"], out
