@@ -24,8 +24,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import torch
-
 
 @dataclass(frozen=True)
 class ThreadPlan:
@@ -48,4 +46,6 @@ def plan_threads(configured: int | None) -> ThreadPlan:
 
 def apply_on_this_thread(plan: ThreadPlan) -> None:
     """Run on the device thread: OpenMP's thread count is per calling thread."""
+    import torch  # here: usable_cpus() is read before torch is imported (tests/conftest.py)
+
     torch.set_num_threads(plan.intra_op)

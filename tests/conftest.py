@@ -33,7 +33,9 @@ def size_torch_threads() -> None:
     ran up to ~30x slower under xdist. So the team is one thread per core of the mask,
     before torch is imported (threads that start later read OMP_NUM_THREADS) and again in
     case a plugin imported it first (tests/test_suite_threads.py)."""
-    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    from gpu.cpu_threads import usable_cpus  # imports no torch
+
+    threads = len(usable_cpus())
     os.environ["OMP_NUM_THREADS"] = str(threads)
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(threads)
