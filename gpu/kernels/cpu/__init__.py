@@ -1,6 +1,6 @@
 """tierserve's C++ CPU kernels, built on this machine on first use.
 
-Each `<name>.cpp` in this folder (with the `<name>*.h` headers it may include) is one
+Each `<name>.cpp` in this folder (with the headers of this folder it includes) is one
 extension, compiled by torch's JIT extension loader (`torch.utils.cpp_extension.load`)
 with `-O3 -march=native` (AMX off: it traps on some VMs) and OpenMP, and cached under
 `~/.cache/tierserve/cpu_kernels` (or `$TIERSERVE_CACHE/cpu_kernels`), keyed by the
@@ -29,6 +29,7 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -82,9 +83,21 @@ def _cpu_signature() -> str:
     return platform.processor() or platform.machine()
 
 
+_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
 def _headers(source: Path) -> list[Path]:
-    """The headers `<name>.cpp` includes: `<name>*.h` beside it."""
-    return sorted(source.parent.glob(f"{source.stem}*.h"))
+    """The headers of this folder that `source` includes (`#include "x.h"`), directly or
+    through another one: the sources of its build besides itself."""
+    found: list[Path] = []
+    todo = [source]
+    while todo:
+        for name in _LOCAL_INCLUDE.findall(todo.pop().read_text(encoding="utf-8")):
+            header = source.parent / name
+            if header.is_file() and header not in found:
+                found.append(header)
+                todo.append(header)
+    return sorted(found)
 
 
 def _digest(source: Path) -> str:

@@ -1,0 +1,343 @@
+// The work of paged_attention.cpp's decode attention, shared with decode_step.cpp (which
+// runs it inside its own parallel region): the problem, the per-thread Attender, the
+// plan of a step's work items and what one item does. NOTE: a row's output depends on
+// its own length only (see paged_attention.cpp), so both callers give bit-identical results.
+
+#pragma once
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <type_traits>
+#include <vector>
+
+#include "paged_attention_vec.h"
+
+namespace tierserve_paged {
+
+using tierserve_paged_vec::bf16;
+using tierserve_paged_vec::kBf16Dot;
+using tierserve_paged_vec::kNegInf;
+using tierserve_paged_vec::Rows;
+using tierserve_paged_vec::Scalar;
+using tierserve_paged_vec::Simd;
+
+constexpr int kBlock = 64;          // keys per softmax update (a multiple of every vector width)
+constexpr int64_t kChunk = 128;     // keys per work item (a multiple of kBlock); see the NOTE above
+constexpr int64_t kMaxHeadDim = 512;
+
+// What every work item reads; pointers into contiguous tensors.
+template <class T>
+struct Problem {
+  const T* q;            // [B, H, D]
+  const T* k;            // [slots, Hkv, D]
+  const T* v;
+  const int64_t* pages;  // [B, max_pages]
+  const int64_t* lens;   // [B]
+  T* out;                // [B, H, D]
+  int64_t max_pages, page_size, heads, kv_heads, dim, group;
+  float scale;
+};
+
+// A row's running softmax state, for all its query heads, in float layout.
+struct State {
+  float* q;    // [H, D] the query (unless read as bf16, see kBf16Dot)
+  float* acc;  // [H, D] sum of p * v
+  float* m;    // [H] running max score
+  float* l;    // [H] running sum of p
+};
+
+template <class S, int NV, class T>
+class Attender {
+  using V = typename S::V;
+  using R = Rows<S, T>;
+  static constexpr int64_t kMaxVecs = NV > 0 ? NV : kMaxHeadDim / S::W;
+  // Query heads whose accumulators fit in the vector registers beside one V row (32
+  // registers with AVX-512, 16 with AVX2); one at a time for head dims of no fixed size.
+  static constexpr int kRegisters = S::W == 16 ? 32 : 16;
+  static constexpr int kHeadsPerPass = NV > 0 ? std::clamp((kRegisters - 4) / NV - 1, 1, 4) : 1;
+
+ public:
+  explicit Attender(const Problem<T>& p) : p_(p), nv_(NV > 0 ? NV : p.dim / S::W) {
+    const int64_t h = p.heads, d = p.dim;
+    scratch_.assign(2 * h * d + 2 * h + h * kBlock + p.group * S::W * S::W, 0.f);
+    float* s = scratch_.data();
+    st_ = {s, s + h * d, s + 2 * h * d, s + 2 * h * d + h};
+    scores_ = s + 2 * h * d + 2 * h;
+    dots_ = scores_ + h * kBlock;
+  }
+
+  // Keys [t0, t1) of `row`; leaves the unnormalized state of its heads in the result.
+  const State& run(int64_t row, int64_t t0, int64_t t1) {
+    start(row);
+    int cur = 0;
+    slots(row, t0, block_len(t0, t1), slot_off_[cur]);
+    for (int64_t t = t0; t < t1; t += kBlock, cur ^= 1) {
+      if (t + kBlock < t1) {  // the next block's rows are fetched while this one computes
+        const int n = block_len(t + kBlock, t1);
+        slots(row, t + kBlock, n, slot_off_[cur ^ 1]);
+        prefetch(slot_off_[cur ^ 1], n);
+      }
+      block(block_len(t, t1), slot_off_[cur]);
+    }
+    return st_;
+  }
+
+ private:
+  static int block_len(int64_t t, int64_t t1) { return static_cast<int>(std::min<int64_t>(kBlock, t1 - t)); }
+
+  void start(int64_t row) {
+    const int64_t d = p_.dim, hd = p_.heads * d;
+    q_row_ = p_.q + row * hd;
+    if constexpr (!kBf16Dot<S, T>) {
+      for (int64_t h = 0; h < p_.heads; ++h) {
+        for (int64_t e = 0; e < d; ++e) st_.q[h * d + R::position(e)] = static_cast<float>(q_row_[h * d + e]);
+      }
+    }
+    std::fill(st_.acc, st_.acc + hd, 0.f);
+    std::fill(st_.m, st_.m + p_.heads, kNegInf);
+    std::fill(st_.l, st_.l + p_.heads, 0.f);
+  }
+
+  // Element offsets of the slots of keys [t, t + n): the page table is read once per page.
+  void slots(int64_t row, int64_t t, int n, int64_t* out) const {
+    const int64_t ps = p_.page_size, stride = p_.kv_heads * p_.dim;
+    const int64_t* pages = p_.pages + row * p_.max_pages;
+    int64_t page = t / ps, off = t % ps;
+    int64_t base = pages[page] * ps * stride;
+    for (int j = 0; j < n; ++j) {
+      out[j] = base + off * stride;
+      if (++off == ps && j + 1 < n) {
+        off = 0;
+        base = pages[++page] * ps * stride;
+      }
+    }
+  }
+
+  // Software prefetch of a block's slots (K and V): they lie on scattered pages, in runs
+  // too short for the hardware prefetchers to pick up in time.
+  void prefetch(const int64_t* slot_off, int n) const {
+    const int64_t bytes = p_.kv_heads * p_.dim * static_cast<int64_t>(sizeof(T));
+    for (int j = 0; j < n; ++j) {
+      const char* k = reinterpret_cast<const char*>(p_.k + slot_off[j]);
+      const char* v = reinterpret_cast<const char*>(p_.v + slot_off[j]);
+      for (int64_t b = 0; b < bytes; b += 64) {
+        __builtin_prefetch(k + b);
+        __builtin_prefetch(v + b);
+      }
+    }
+  }
+
+  void block(int n, const int64_t* slot_off) {
+    for (int64_t h = 0; h < p_.kv_heads; ++h) {
+      score(h, n, slot_off);
+      for (int64_t i = 0; i < p_.group; ++i) softmax(h * p_.group + i, n);
+      accumulate(h, n, slot_off);
+    }
+  }
+
+  void load_row(const T* row, V* out) const {
+    const int64_t nv = NV > 0 ? NV : nv_;
+    for (int64_t c = 0; c < nv; c += R::vecs) R::load(row + c * S::W, out + c);
+  }
+
+  // scores[head][j] = q_head . k_j for the query heads of kv head h: each key is loaded
+  // once for all of them; W keys' dot vectors are summed at once.
+  void score(int64_t h, int n, const int64_t* slot_off) {
+    const int64_t g = p_.group, d = p_.dim, nv = NV > 0 ? NV : nv_;
+    V kv[kMaxVecs];
+    for (int j0 = 0; j0 < n; j0 += S::W) {
+      for (int jj = 0; jj < S::W; ++jj) {
+        if (j0 + jj >= n) {  // past the block's keys: sums of zeros, overwritten in softmax
+          for (int64_t i = 0; i < g; ++i) S::store(dots_ + (i * S::W + jj) * S::W, S::zero());
+          continue;
+        }
+        const T* k = p_.k + slot_off[j0 + jj] + h * d;
+        if constexpr (kBf16Dot<S, T>) {
+          for (int64_t i = 0; i < g; ++i) {
+            S::store(dots_ + (i * S::W + jj) * S::W, S::dot_bf16(q_row_ + (h * g + i) * d, k, nv / 2));
+          }
+          continue;
+        }
+        load_row(k, kv);
+        for (int64_t i = 0; i < g; ++i) {
+          const float* q = st_.q + (h * g + i) * d;
+          V dot = S::mul(S::load(q), kv[0]);
+          for (int64_t c = 1; c < nv; ++c) dot = S::fma(S::load(q + c * S::W), kv[c], dot);
+          S::store(dots_ + (i * S::W + jj) * S::W, dot);
+        }
+      }
+      for (int64_t i = 0; i < g; ++i) S::sums(dots_ + i * S::W * S::W, scores_ + (h * g + i) * kBlock + j0);
+    }
+  }
+
+  // Online softmax of one head over the block: a new running max, the old sums scaled
+  // down to it, and the block's scores turned into probabilities (0 past n).
+  void softmax(int64_t head, int n) {
+    float* s = scores_ + head * kBlock;
+    const V scale = S::set1(p_.scale);
+    for (int j = 0; j < kBlock; j += S::W) S::store(s + j, S::mul(S::load(s + j), scale));
+    std::fill(s + n, s + kBlock, kNegInf);
+    V top_v = S::set1(st_.m[head]);
+    for (int j = 0; j < kBlock; j += S::W) top_v = S::max(top_v, S::load(s + j));
+    const float top = S::reduce_max(top_v);
+    const float shrink = std::exp(st_.m[head] - top);  // 0 on the first block (m = -inf)
+    st_.m[head] = top;
+    for (int j = 0; j < kBlock; j += S::W) S::store(s + j, S::exp(S::sub(S::load(s + j), S::set1(top))));
+    std::fill(s + n, s + kBlock, 0.f);
+    V total = S::zero();
+    for (int j = 0; j < kBlock; j += S::W) total = S::add(total, S::load(s + j));
+    st_.l[head] = st_.l[head] * shrink + S::reduce_add(total);
+    if (shrink != 1.f) {
+      float* acc = st_.acc + head * p_.dim;
+      for (int64_t c = 0; c < p_.dim; c += S::W) S::store(acc + c, S::mul(S::load(acc + c), S::set1(shrink)));
+    }
+  }
+
+  // acc[head] += sum_j p[head][j] * v_j for the query heads of kv head h, up to
+  // kHeadsPerPass heads at a time: their accumulators stay in registers over the block
+  // and each V row is loaded (and converted) once per pass.
+  void accumulate(int64_t h, int n, const int64_t* slot_off) {
+    for (int64_t i0 = 0; i0 < p_.group; i0 += kHeadsPerPass) {
+      switch (std::min<int64_t>(kHeadsPerPass, p_.group - i0)) {
+        case 4: accumulate_heads<4>(h, h * p_.group + i0, n, slot_off); break;
+        case 3: accumulate_heads<3>(h, h * p_.group + i0, n, slot_off); break;
+        case 2: accumulate_heads<2>(h, h * p_.group + i0, n, slot_off); break;
+        default: accumulate_heads<1>(h, h * p_.group + i0, n, slot_off);
+      }
+    }
+  }
+
+  template <int HP>
+  void accumulate_heads(int64_t h, int64_t head0, int n, const int64_t* slot_off) {
+    const int64_t nv = NV > 0 ? NV : nv_;
+    V a[HP][kMaxVecs], vv[kMaxVecs];
+    for (int i = 0; i < HP; ++i) {
+      for (int64_t c = 0; c < nv; ++c) a[i][c] = S::load(st_.acc + (head0 + i) * p_.dim + c * S::W);
+    }
+    for (int j = 0; j < n; ++j) {
+      load_row(p_.v + slot_off[j] + h * p_.dim, vv);
+      for (int i = 0; i < HP; ++i) {
+        const V pj = S::set1(scores_[(head0 + i) * kBlock + j]);
+        for (int64_t c = 0; c < nv; ++c) a[i][c] = S::fma(pj, vv[c], a[i][c]);
+      }
+    }
+    for (int i = 0; i < HP; ++i) {
+      for (int64_t c = 0; c < nv; ++c) S::store(st_.acc + (head0 + i) * p_.dim + c * S::W, a[i][c]);
+    }
+  }
+
+  const Problem<T>& p_;
+  const int64_t nv_;
+  std::vector<float> scratch_;
+  State st_{};
+  float* scores_ = nullptr;  // [H, kBlock]: scores, then probabilities
+  float* dots_ = nullptr;    // [G, W, W]: W keys' unsummed dot products per query head
+  int64_t slot_off_[2][kBlock] = {};  // this block's slots and the next one's
+  const T* q_row_ = nullptr;          // the row's query in the input
+};
+
+// out[row] = acc / l per head, back in the pool's element order and the output dtype.
+template <class S, class T>
+void write_out(const Problem<T>& p, int64_t row, const float* acc, const float* l) {
+  T* out = p.out + row * p.heads * p.dim;
+  for (int64_t h = 0; h < p.heads; ++h) {
+    const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;  // a row of no keys gives zeros
+    const float* a = acc + h * p.dim;
+    for (int64_t e = 0; e < p.dim; ++e) out[h * p.dim + e] = static_cast<T>(a[Rows<S, T>::position(e)] * inv);
+  }
+}
+
+// The key chunks of one row: where their partial results lie and how many are still
+// running (the chunk that brings `pending` to zero merges them).
+struct Split {
+  int64_t first_item = 0;
+  int64_t chunks = 1;
+  std::unique_ptr<std::atomic<int64_t>> pending;
+};
+
+// Partial results of one chunk: acc [H, D], then m [H], then l [H].
+inline int64_t partial_width(int64_t heads, int64_t dim) { return heads * (dim + 2); }
+
+// A row's chunks combined by their log-sum-exp, then written out.
+template <class S, class T>
+void merge(const Problem<T>& p, const Split& split, int64_t row, const float* partials, float* tmp) {
+  const int64_t h = p.heads, d = p.dim, width = partial_width(h, d);
+  const float* first = partials + split.first_item * width;
+  float* acc = tmp;
+  float* l = tmp + h * d;
+  std::fill(tmp, tmp + h * d + h, 0.f);
+  for (int64_t i = 0; i < h; ++i) {
+    float top = kNegInf;
+    for (int64_t c = 0; c < split.chunks; ++c) top = std::max(top, first[c * width + h * d + i]);
+    for (int64_t c = 0; c < split.chunks; ++c) {
+      const float* part = first + c * width;
+      const float w = std::exp(part[h * d + i] - top);
+      l[i] += w * part[h * d + h + i];
+      for (int64_t e = 0; e < d; ++e) acc[i * d + e] += w * part[i * d + e];
+    }
+  }
+  write_out<S>(p, row, acc, l);
+}
+
+struct Item {
+  int64_t row, chunk, t0, t1;
+};
+
+// The items of a step, longest first (the shared counter then ends on short ones).
+inline std::vector<Item> plan(const int64_t* lens, int64_t batch, int64_t chunk, std::vector<Split>& splits) {
+  std::vector<Item> items;
+  splits.resize(batch);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t n = std::max<int64_t>(1, (lens[b] + chunk - 1) / chunk);
+    splits[b].first_item = static_cast<int64_t>(items.size());
+    splits[b].chunks = n;
+    if (n > 1) splits[b].pending = std::make_unique<std::atomic<int64_t>>(n);
+    for (int64_t c = 0; c < n; ++c) items.push_back({b, c, c * chunk, std::min(lens[b], (c + 1) * chunk)});
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.t1 - x.t0 > y.t1 - y.t0; });
+  return items;
+}
+
+
+// Work item `it` of a step planned by `plan`: its keys through `attender`, then the row
+// written out (a row of one chunk) or the chunk's partial result left in `partials`, the
+// row's last chunk to finish merging them (the others' results are complete by then).
+template <class S, int NV, class T>
+void run_item(const Problem<T>& p, Attender<S, NV, T>& attender, const Item& it, std::vector<Split>& splits,
+              float* partials, float* tmp) {
+  const State& st = attender.run(it.row, it.t0, it.t1);
+  Split& split = splits[it.row];
+  if (split.chunks == 1) {
+    write_out<S>(p, it.row, st.acc, st.l);
+    return;
+  }
+  const int64_t hd = p.heads * p.dim, width = partial_width(p.heads, p.dim);
+  float* dst = partials + (split.first_item + it.chunk) * width;
+  std::copy(st.acc, st.acc + hd, dst);
+  std::copy(st.m, st.m + p.heads, dst + hd);
+  std::copy(st.l, st.l + p.heads, dst + hd + p.heads);
+  if (split.pending->fetch_sub(1, std::memory_order_acq_rel) == 1) merge<S>(p, split, it.row, partials, tmp);
+}
+
+// Every page a row's keys use must be a page of the pool: a bad id would read outside it.
+inline void check_pages(const int64_t* pages, const int64_t* lens, int64_t batch, int64_t max_pages, int64_t page_size,
+                 int64_t num_pages) {
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(lens[b] >= 0 && lens[b] <= max_pages * page_size, "paged_attention_decode: row ", b, " has ",
+                lens[b], " keys but its page table holds ", max_pages * page_size);
+    const int64_t used = (lens[b] + page_size - 1) / page_size;
+    for (int64_t i = 0; i < used; ++i) {
+      const int64_t page = pages[b * max_pages + i];
+      TORCH_CHECK(page >= 0 && page < num_pages, "paged_attention_decode: row ", b, " reads page ", page,
+                  " outside the pool's ", num_pages);
+    }
+  }
+}
+
+}  // namespace tierserve_paged
