@@ -18,6 +18,7 @@ from gpu.sampling import DeviceSample, SamplingBatch, sample_on_device
 from gpu.step_inputs import StepInputs
 
 if TYPE_CHECKING:
+    from gpu.graphs.cpu_step import CpuStepRunner
     from gpu.graphs.runner import GraphRunner
 
 
@@ -57,8 +58,9 @@ class ModelRunner:
         self.states = states  # hybrid models only
         self.device = model.device
         self.vocab_size = model.arch.vocab_size
-        # Static-shape execution (graphs.mode cuda / emulate), attached by the builder.
-        self.graphs: GraphRunner | None = None
+        # Static-shape execution (graphs.mode cuda / emulate) or native CPU decode steps
+        # (graphs.mode cpu), attached by the builder.
+        self.graphs: GraphRunner | CpuStepRunner | None = None
         # How index tensors reach the device; the builder swaps in one with the per-row
         # next-token tensor (overlap scheduling).
         self.inputs = StepInputs(self.device)

@@ -21,6 +21,8 @@ from cache.req_table import ReqToTokenTable
 from cache.state_pool import StatePool
 from cache.storage import PageFormat, StorageBackend
 from gpu.attention.base import AttentionBackend
+from gpu.graphs import cpu_step
+from gpu.graphs.cpu_step import CpuStepRunner
 from gpu.graphs.runner import GraphRunner
 from gpu.loader import load_checkpoint
 from gpu.model_runner import ModelRunner
@@ -194,21 +196,32 @@ def attention_backend(name: str, device: torch.device) -> str:
 
 def _graph_runner(
     config: Config, model: Any, attention: AttentionBackend, states: StatePool | None, device: torch.device
-) -> GraphRunner | None:
-    """graphs.mode resolved (auto: cuda where it can run, else off), buckets capped by the
-    scheduler's limits, every bucket captured (or, emulated, warmed up) now."""
+) -> GraphRunner | CpuStepRunner | None:
+    """graphs.mode resolved (auto: cuda where it can run, cpu where the model has a native
+    decode step, else off), buckets capped by the scheduler's limits, every bucket captured
+    (or, emulated, warmed up) now."""
     graphs, sched = config.graphs, config.scheduler
     mode, name = graphs.mode, type(attention).__name__
     if mode in ("cuda", "emulate") and not attention.supports_static:
         raise ConfigError(f"graphs.mode: {mode} needs an attention backend with static-shape metadata "
                           f"(deterministic, triton); {name} has none")
+    decode_buckets = [b for b in graphs.decode_buckets if b <= sched.max_running_requests]
+    if mode in ("auto", "cpu") and device.type == "cpu":
+        why = cpu_step.unsupported(model, attention)
+        if why is None:
+            return CpuStepRunner(model, attention, decode_buckets)
+        if mode == "cpu":
+            raise ConfigError(f"graphs.mode: cpu {why}")
+        log.info("cpu_step_off", reason=why)
+    if mode == "cpu":
+        raise ConfigError(f"graphs.mode: cpu runs on a CPU device, and the model runs on {device.type}")
     if mode == "auto":  # hybrid models too: they capture their decode buckets only
         mode = "cuda" if device.type == "cuda" and attention.supports_static else "off"
     if mode == "off":
         return None
     runner = GraphRunner(
         model, attention, states, mode,
-        decode_buckets=[b for b in graphs.decode_buckets if b <= sched.max_running_requests],
+        decode_buckets=decode_buckets,
         prefill_tokens=[t for t in graphs.prefill_tokens if t <= sched.max_num_batched_tokens],
         prefill_max_requests=min(graphs.prefill_max_requests, sched.max_running_requests),
     )

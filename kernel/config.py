@@ -203,9 +203,11 @@ class HicacheConfig:
 class GraphsConfig:
     """Static-shape execution (gpu/graphs/): decode graphs per batch-size bucket, prefill
     graphs per token-count bucket with `prefill_max_requests` request slots. `auto`:
-    `cuda` on a CUDA device (when the model and attention backend support it), `off`
-    on CPU; `emulate` runs the same runner and buffers without CUDA graphs (CPU tests).
-    Buckets above scheduler.max_running_requests / max_num_batched_tokens are dropped."""
+    `cuda` on a CUDA device (when the model and attention backend support it); on CPU
+    `cpu` where the model has a native decode step (gpu/graphs/cpu_step.py: decode
+    batches up to a bucket as one C++ call each), else `off`; `emulate` runs the static-
+    shape runner and buffers without CUDA graphs (CPU tests). Buckets above
+    scheduler.max_running_requests / max_num_batched_tokens are dropped."""
 
     mode: str = "auto"
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
@@ -213,7 +215,7 @@ class GraphsConfig:
     prefill_max_requests: int = 4
 
     def validate(self) -> None:
-        _choice("graphs.mode", self.mode, ("auto", "off", "emulate", "cuda"))
+        _choice("graphs.mode", self.mode, ("auto", "off", "emulate", "cuda", "cpu"))
         for key in ("decode_buckets", "prefill_tokens"):
             buckets = getattr(self, key)
             if any(b <= 0 for b in buckets) or list(buckets) != sorted(set(buckets)):

@@ -80,6 +80,18 @@ class TorchAttention(AttentionBackend):
             if num > 1
         ]
 
+    @property
+    def uses_paged_kernel(self) -> bool:
+        """Decodes run the C++ paged decode kernel (gpu/attention/paged_decode.py)."""
+        return self._use_kernel
+
+    def paged_decodes(self) -> tuple[torch.Tensor, PagedDecode] | None:
+        """After `prepare`: the KV slot of every new token and the paged kernel's metadata,
+        where the step is decodes only, in order, over the C++ kernel (else None)."""
+        if self._paged is None or self._paged.tok is not None or self._extends:
+            return None
+        return self.out_cache_loc, self._paged
+
     def _cache_locs(
         self, rows: torch.Tensor, prefix: torch.Tensor, extend: torch.Tensor, tokens: int
     ) -> torch.Tensor:

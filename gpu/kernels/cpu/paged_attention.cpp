@@ -52,22 +52,12 @@ void attend(const Problem<T>& p, int64_t batch) {
   });
 }
 
-template <class S, class T>
-void dispatch_dim(const Problem<T>& p, int64_t batch) {
-  switch (p.dim / S::W) {
-    case 64 / S::W: attend<S, 64 / S::W, T>(p, batch); break;
-    case 128 / S::W: attend<S, 128 / S::W, T>(p, batch); break;
-    default: attend<S, 0, T>(p, batch);
-  }
-}
-
 template <class T>
 void dispatch(const Problem<T>& p, int64_t batch) {
-  if (p.dim % Rows<Simd, T>::span == 0) {
-    dispatch_dim<Simd, T>(p, batch);
-  } else {
-    attend<Scalar, 0, T>(p, batch);
-  }
+  with_variant<T>(p.dim, [&](auto variant) {
+    using V = decltype(variant);
+    attend<typename V::S, V::NV, T>(p, batch);
+  });
 }
 
 at::Tensor paged_attention_decode(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,

@@ -325,6 +325,27 @@ void run_item(const Problem<T>& p, Attender<S, NV, T>& attender, const Item& it,
   if (split.pending->fetch_sub(1, std::memory_order_acq_rel) == 1) merge<S>(p, split, it.row, partials, tmp);
 }
 
+// The attention variant for head_dim `dim` and element type T, as paged_attention.cpp has
+// always picked it: the vector code with the register count fixed for head dims 64 and 128
+// (any other multiple of the vector span: a loop), else scalar. Calls f(Variant<S, NV>{}).
+template <class S_, int NV_>
+struct Variant {
+  using S = S_;
+  static constexpr int NV = NV_;
+};
+
+template <class T, class F>
+void with_variant(int64_t dim, F&& f) {
+  if (dim % Rows<Simd, T>::span == 0) {
+    switch (dim / Simd::W) {
+      case 64 / Simd::W: f(Variant<Simd, 64 / Simd::W>{}); return;
+      case 128 / Simd::W: f(Variant<Simd, 128 / Simd::W>{}); return;
+      default: f(Variant<Simd, 0>{}); return;
+    }
+  }
+  f(Variant<Scalar, 0>{});
+}
+
 // Every page a row's keys use must be a page of the pool: a bad id would read outside it.
 inline void check_pages(const int64_t* pages, const int64_t* lens, int64_t batch, int64_t max_pages, int64_t page_size,
                  int64_t num_pages) {

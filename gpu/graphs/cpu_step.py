@@ -1,0 +1,77 @@
+"""`graphs.mode: cpu`: decode steps as one native call each, the CPU counterpart of graph replay.
+
+A CUDA graph removes the launch cost of a decode step's few hundred kernels; on CPU the
+same cost is a Python dispatch and an OpenMP fork/join per op. Here a decode batch that
+fits a bucket runs the model's native decode step (gpu/models/llama_cpu_step.py over
+gpu/kernels/cpu/decode_step.cpp): one call, one parallel region. It needs no static
+shapes (the call takes any row count), so a bucket is only the admission rule: decode-only
+batches of at most the largest decode bucket that the model's quantized kernels run
+(their row limit); anything else runs the eager torch path.
+
+The step reads the attention backend's own metadata for the batch (`TorchAttention.prepare`,
+then `paged_decodes`), so slots and page tables come from the code every other step uses.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import structlog
+import torch
+
+from gpu.attention.base import AttentionBackend
+from gpu.attention.torch_backend import TorchAttention
+from gpu.forward_batch import ForwardBatch
+from gpu.graphs.runner import Bucket, Graph
+from gpu.models import llama_cpu_step
+from gpu.step_inputs import StepInputs, flat_inputs
+
+log = structlog.get_logger("tierserve")
+
+
+def unsupported(model: Any, attention: AttentionBackend) -> str | None:
+    """Why `graphs.mode: cpu` cannot run this model and backend (None: it can)."""
+    if not isinstance(attention, TorchAttention) or not attention.uses_paged_kernel:
+        return "needs the torch attention backend with the C++ paged decode kernel"
+    if type(model).__name__ != "LlamaModel":
+        return f"has no native decode step for {type(model).__name__}"
+    return llama_cpu_step.unsupported(model, attention.pool)
+
+
+class CpuStepRunner:
+    """Owned by the device thread, beside the ModelRunner (which asks `bucket_for`)."""
+
+    def __init__(self, model: Any, attention: AttentionBackend, decode_buckets: Sequence[int]) -> None:
+        assert isinstance(attention, TorchAttention), "check unsupported() first"
+        self.attention = attention
+        self.decoder = llama_cpu_step.build(model, attention.pool)
+        fitting = [b for b in sorted(decode_buckets) if b <= self.decoder.max_rows]
+        self.max_rows = fitting[-1] if fitting else 0
+        # One handle per row count (what GraphRunner.bucket_for hands out, with nothing captured).
+        self._graphs = [Graph(Bucket("decode", n, n), {}) for n in range(1, self.max_rows + 1)]
+        self.device: torch.device = model.device
+        self.replays: Counter[Bucket] = Counter()  # per decode batch size: how many steps ran natively
+        self.inputs: StepInputs | None = None  # the model runner's (shared by the builder)
+        log.info("cpu_step_ready", max_rows=self.max_rows, kernel_rows=self.decoder.max_rows)
+
+    def bucket_for(self, batch: ForwardBatch) -> Graph | None:
+        """Where the batch runs natively: decodes only, within the row limit (at its own
+        size: the call pads nothing), else None (run it eagerly)."""
+        rows = len(batch.rows)
+        if 0 < rows <= self.max_rows and all(n == 1 for n in batch.extend_lens):
+            return self._graphs[rows - 1]
+        return None
+
+    def replay(self, graph: Graph, batch: ForwardBatch) -> torch.Tensor:
+        """Logits of the batch's sampling rows from one native decode step."""
+        inputs = self.inputs
+        input_ids, positions, last = inputs.build(batch) if inputs is not None else flat_inputs(batch, self.device)
+        self.attention.prepare(batch.rows, batch.prefix_lens, batch.extend_lens)
+        decodes = self.attention.paged_decodes()
+        if decodes is None:  # NOTE: bucket_for admitted only decode batches; the backend must agree
+            raise RuntimeError("the attention backend prepared no paged decode metadata for a decode batch")
+        out_loc, paged = decodes
+        self.replays[graph.bucket] += 1
+        return self.decoder.step(input_ids, positions, out_loc, paged.page_table, paged.seq_lens, last)

@@ -1,0 +1,417 @@
+// A Llama decode step in one native call: embedding, every layer's norm, qkv, RoPE, KV
+// write, attention, o_proj and residual, norm, gate_up, SiLU * up, down and residual, then
+// the final norm and the head, run by one OpenMP team (one parallel region per step; the
+// threads meet at six barriers a layer). It is the CPU counterpart of graph replay: a
+// torch-path decode step is ~10 ops a layer, each a Python dispatch and a fork/join of the
+// intra-op threads, and at batch 1 those cost more than reading the weights.
+//
+// NOTE: bit-identical to the torch path with the C++ kernels (gpu/models/llama.py with
+// model.cpu_kernels on) for every batch that path runs on the quantized kernels: each
+// stage is the same inner code (quant_gemv_core.h, paged_attention_core.h,
+// llama_glue_core.h) on the same inputs, rounding where that path rounds, and a row's
+// result never depends on how a stage's work is cut among the threads. What differs is
+// only who computes what and when: norms and activation conversions are computed by every
+// thread for itself (cheaper than a barrier), residual adds happen in the epilogue of the
+// matmul that produces the update, SiLU * up in the epilogue of gate_up.
+//
+// One LlamaDecoder per model and KV pool (torch.classes.tierserve_cpu.LlamaDecoder), built
+// once from the very weight and pool tensors the torch path uses (no copies); `step` runs
+// one decode step. NOTE: a decoder keeps its scratch between steps; one thread (the device
+// thread) calls it at a time.
+
+#include <ATen/Parallel.h>
+#include <omp.h>
+#include <torch/all.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "llama_glue_core.h"
+#include "paged_attention_core.h"
+#include "quant_gemv_core.h"
+
+namespace {
+
+namespace gemv = tierserve_gemv;
+namespace paged = tierserve_paged;
+namespace glue = tierserve_glue;
+
+// The matmuls' instruction set: the widest compiled, as quant_gemv's "auto".
+#if defined(QG_AVX512)
+using Isa = gemv::Avx512;
+#elif defined(QG_AVX2)
+using Isa = gemv::Avx2;
+#else
+using Isa = gemv::Scalar;
+#endif
+
+enum Kind : int64_t { kInt8 = 1, kQ4 = 2 };  // the weight formats of quant_gemv_core.h
+
+struct Linear {
+  int64_t kind = 0, n = 0, k = 0, stride = 0;
+  at::Tensor weight, scales;  // held: the decoder reads them by pointer
+  const uint8_t* w = nullptr;
+  const float* s = nullptr;
+};
+
+struct Layer {
+  at::Tensor input_norm, post_norm, k_pool, v_pool;
+  Linear qkv, o, gate_up, down;
+};
+
+// [begin, end) of `count` work units for thread t of `threads`: contiguous, balanced.
+inline std::pair<int64_t, int64_t> share(int64_t count, int t, int threads) {
+  return {count * t / threads, count * (t + 1) / threads};
+}
+
+// The element type of a compute dtype: glue's storage view and the matmul / attention one.
+struct F32Types {
+  using glue_t = glue::F32;
+  using elem = float;
+};
+struct BF16Types {
+  using glue_t = glue::BF16;
+  using elem = c10::BFloat16;
+};
+
+class LlamaDecoder : public torch::CustomClassHolder {
+ public:
+  // dims: layers, hidden, heads, kv_heads, head_dim, intermediate, vocab, page_size.
+  // scale: the attention's (the torch path's SDPA default, head_dim ** -0.5, as it computes it).
+  LlamaDecoder(std::vector<int64_t> dims, double eps, double scale, at::Tensor embed, at::Tensor rope,
+               at::Tensor final_norm)
+      : eps_(static_cast<float>(eps)), scale_(static_cast<float>(scale)), embed_(std::move(embed)), rope_(std::move(rope)), final_norm_(std::move(final_norm)) {
+    TORCH_CHECK(dims.size() == 8, "LlamaDecoder: dims are layers, hidden, heads, kv_heads, head_dim, intermediate, "
+                "vocab, page_size");
+    num_layers_ = dims[0], hidden_ = dims[1], heads_ = dims[2], kv_heads_ = dims[3], dim_ = dims[4];
+    inter_ = dims[5], vocab_ = dims[6], page_size_ = dims[7];
+    dtype_ = embed_.scalar_type();
+    TORCH_CHECK(dtype_ == at::kFloat || dtype_ == at::kBFloat16, "LlamaDecoder: float32 or bfloat16, not ", dtype_);
+    TORCH_CHECK(heads_ > 0 && kv_heads_ > 0 && heads_ % kv_heads_ == 0 && dim_ % 2 == 0 && dim_ <= paged::kMaxHeadDim,
+                "LlamaDecoder: ", heads_, " heads over ", kv_heads_, " kv heads of dim ", dim_);
+    TORCH_CHECK(hidden_ % gemv::kGroup == 0 && inter_ % gemv::kTile == 0 && (heads_ * dim_) % gemv::kGroup == 0,
+                "LlamaDecoder: hidden and heads * head_dim must be multiples of 32, intermediate of 16");
+    check_vector(embed_, vocab_ * hidden_, "embed");
+    TORCH_CHECK(rope_.dim() == 2 && rope_.size(1) == dim_ && rope_.is_contiguous() && rope_.scalar_type() == dtype_,
+                "LlamaDecoder: rope must be [positions, head_dim] (cos | sin) in the compute dtype");
+    check_vector(final_norm_, hidden_, "final_norm");
+  }
+
+  // Layer i's weights (in order); kinds/weights/scales: qkv, o, gate_up, down.
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::vector<int64_t> kinds, std::vector<at::Tensor> weights,
+                 std::vector<at::Tensor> scales, at::Tensor k_pool, at::Tensor v_pool) {
+    TORCH_CHECK(static_cast<int64_t>(layers_.size()) < num_layers_, "LlamaDecoder: more layers than ", num_layers_);
+    TORCH_CHECK(kinds.size() == 4 && weights.size() == 4 && scales.size() == 4, "LlamaDecoder: four linears a layer");
+    check_vector(input_norm, hidden_, "input_norm");
+    check_vector(post_norm, hidden_, "post_norm");
+    for (const at::Tensor* pool : {&k_pool, &v_pool}) {
+      TORCH_CHECK(pool->dim() == 3 && pool->size(1) == kv_heads_ && pool->size(2) == dim_ && pool->is_contiguous() &&
+                      pool->scalar_type() == dtype_ && pool->size(0) % page_size_ == 0,
+                  "LlamaDecoder: a KV pool must be [slots, kv_heads, head_dim] in the compute dtype");
+    }
+    Layer layer;
+    layer.input_norm = input_norm, layer.post_norm = post_norm, layer.k_pool = k_pool, layer.v_pool = v_pool;
+    const int64_t qkv_n = (heads_ + 2 * kv_heads_) * dim_;
+    layer.qkv = linear(kinds[0], weights[0], scales[0], qkv_n, hidden_);
+    layer.o = linear(kinds[1], weights[1], scales[1], hidden_, heads_ * dim_);
+    layer.gate_up = linear(kinds[2], weights[2], scales[2], 2 * inter_, hidden_);
+    layer.down = linear(kinds[3], weights[3], scales[3], hidden_, inter_);
+    layers_.push_back(std::move(layer));
+  }
+
+  void set_head(int64_t kind, at::Tensor weight, at::Tensor scales) { head_ = linear(kind, weight, scales, vocab_, hidden_); }
+
+  // One decode step of B rows: ids, positions, out_loc (each row's new KV slot) [B],
+  // page_table [B, pages], seq_lens [B] (keys, the new one included), logit_rows [R]
+  // (rows of the batch whose logits are returned) -> float32 logits [R, vocab].
+  at::Tensor step(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& out_loc,
+                  const at::Tensor& page_table, const at::Tensor& seq_lens, const at::Tensor& logit_rows) {
+    TORCH_CHECK(static_cast<int64_t>(layers_.size()) == num_layers_ && head_.kind != 0, "LlamaDecoder: not fully built");
+    const int64_t batch = ids.size(0);
+    for (const at::Tensor* t : {&ids, &positions, &out_loc, &seq_lens, &logit_rows}) {
+      TORCH_CHECK(t->dim() == 1 && t->scalar_type() == at::kLong && t->is_contiguous(),
+                  "LlamaDecoder.step: ids, positions, out_loc, seq_lens and logit_rows are contiguous int64 [B]");
+    }
+    TORCH_CHECK(positions.size(0) == batch && out_loc.size(0) == batch && seq_lens.size(0) == batch,
+                "LlamaDecoder.step: ids, positions, out_loc and seq_lens must have one entry per row");
+    TORCH_CHECK(page_table.dim() == 2 && page_table.size(0) == batch && page_table.scalar_type() == at::kLong &&
+                    page_table.is_contiguous(), "LlamaDecoder.step: page_table must be contiguous int64 [B, pages]");
+    check_rows(ids, positions, out_loc, logit_rows, batch);
+    paged::check_pages(page_table.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), batch, page_table.size(1),
+                       page_size_, layers_[0].k_pool.size(0) / page_size_);
+    at::Tensor logits = at::empty({logit_rows.size(0), vocab_}, embed_.options().dtype(at::kFloat));
+    if (batch == 0) return logits;
+    if (dtype_ == at::kFloat) {
+      run<F32Types>(ids, positions, out_loc, page_table, seq_lens, logit_rows, logits);
+    } else {
+      run<BF16Types>(ids, positions, out_loc, page_table, seq_lens, logit_rows, logits);
+    }
+    return logits;
+  }
+
+ private:
+  void check_vector(const at::Tensor& t, int64_t numel, const char* name) const {
+    TORCH_CHECK(t.is_contiguous() && t.numel() == numel && t.scalar_type() == dtype_, "LlamaDecoder: ", name,
+                " must be contiguous with ", numel, " elements in the compute dtype");
+  }
+
+  Linear linear(int64_t kind, const at::Tensor& weight, const at::Tensor& scales, int64_t n, int64_t k) const {
+    Linear l;
+    l.kind = kind, l.n = n, l.k = k, l.weight = weight, l.scales = scales;
+    TORCH_CHECK(weight.is_contiguous() && weight.dim() == 2, "LlamaDecoder: a weight must be a contiguous matrix");
+    if (kind == kInt8) {
+      TORCH_CHECK(weight.scalar_type() == at::kChar && weight.size(0) == n && weight.size(1) == k,
+                  "LlamaDecoder: an int8 weight must be [", n, ", ", k, "]");
+      TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == n,
+                  "LlamaDecoder: int8 scales must be float32 [", n, "]");
+      l.stride = k;
+      l.s = scales.data_ptr<float>();
+    } else {
+      TORCH_CHECK(kind == kQ4, "LlamaDecoder: weight kind ", kind, " is neither int8 (1) nor q4 (2)");
+      TORCH_CHECK(weight.scalar_type() == at::kByte && weight.size(0) == (n + gemv::kTile - 1) / gemv::kTile &&
+                      weight.size(1) == k / gemv::kGroup * gemv::kTileGroupBytes,
+                  "LlamaDecoder: a q4 weight must be packed uint8 [ceil(", n, " / 16), ", k, " / 32 * 320]");
+      l.stride = weight.size(1);
+    }
+    l.w = static_cast<const uint8_t*>(weight.data_ptr());
+    return l;
+  }
+
+  void check_rows(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& out_loc,
+                  const at::Tensor& logit_rows, int64_t batch) const {
+    const int64_t slots = layers_[0].k_pool.size(0), max_pos = rope_.size(0);
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t id = ids.data_ptr<int64_t>()[b], pos = positions.data_ptr<int64_t>()[b];
+      const int64_t loc = out_loc.data_ptr<int64_t>()[b];
+      TORCH_CHECK(id >= 0 && id < vocab_, "LlamaDecoder.step: token id ", id, " outside the vocabulary");
+      TORCH_CHECK(pos >= 0 && pos < max_pos, "LlamaDecoder.step: position ", pos, " outside the RoPE table");
+      TORCH_CHECK(loc >= 0 && loc < slots, "LlamaDecoder.step: KV slot ", loc, " outside the pool");
+    }
+    for (int64_t r = 0; r < logit_rows.size(0); ++r) {
+      const int64_t row = logit_rows.data_ptr<int64_t>()[r];
+      TORCH_CHECK(row >= 0 && row < batch, "LlamaDecoder.step: logit row ", row, " outside the batch");
+    }
+  }
+
+  template <class Types>
+  void run(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& out_loc, const at::Tensor& page_table,
+           const at::Tensor& seq_lens, const at::Tensor& logit_rows, at::Tensor& logits);
+
+  float eps_, scale_;
+  int64_t num_layers_ = 0, hidden_ = 0, heads_ = 0, kv_heads_ = 0, dim_ = 0, inter_ = 0, vocab_ = 0, page_size_ = 0;
+  at::ScalarType dtype_;
+  at::Tensor embed_, rope_, final_norm_;
+  std::vector<Layer> layers_;
+  Linear head_;
+};
+
+// out rows [i0 * 16, i1 * 16) (clipped to N) of `rows` rows of x, in passes of kMaxRows.
+template <class Out>
+void matmul_items(const Linear& l, const float* x, const float* xsum, Out* out, int64_t rows, int64_t i0, int64_t i1) {
+  using ItemFn = void (*)(const gemv::Problem<Out>&, int64_t, int64_t);
+  static constexpr ItemFn kInt8Items[gemv::kMaxRows] = {
+      gemv::item<Isa, false, 1, Out>, gemv::item<Isa, false, 2, Out>, gemv::item<Isa, false, 3, Out>,
+      gemv::item<Isa, false, 4, Out>, gemv::item<Isa, false, 5, Out>, gemv::item<Isa, false, 6, Out>,
+      gemv::item<Isa, false, 7, Out>, gemv::item<Isa, false, 8, Out>};
+  static constexpr ItemFn kQ4Items[gemv::kMaxRows] = {
+      gemv::item<Isa, true, 1, Out>, gemv::item<Isa, true, 2, Out>, gemv::item<Isa, true, 3, Out>,
+      gemv::item<Isa, true, 4, Out>, gemv::item<Isa, true, 5, Out>, gemv::item<Isa, true, 6, Out>,
+      gemv::item<Isa, true, 7, Out>, gemv::item<Isa, true, 8, Out>};
+  if (i0 >= i1) return;
+  const bool q4 = l.kind == kQ4;
+  const int64_t n0 = i0 * gemv::kTile, n1 = std::min(l.n, i1 * gemv::kTile), groups = l.k / gemv::kGroup;
+  const int64_t item_bytes = q4 ? l.stride : gemv::kTile * l.k;
+  for (int64_t m0 = 0; m0 < rows; m0 += gemv::kMaxRows) {
+    const int m = static_cast<int>(std::min<int64_t>(gemv::kMaxRows, rows - m0));
+    // the stream's head: the loops prefetch kPrefetchBytes ahead, this covers what comes before
+    const uint8_t* head = l.w + i0 * item_bytes;
+    const int64_t head_bytes = std::min(gemv::kPrefetchBytes, (i1 - i0) * item_bytes);
+    for (int64_t line = 0; line < head_bytes; line += 64) gemv::prefetch(head + line);
+    const gemv::Problem<Out> p{x + m0 * l.k, q4 ? xsum + m0 * groups : nullptr, l.w, l.s, out + m0 * l.n, l.k, l.n,
+                               l.stride};
+    (q4 ? kQ4Items : kInt8Items)[m - 1](p, n0, n1);
+  }
+}
+
+inline int64_t items_of(const Linear& l) { return (l.n + gemv::kTile - 1) / gemv::kTile; }
+
+// Each thread's own copy of a matmul's input: x as float32 rows and each group of 32's sum,
+// computed as quant_gemv.cpp's Activations does (the same sums, in the same order).
+struct Input {
+  std::vector<float> x, xsum;
+  std::vector<uint16_t> row;  // one normed row in the compute dtype (bfloat16's bits)
+
+  template <class G>
+  void from(const typename G::scalar* src, int64_t rows, int64_t k) {
+    for (int64_t i = 0; i < rows * k; ++i) x[i] = G::load(src[i]);
+    sums(rows, k);
+  }
+
+  // weight * norm(src row) in the compute dtype, as float32 (glue's rms_norm, then the matmul's read).
+  template <class G>
+  void normed(const typename G::scalar* src, const typename G::scalar* w, int64_t rows, int64_t k, float eps,
+              const int64_t* pick = nullptr) {
+    using S = typename G::scalar;
+    S* y = reinterpret_cast<S*>(row.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      glue::norm_row<G>(src + (pick ? pick[r] : r) * k, w, y, k, eps);
+      for (int64_t i = 0; i < k; ++i) x[r * k + i] = G::load(y[i]);
+    }
+    sums(rows, k);
+  }
+
+  void sums(int64_t rows, int64_t k) {
+    std::fill(xsum.begin(), xsum.begin() + rows * (k / gemv::kGroup), 0.0f);
+    for (int64_t i = 0; i < rows * k; ++i) xsum[i / gemv::kGroup] += x[i];
+  }
+};
+
+// h += delta (each sum rounded to the compute dtype, as glue's add_rms_norm) on columns [n0, n1).
+template <class G>
+void add_rows(typename G::scalar* h, const typename G::scalar* delta, int64_t rows, int64_t width, int64_t n0, int64_t n1) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t n = n0; n < n1; ++n) h[r * width + n] = G::store(G::load(h[r * width + n]) + G::load(delta[r * width + n]));
+  }
+}
+
+template <class Types>
+void LlamaDecoder::run(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& out_loc,
+                       const at::Tensor& page_table, const at::Tensor& seq_lens, const at::Tensor& logit_rows,
+                       at::Tensor& logits) {
+  using G = typename Types::glue_t;
+  using S = typename G::scalar;  // storage bits
+  using E = typename Types::elem;
+  const int64_t B = ids.size(0), R = logit_rows.size(0), H = hidden_, D = dim_, half = D / 2;
+  const int64_t qkv_n = (heads_ + 2 * kv_heads_) * D, kmax = std::max({H, inter_, heads_ * D});
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* loc = out_loc.data_ptr<int64_t>();
+  const int64_t* pick = logit_rows.data_ptr<int64_t>();
+  // Shared per-step buffers, in the compute dtype.
+  std::vector<E> h(B * H), qkv(B * qkv_n), q(B * heads_ * D), att(B * heads_ * D), delta(B * H), gu(B * 2 * inter_),
+      act(B * inter_), head_out(std::is_same_v<E, float> ? 0 : R * vocab_);
+  const E* embed = reinterpret_cast<const E*>(embed_.data_ptr());
+  for (int64_t b = 0; b < B; ++b) std::memcpy(&h[b * H], embed + id[b] * H, sizeof(E) * H);
+  // The attention's work items (the same every layer: they depend on the lengths only).
+  std::vector<paged::Split> splits;
+  const std::vector<paged::Item> items = paged::plan(seq_lens.data_ptr<int64_t>(), B, paged::kChunk, splits);
+  const int64_t width = paged::partial_width(heads_, D);
+  std::vector<float> partials(static_cast<int64_t>(items.size()) > B ? items.size() * width : 0);
+  std::atomic<int64_t> next{0};
+  const int threads = std::max(1, at::get_num_threads());
+  std::vector<Input> inputs(threads);
+  for (Input& in : inputs) {
+    in.x.resize(std::max(B, R) * kmax);
+    in.xsum.resize(std::max(B, R) * kmax / gemv::kGroup);
+    in.row.resize(kmax);
+  }
+  const E* rope = reinterpret_cast<const E*>(rope_.data_ptr());
+  auto sv = [](const at::Tensor& t) { return reinterpret_cast<const S*>(t.data_ptr()); };
+  auto st = [](std::vector<E>& v) { return reinterpret_cast<S*>(v.data()); };
+  E* out_logits = std::is_same_v<E, float> ? reinterpret_cast<E*>(logits.data_ptr<float>()) : head_out.data();
+
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), team = omp_get_num_threads();
+    Input& in = inputs[t];
+    std::vector<float> merge_tmp(width);
+    for (const Layer& L : layers_) {
+      // x = input_norm(h); qkv = x @ Wqkv^T
+      in.normed<G>(st(h), sv(L.input_norm), B, H, eps_);
+      int64_t a, e;
+      std::tie(a, e) = share(items_of(L.qkv), t, team);
+      matmul_items(L.qkv, in.x.data(), in.xsum.data(), qkv.data(), B, a, e);
+#pragma omp barrier
+      // RoPE of q and k; k and v written at each row's new slot.
+      const int64_t per_row = heads_ + kv_heads_;
+      int64_t r0, r1;
+      std::tie(r0, r1) = share(B * per_row, t, team);
+      for (int64_t task = r0; task < r1; ++task) {
+        const int64_t b = task / per_row, j = task % per_row;
+        const S* x = st(qkv) + b * qkv_n;
+        const S* c = reinterpret_cast<const S*>(rope + pos[b] * D);
+        if (j < heads_) {
+          glue::rope_head<G>(x + j * D, c, c + half, st(q) + (b * heads_ + j) * D, half);
+        } else {
+          const int64_t kv = j - heads_, slot = (loc[b] * kv_heads_ + kv) * D;
+          glue::rope_head<G>(x + (heads_ + kv) * D, c, c + half, reinterpret_cast<S*>(L.k_pool.data_ptr()) + slot, half);
+          std::memcpy(reinterpret_cast<S*>(L.v_pool.data_ptr()) + slot, x + (heads_ + kv_heads_ + kv) * D, sizeof(S) * D);
+        }
+      }
+      if (t == 0) {
+        next.store(0, std::memory_order_relaxed);
+        for (paged::Split& s : splits) {
+          if (s.pending) s.pending->store(s.chunks, std::memory_order_relaxed);
+        }
+      }
+#pragma omp barrier
+      // Attention of every row's query over its pages.
+      const paged::Problem<E> ap{q.data(), reinterpret_cast<const E*>(L.k_pool.data_ptr()),
+                                 reinterpret_cast<const E*>(L.v_pool.data_ptr()), page_table.data_ptr<int64_t>(),
+                                 seq_lens.data_ptr<int64_t>(), att.data(), page_table.size(1), page_size_, heads_,
+                                 kv_heads_, D, heads_ / kv_heads_, scale_};
+      paged::with_variant<E>(D, [&](auto variant) {
+        using V = decltype(variant);
+        paged::Attender<typename V::S, V::NV, E> attender(ap);
+        const int64_t count = static_cast<int64_t>(items.size());
+        for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) {
+          paged::run_item(ap, attender, items[i], splits, partials.data(), merge_tmp.data());
+        }
+      });
+#pragma omp barrier
+      // h += att @ Wo^T, on this thread's output rows.
+      in.from<G>(st(att), B, heads_ * D);
+      std::tie(a, e) = share(items_of(L.o), t, team);
+      matmul_items(L.o, in.x.data(), in.xsum.data(), delta.data(), B, a, e);
+      add_rows<G>(st(h), st(delta), B, H, a * gemv::kTile, std::min(H, e * gemv::kTile));
+#pragma omp barrier
+      // x = post_norm(h); gate_up, then SiLU(gate) * up on this thread's tiles of both halves.
+      in.normed<G>(st(h), sv(L.post_norm), B, H, eps_);
+      std::tie(a, e) = share(inter_ / gemv::kTile, t, team);
+      const int64_t up = inter_ / gemv::kTile;
+      matmul_items(L.gate_up, in.x.data(), in.xsum.data(), gu.data(), B, a, e);
+      matmul_items(L.gate_up, in.x.data(), in.xsum.data(), gu.data(), B, up + a, up + e);
+      for (int64_t b = 0; b < B; ++b) {
+        const S* g = st(gu) + b * 2 * inter_;
+        S* y = st(act) + b * inter_;
+        for (int64_t i = a * gemv::kTile; i < e * gemv::kTile; ++i) y[i] = glue::silu_times<G>(g[i], g[inter_ + i]);
+      }
+#pragma omp barrier
+      // h += act @ Wdown^T
+      in.from<G>(st(act), B, inter_);
+      std::tie(a, e) = share(items_of(L.down), t, team);
+      matmul_items(L.down, in.x.data(), in.xsum.data(), delta.data(), B, a, e);
+      add_rows<G>(st(h), st(delta), B, H, a * gemv::kTile, std::min(H, e * gemv::kTile));
+#pragma omp barrier
+    }
+    // logits of the picked rows: final_norm(h) @ Whead^T
+    in.normed<G>(st(h), sv(final_norm_), R, H, eps_, pick);
+    int64_t a, e;
+    std::tie(a, e) = share(items_of(head_), t, team);
+    matmul_items(head_, in.x.data(), in.xsum.data(), out_logits, R, a, e);
+    if constexpr (!std::is_same_v<E, float>) {
+      float* lp = logits.data_ptr<float>();
+      const int64_t n0 = a * gemv::kTile, n1 = std::min(vocab_, e * gemv::kTile);
+      for (int64_t r = 0; r < R; ++r) {
+        for (int64_t n = n0; n < n1; ++n) lp[r * vocab_ + n] = static_cast<float>(head_out[r * vocab_ + n]);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tierserve_cpu, m) {
+  m.class_<LlamaDecoder>("LlamaDecoder")
+      .def(torch::init<std::vector<int64_t>, double, double, at::Tensor, at::Tensor, at::Tensor>())
+      .def("add_layer", &LlamaDecoder::add_layer)
+      .def("set_head", &LlamaDecoder::set_head)
+      .def("step", &LlamaDecoder::step);
+}

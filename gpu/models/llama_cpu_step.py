@@ -1,0 +1,121 @@
+"""A Llama model's decode step as one native call (gpu/kernels/cpu/decode_step.cpp).
+
+`build` hands the C++ decoder the very tensors the torch path reads — embedding, RoPE
+table, norms, each linear's quantized weight in its kernel format, the KV pool's layers —
+and says why not where it cannot run the model; `CpuDecoder.step` runs one decode step
+from the attention backend's own metadata (the KV slots and page table it prepared).
+
+It runs what the torch path with the C++ kernels runs for a decode batch of at most
+`max_rows` rows (every linear on its quantized kernel: gpu/quant/dispatch.py's rule), so
+its logits are bit-identical to that path's (the NOTE in decode_step.cpp). Not covered (the
+torch path runs them): deterministic mode, dense (unquantized) linears, QKV bias, QK-norm.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from cache.kv_pool import KVPool
+from gpu.kernels import cpu
+from gpu.quant.dispatch import LinearWeight, QuantizedWeight
+from gpu.quant.linears import Int4Linear, Int8Linear
+
+if TYPE_CHECKING:
+    from gpu.models.llama import LlamaModel
+
+KERNELS = "decode_step"
+INT8, Q4 = 1, 2  # decode_step.cpp's weight kinds
+_EMPTY = torch.empty(0)
+
+
+class _KernelWeight(NamedTuple):
+    kind: int
+    weight: torch.Tensor
+    scales: torch.Tensor
+    max_rows: int
+
+
+class CpuDecoder:
+    """One model's decode step over one KV pool; called from the device thread only."""
+
+    def __init__(self, native: Any, max_rows: int) -> None:
+        self.native = native
+        self.max_rows = max_rows  # decode batches up to this many rows (the quantized kernels' limit)
+
+    def step(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        out_loc: torch.Tensor,
+        page_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """float32 logits of the `logits_indices` rows; writes every row's K/V at `out_loc`."""
+        return self.native.step(  # type: ignore[no-any-return]
+            input_ids.contiguous(), positions.contiguous(), out_loc.contiguous(),
+            page_table.contiguous(), seq_lens.contiguous(), logits_indices.contiguous(),
+        )
+
+
+def unsupported(model: LlamaModel, pool: KVPool) -> str | None:
+    """Why this model and pool cannot take the native step (None: they can)."""
+    arch = model.arch
+    if model.device.type != "cpu" or not model.fused:
+        return "needs the C++ CPU kernels on a CPU model (model.cpu_kernels, not deterministic)"
+    if model.dtype not in (torch.float32, torch.bfloat16) or not pool.k or pool.k[0].dtype != model.dtype:
+        return f"computes float32 or bfloat16 over a pool of the same dtype, not {model.dtype}"
+    if arch.attention_bias or arch.qk_norm:
+        return "QKV bias and QK-norm are not in the native step"
+    if arch.intermediate_size % 16 or arch.hidden_size % 32 or (arch.num_heads * arch.head_dim) % 32:
+        return "needs hidden and heads * head_dim a multiple of 32, intermediate of 16"
+    linears = [model.lm_head] + [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    if any(_kernel_weight(w) is None for w in linears):
+        return "needs every linear quantized in a C++ kernel format (model.quantization int4 / int8)"
+    if not cpu.load(KERNELS):
+        return "the decode_step kernel did not build"
+    return None
+
+
+def build(model: LlamaModel, pool: KVPool) -> CpuDecoder:
+    """The native decoder of `model` over `pool` (check `unsupported` first)."""
+    arch = model.arch
+    dims = [
+        arch.num_layers, arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
+        arch.intermediate_size, arch.vocab_size, pool.page_size,
+    ]
+    scale = arch.head_dim**-0.5  # the torch path's (gpu/attention/paged_decode.py), computed alike
+    native = torch.classes.tierserve_cpu.LlamaDecoder(
+        dims, float(arch.rms_norm_eps), scale, model.embed, model.rope_table, model.norm
+    )
+    rows = []
+    for i, layer in enumerate(model.layers):
+        ws = [_required(w) for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        rows += [w.max_rows for w in ws]
+        native.add_layer(
+            layer.input_norm, layer.post_norm, [w.kind for w in ws], [w.weight for w in ws],
+            [w.scales for w in ws], pool.k[i], pool.v[i],
+        )
+    head = _required(model.lm_head)
+    native.set_head(head.kind, head.weight, head.scales)
+    return CpuDecoder(native, min(rows + [head.max_rows]))
+
+
+def _kernel_weight(weight: LinearWeight) -> _KernelWeight | None:
+    if not isinstance(weight, QuantizedWeight):
+        return None
+    quant = weight.quant
+    if isinstance(quant, Int4Linear) and quant.kernel:
+        return _KernelWeight(Q4, quant.packed, _EMPTY, quant.max_rows)
+    if isinstance(quant, Int8Linear) and quant.kernel_scales is not None:
+        return _KernelWeight(INT8, quant.qweight, quant.kernel_scales, quant.max_rows)
+    return None
+
+
+def _required(weight: LinearWeight) -> _KernelWeight:
+    found = _kernel_weight(weight)
+    if found is None:
+        raise ValueError("a linear is not in a C++ kernel format (see unsupported())")
+    return found

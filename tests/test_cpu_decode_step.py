@@ -1,0 +1,161 @@
+"""graphs.mode cpu: the native decode step (gpu/kernels/cpu/decode_step.cpp) against the torch path.
+
+The step claims bit-identity with the torch path over the C++ kernels for every decode
+batch it takes (gpu/models/llama_cpu_step.py), so each guard compares tokens and logprobs
+with `==`, on the same engine with its CPU step runner detached (the reference) and
+attached (and checks that the native step ran). The planted bugs — a layer skipped, new
+K/V written to a stale slot, a wrong page read — must turn that comparison red.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from gpu.graphs import cpu_step
+from gpu.graphs.cpu_step import CpuStepRunner
+from gpu.models import llama_cpu_step
+from kernel import Engine
+from kernel.components import _graph_runner
+from kernel.config import ConfigError
+from tests.conftest import CONFIG
+
+GREEDY = {"temperature": 0, "ignore_eos": True, "return_logprob": True, "top_logprobs_num": 2}
+# Several lengths, so rows leave the batch at different steps (batch sizes 5 down to 1),
+# and one prompt past 128 keys, so its attention is split into chunks and merged.
+LENGTHS = (3, 17, 40, 150, 9)
+NEW_TOKENS = (12, 7, 10, 15, 4)
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(5)
+    return [[rng.randint(50, 40000) for _ in range(n)] for n in LENGTHS]
+
+
+def _quantized(dtype: str) -> dict[str, Any]:
+    return {"model.dtype": dtype, "model.quantization": "int4", "graphs.mode": "cpu", "cache.prefix": "none",
+            "cache.num_pages": 256, "debug.check_invariants": True}
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def native_engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
+    engine = Engine(CONFIG, _quantized(request.param))
+    yield engine
+    engine.shutdown()
+
+
+def _runner(engine: Engine) -> Any:
+    return engine.engine.parts.runner  # type: ignore[attr-defined]
+
+
+def _run(engine: Engine) -> list[Any]:
+    params = [{**GREEDY, "max_new_tokens": n} for n in NEW_TOKENS]
+    outs = engine.generate(_prompts(), params)
+    assert isinstance(outs, list)
+    return [(o["output_ids"], o["meta_info"]["output_token_logprobs"], o["meta_info"]["output_top_logprobs"])
+            for o in outs]
+
+
+def _native_steps(engine: Engine) -> int:
+    return sum(_runner(engine).graphs.replays.values())
+
+
+@pytest.fixture(scope="module")
+def reference(native_engine: Engine) -> list[Any]:
+    """The torch path's outputs: the same engine with its CPU step runner detached."""
+    runner = _runner(native_engine)
+    graphs, runner.graphs = runner.graphs, None
+    try:
+        return _run(native_engine)
+    finally:
+        runner.graphs = graphs
+
+
+def test_native_step_is_bit_identical(native_engine: Engine, reference: list[Any]) -> None:
+    assert isinstance(_runner(native_engine).graphs, CpuStepRunner)
+    before = _native_steps(native_engine)
+    assert _run(native_engine) == reference
+    sizes = {b.requests for b in _runner(native_engine).graphs.replays}
+    assert _native_steps(native_engine) - before >= max(NEW_TOKENS) - 1, "the native step did not run"
+    assert {1, 5} <= sizes, f"batch sizes run natively: {sorted(sizes)}"
+
+
+def _skip_layer(native_engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = _runner(native_engine)
+    model, pool, skip = runner.model, runner.pool, 3
+    keep = [i for i in range(model.arch.num_layers) if i != skip]
+    arch = SimpleNamespace(**{**vars(model.arch), "num_layers": len(keep)})
+    view = SimpleNamespace(**{k: getattr(model, k) for k in ("embed", "rope_table", "norm", "lm_head")},
+                           arch=arch, layers=[model.layers[i] for i in keep])
+    pool_view = SimpleNamespace(page_size=pool.page_size, k=[pool.k[i] for i in keep], v=[pool.v[i] for i in keep])
+    monkeypatch.setattr(runner.graphs, "decoder", llama_cpu_step.build(view, pool_view))  # type: ignore[arg-type]
+
+
+def _wrap_step(native_engine: Engine, monkeypatch: pytest.MonkeyPatch, change: str) -> None:
+    decoder = _runner(native_engine).graphs.decoder
+    step = decoder.step
+
+    def planted(ids: torch.Tensor, pos: torch.Tensor, loc: torch.Tensor, pages: torch.Tensor, lens: torch.Tensor,
+                rows: torch.Tensor) -> torch.Tensor:
+        if change == "stale slot":  # the new K/V lands one slot off; the real one keeps old data
+            loc = loc + 1
+        else:  # the first page of every row read from the page after it
+            pages = pages.clone()
+            pages[:, 0] += 1
+        return step(ids, pos, loc, pages, lens, rows)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(decoder, "step", planted)
+
+
+@pytest.mark.parametrize("bug", ["layer skipped", "stale slot", "wrong page"])
+def test_planted_bugs_go_red(native_engine: Engine, reference: list[Any], monkeypatch: pytest.MonkeyPatch,
+                             bug: str) -> None:
+    if bug == "layer skipped":
+        _skip_layer(native_engine, monkeypatch)
+    else:
+        _wrap_step(native_engine, monkeypatch, bug)
+    before = _native_steps(native_engine)
+    planted = _run(native_engine)
+    assert _native_steps(native_engine) > before
+    assert planted != reference, f"{bug}: the comparison did not catch the planted bug"
+
+
+def test_bad_step_input_changes_nothing(native_engine: Engine) -> None:
+    runner = _runner(native_engine)
+    decoder, pool = runner.graphs.decoder, runner.pool
+    k_before = [k.clone() for k in pool.k]
+    one = torch.tensor([1], dtype=torch.int64)
+    pages = torch.tensor([[1]], dtype=torch.int64)
+    good = {"ids": one, "pos": one, "loc": torch.tensor([16]), "pages": pages, "lens": torch.tensor([2]),
+            "rows": torch.tensor([0])}
+    bad = {
+        "ids": torch.tensor([10**9]),
+        "pos": torch.tensor([10**9]),
+        "loc": torch.tensor([pool.k[0].shape[0]]),
+        "pages": torch.tensor([[pool.k[0].shape[0] // pool.page_size]]),
+        "lens": torch.tensor([pool.page_size + 1]),  # more keys than its one page holds
+        "rows": torch.tensor([1]),
+    }
+    for key, value in bad.items():
+        args = {**good, key: value}
+        with pytest.raises(RuntimeError, match="LlamaDecoder.step|paged_attention_decode"):
+            decoder.step(args["ids"], args["pos"], args["loc"], args["pages"], args["lens"], args["rows"])
+    assert all(torch.equal(a, b) for a, b in zip(k_before, pool.k)), "a rejected step wrote the pool"
+
+
+def test_auto_picks_the_native_step_where_it_runs(native_engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    parts = native_engine.engine.parts  # type: ignore[attr-defined]
+    runner, config = parts.runner, native_engine.config
+    auto = SimpleNamespace(**{**vars(config), "graphs": SimpleNamespace(**{**vars(config.graphs), "mode": "auto"})})
+    picked = _graph_runner(auto, runner.model, runner.attention, None, torch.device("cpu"))  # type: ignore[arg-type]
+    assert isinstance(picked, CpuStepRunner) and picked.max_rows == 8  # buckets 1..8 within int8's 12 rows
+    monkeypatch.setattr(runner.model, "fused", False)  # as in deterministic mode or with the kernels off
+    assert cpu_step.unsupported(runner.model, runner.attention) is not None
+    assert _graph_runner(auto, runner.model, runner.attention, None, torch.device("cpu")) is None  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="graphs.mode: cpu needs the C\\+\\+ CPU kernels"):
+        _graph_runner(config, runner.model, runner.attention, None, torch.device("cpu"))
