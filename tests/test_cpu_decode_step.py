@@ -115,6 +115,8 @@ def _wrap_step(native_engine: Engine, monkeypatch: pytest.MonkeyPatch, change: s
 @pytest.mark.parametrize("bug", ["layer skipped", "stale slot", "wrong page"])
 def test_planted_bugs_go_red(native_engine: Engine, reference: list[Any], monkeypatch: pytest.MonkeyPatch,
                              bug: str) -> None:
+    if native_engine.config.model.dtype != "float32":
+        pytest.skip("the guard is the same comparison in either dtype: shown red once, in float32")
     if bug == "layer skipped":
         _skip_layer(native_engine, monkeypatch)
     else:
