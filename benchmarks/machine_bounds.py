@@ -29,12 +29,18 @@ class Bounds:
     read_gb_s: float
 
     def gflops_for(self, dtype: str) -> float:
-        """The compute bound for weights of `dtype` (a GGUF type name or torch dtype name).
+        """The compute bound of a system whose matmuls run `dtype`: a GGUF type name, a torch
+        dtype name, or tierserve's `<compute dtype>+<quantization>` (its prefill runs the
+        dense copy in the compute dtype, so that dtype's rate).
 
-        4-bit and 8-bit weights have no torch matmul of their own here; llama.cpp multiplies
-        them as int8 dot products, so bf16's rate (the fastest measured) stands in for them.
+        float32: fp32's rate. Anything else — bf16, and 4-bit and 8-bit GGUF weights, which
+        have no torch matmul of their own here (llama.cpp multiplies them as int8 dot
+        products) — the fastest measured rate: where bf16 is emulated (AVX2-only CPUs, ~1
+        GFLOP/s) a bf16 system converts to float32, and fp32's rate bounds it.
         """
-        return self.fp32_gflops if dtype.upper() in ("F32", "FLOAT32", "FP32") else self.bf16_gflops
+        if dtype.split("+")[0].upper() in ("F32", "FLOAT32", "FP32"):
+            return self.fp32_gflops
+        return max(self.fp32_gflops, self.bf16_gflops)
 
 
 def best_seconds(fn: Callable[[], object], repeats: int) -> float:

@@ -18,10 +18,13 @@ COLUMNS: tuple[tuple[str, str, float, str], ...] = (
     ("b1 BW %", "bandwidth_frac", 100, ".0f"), ("b1 bound tok/s", "decode_bound_tok_s", 1, ".0f"),
     ("ok", "completed", 1, ".0f"), ("short", "short_outputs", 1, ".0f"),
 )
-# Targets of issue 12, tierserve over the best llama-server config.
-TARGET_THROUGHPUT = 3.0
-TARGET_TTFT = 1 / 3
-TARGET_DECODE = 1.0
+# Targets of issue 22: tierserve over the best llama-server config, and fractions of the
+# machine's bounds (batch-1 decode of the read bandwidth, the workload of the compute bound).
+TARGET_THROUGHPUT = 2.0
+TARGET_TTFT = 0.6
+TARGET_DECODE = 2.0
+TARGET_BANDWIDTH = 0.5
+TARGET_COMPUTE = 0.7
 
 
 def median_rows(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -65,10 +68,13 @@ def ratios(ours: dict[str, Any], peers: list[dict[str, Any]]) -> dict[str, Any]:
     if fastest is not None and ours.get("decode_tok_s"):
         out["vs_decode"] = fastest["label"]
         out["decode"] = ours["decode_tok_s"] / fastest["decode_tok_s"]
+    out["bandwidth"], out["compute"] = ours.get("bandwidth_frac"), ours.get("compute_frac")
     out["met"] = {
         "throughput": out.get("throughput", 0) >= TARGET_THROUGHPUT,
         "ttft": out.get("ttft", float("inf")) <= TARGET_TTFT,
         "decode": out.get("decode", 0) >= TARGET_DECODE,
+        "bandwidth": (out["bandwidth"] or 0) >= TARGET_BANDWIDTH,
+        "compute": (out["compute"] or 0) >= TARGET_COMPUTE,
     }
     return out
 
@@ -99,10 +105,16 @@ def ratio_lines(all_ratios: list[dict[str, Any]]) -> list[str]:
                          f"(target >= {TARGET_THROUGHPUT:.0f}x: {mark(met['throughput'])})")
         if "ttft" in r:
             lines.append(f"{r['label']}: mean TTFT {r['ttft']:.2f}x {r['vs_throughput']} "
-                         f"(target <= 1/3: {mark(met['ttft'])})")
+                         f"(target <= {TARGET_TTFT}x: {mark(met['ttft'])})")
         if "decode" in r:
             lines.append(f"{r['label']}: batch-1 decode {r['decode']:.2f}x {r['vs_decode']} "
-                         f"(target >= 1x: {mark(met['decode'])})")
+                         f"(target >= {TARGET_DECODE:.0f}x: {mark(met['decode'])})")
+        if r.get("bandwidth") is not None:
+            lines.append(f"{r['label']}: batch-1 decode at {r['bandwidth']:.0%} of the read bandwidth bound "
+                         f"(target >= {TARGET_BANDWIDTH:.0%}: {mark(met['bandwidth'])})")
+        if r.get("compute") is not None:
+            lines.append(f"{r['label']}: the workload at {r['compute']:.0%} of the compute bound "
+                         f"(target >= {TARGET_COMPUTE:.0%}: {mark(met['compute'])})")
     return lines
 
 

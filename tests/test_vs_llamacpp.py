@@ -70,23 +70,32 @@ def test_bounds_match_the_issue_arithmetic() -> None:
     b = machine_bounds.Bounds(fp32_gflops=200, bf16_gflops=700, read_gb_s=24)
     assert (b.gflops_for("F32"), b.gflops_for("float32"), b.gflops_for("BF16"), b.gflops_for("Q4_1")) == (
         200, 200, 700, 700)
+    # tierserve's kind names its compute dtype first; GGUF quants take the fastest measured rate,
+    # which is fp32 where bf16 is emulated (an AVX2-only CPU measures ~1 GFLOP/s for it), for BF16 too.
+    assert (b.gflops_for("float32+int4"), b.gflops_for("bfloat16+int4")) == (200, 700)
+    avx2 = machine_bounds.Bounds(fp32_gflops=109, bf16_gflops=1.3, read_gb_s=15.6)
+    assert (avx2.gflops_for("Q4_1"), avx2.gflops_for("float32+int4"), avx2.gflops_for("BF16")) == (109, 109, 109)
 
 
-def row(label: str, system: str, tok_s: float, ttft: float, decode: float | None) -> dict[str, object]:
+def row(label: str, system: str, tok_s: float, ttft: float, decode: float | None,
+        bandwidth: float | None = None, compute: float | None = None) -> dict[str, object]:
     return {"label": label, "system": system, "output_tok_per_s": tok_s, "ttft_mean_s": ttft,
-            "decode_tok_s": decode}
+            "decode_tok_s": decode, "bandwidth_frac": bandwidth, "compute_frac": compute}
 
 
 def test_ratios_compare_with_the_best_peer_of_each_metric() -> None:
     peers = [row("F32", "llama-server", 60, 13.5, 39.3), row("Q4_1", "llama-server", 41, 26.0, 82.9)]
-    r = report.ratios(row("ts", "tierserve", 180, 4.0, 90.0), peers)
+    r = report.ratios(row("ts", "tierserve", 180, 4.0, 170.0, 0.62, 0.75), peers)
     assert (r["vs_throughput"], r["vs_decode"]) == ("F32", "Q4_1")  # throughput peer, decode peer
     assert r["throughput"] == pytest.approx(3.0)
     assert r["ttft"] == pytest.approx(4.0 / 13.5)
-    assert r["decode"] == pytest.approx(90 / 82.9)
-    assert r["met"] == {"throughput": True, "ttft": True, "decode": True}
-    short = report.ratios(row("ts", "tierserve", 113.1, 6.1, 30.8), peers)
-    assert short["met"] == {"throughput": False, "ttft": False, "decode": False}
+    assert r["decode"] == pytest.approx(170 / 82.9)
+    assert r["met"] == {"throughput": True, "ttft": True, "decode": True, "bandwidth": True, "compute": True}
+    # issue 22's targets: 2x throughput and decode, TTFT <= 0.6x, 50 % of bandwidth, 70 % of compute
+    short = report.ratios(row("ts", "tierserve", 113.1, 8.2, 160.0, 0.49, 0.69), peers)
+    assert short["met"] == {"throughput": False, "ttft": False, "decode": False, "bandwidth": False,
+                            "compute": False}
+    assert any("49% of the read bandwidth bound" in line for line in report.ratio_lines([short]))
 
 
 def test_rounds_reduce_to_medians_and_bounds_are_added() -> None:
