@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,7 +24,8 @@ from gpu.models import llama_cpu_step
 from kernel import Engine
 from kernel.components import _graph_runner
 from kernel.config import ConfigError
-from tests.conftest import CONFIG
+from tests.conftest import CONFIG, FLOAT32
+from tests.tiny_models import VOCAB, build_tiny
 
 GREEDY = {"temperature": 0, "ignore_eos": True, "return_logprob": True, "top_logprobs_num": 2}
 # Several lengths, so rows leave the batch at different steps (batch sizes 5 down to 1),
@@ -161,3 +163,33 @@ def test_auto_picks_the_native_step_where_it_runs(native_engine: Engine, monkeyp
     assert _graph_runner(auto, runner.model, runner.attention, None, torch.device("cpu")) is None  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="graphs.mode: cpu needs the C\\+\\+ CPU kernels"):
         _graph_runner(config, runner.model, runner.attention, None, torch.device("cpu"))
+
+
+def test_qkv_bias_model_is_bit_identical(tmp_path: Path) -> None:
+    """Qwen2 (QKV bias): the bias is added in the qkv epilogue as the torch path adds it."""
+    folder = build_tiny("qwen2", tmp_path / "qwen2")
+    engine = Engine(None, {**FLOAT32, "model.path": str(folder), "model.quantization": "int8", "graphs.mode": "cpu",
+                           "cache.prefix": "none", "cache.num_pages": 64, "cache.page_size": 4,
+                           "debug.check_invariants": True})
+    try:
+        runner = _runner(engine)
+        prompts = [[(i * 37 + j) % VOCAB for j in range(n)] for i, n in enumerate((3, 17, 40))]
+        params = [{**GREEDY, "max_new_tokens": n} for n in (6, 9, 4)]
+        def run() -> list[Any]:
+            outs = engine.generate(prompts, params)
+            assert isinstance(outs, list)
+            return [(o["output_ids"], o["meta_info"]["output_token_logprobs"]) for o in outs]
+
+        graphs, runner.graphs = runner.graphs, None
+        reference = run()
+        runner.graphs = graphs
+        assert run() == reference
+        assert sum(graphs.replays.values()) >= 8, "the native step did not run"
+        # Planted: the decoder built without the bias goes red.
+        model = runner.model
+        view = SimpleNamespace(**{k: getattr(model, k) for k in ("arch", "embed", "rope_table", "norm", "lm_head")},
+                               layers=[layer._replace(qkv_bias=None) for layer in model.layers])
+        graphs.decoder = llama_cpu_step.build(view, runner.pool)  # type: ignore[arg-type]
+        assert run() != reference, "dropping the QKV bias went unnoticed"
+    finally:
+        engine.shutdown()

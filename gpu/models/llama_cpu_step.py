@@ -8,7 +8,8 @@ from the attention backend's own metadata (the KV slots and page table it prepar
 It runs what the torch path with the C++ kernels runs for a decode batch of at most
 `max_rows` rows (every linear on its quantized kernel: gpu/quant/dispatch.py's rule), so
 its logits are bit-identical to that path's (the NOTE in decode_step.cpp). Not covered (the
-torch path runs them): deterministic mode, dense (unquantized) linears, QKV bias, QK-norm.
+torch path runs them): deterministic mode, dense (unquantized) linears, QK-norm (Qwen3).
+QKV bias (Qwen2) is added in the qkv matmul's epilogue, rounded as the torch path's add.
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ def unsupported(model: LlamaModel, pool: KVPool) -> str | None:
         return "needs the C++ CPU kernels on a CPU model (model.cpu_kernels, not deterministic)"
     if model.dtype not in (torch.float32, torch.bfloat16) or not pool.k or pool.k[0].dtype != model.dtype:
         return f"computes float32 or bfloat16 over a pool of the same dtype, not {model.dtype}"
-    if arch.attention_bias or arch.qk_norm:
-        return "QKV bias and QK-norm are not in the native step"
+    if arch.qk_norm:
+        return "QK-norm is not in the native step"
     if arch.intermediate_size % 16 or arch.hidden_size % 32 or (arch.num_heads * arch.head_dim) % 32:
         return "needs hidden and heads * head_dim a multiple of 32, intermediate of 16"
     linears = [model.lm_head] + [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
@@ -94,9 +95,10 @@ def build(model: LlamaModel, pool: KVPool) -> CpuDecoder:
     for i, layer in enumerate(model.layers):
         ws = [_required(w) for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         rows += [w.max_rows for w in ws]
+        bias = layer.qkv_bias if layer.qkv_bias is not None else _EMPTY
         native.add_layer(
             layer.input_norm, layer.post_norm, [w.kind for w in ws], [w.weight for w in ws],
-            [w.scales for w in ws], pool.k[i], pool.v[i],
+            [w.scales for w in ws], bias, pool.k[i], pool.v[i],
         )
     head = _required(model.lm_head)
     native.set_head(head.kind, head.weight, head.scales)

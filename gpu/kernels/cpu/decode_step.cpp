@@ -1,4 +1,4 @@
-// A Llama decode step in one native call: embedding, every layer's norm, qkv, RoPE, KV
+// A Llama-family (Llama, Qwen2) decode step in one native call: embedding, every layer's norm, qkv, RoPE, KV
 // write, attention, o_proj and residual, norm, gate_up, SiLU * up, down and residual, then
 // the final norm and the head, run by one OpenMP team (one parallel region per step; the
 // threads meet at six barriers a layer). It is the CPU counterpart of graph replay: a
@@ -62,7 +62,7 @@ struct Linear {
 };
 
 struct Layer {
-  at::Tensor input_norm, post_norm, k_pool, v_pool;
+  at::Tensor input_norm, post_norm, qkv_bias, k_pool, v_pool;  // qkv_bias: empty, or [qkv rows]
   Linear qkv, o, gate_up, down;
 };
 
@@ -104,9 +104,10 @@ class LlamaDecoder : public torch::CustomClassHolder {
     check_vector(final_norm_, hidden_, "final_norm");
   }
 
-  // Layer i's weights (in order); kinds/weights/scales: qkv, o, gate_up, down.
+  // Layer i's weights (in order); kinds/weights/scales: qkv, o, gate_up, down; qkv_bias
+  // empty (Llama) or the fused q | k | v bias (Qwen2).
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::vector<int64_t> kinds, std::vector<at::Tensor> weights,
-                 std::vector<at::Tensor> scales, at::Tensor k_pool, at::Tensor v_pool) {
+                 std::vector<at::Tensor> scales, at::Tensor qkv_bias, at::Tensor k_pool, at::Tensor v_pool) {
     TORCH_CHECK(static_cast<int64_t>(layers_.size()) < num_layers_, "LlamaDecoder: more layers than ", num_layers_);
     TORCH_CHECK(kinds.size() == 4 && weights.size() == 4 && scales.size() == 4, "LlamaDecoder: four linears a layer");
     check_vector(input_norm, hidden_, "input_norm");
@@ -119,6 +120,8 @@ class LlamaDecoder : public torch::CustomClassHolder {
     Layer layer;
     layer.input_norm = input_norm, layer.post_norm = post_norm, layer.k_pool = k_pool, layer.v_pool = v_pool;
     const int64_t qkv_n = (heads_ + 2 * kv_heads_) * dim_;
+    if (qkv_bias.numel() > 0) check_vector(qkv_bias, qkv_n, "qkv_bias");
+    layer.qkv_bias = qkv_bias;
     layer.qkv = linear(kinds[0], weights[0], scales[0], qkv_n, hidden_);
     layer.o = linear(kinds[1], weights[1], scales[1], hidden_, heads_ * dim_);
     layer.gate_up = linear(kinds[2], weights[2], scales[2], 2 * inter_, hidden_);
@@ -273,11 +276,14 @@ struct Input {
   }
 };
 
-// h += delta (each sum rounded to the compute dtype, as glue's add_rms_norm) on columns [n0, n1).
+// h += delta (each sum rounded to the compute dtype, as glue's add_rms_norm and torch's add)
+// on columns [n0, n1); delta's rows are `delta_stride` apart (0: one row for all, a bias).
 template <class G>
-void add_rows(typename G::scalar* h, const typename G::scalar* delta, int64_t rows, int64_t width, int64_t n0, int64_t n1) {
+void add_rows(typename G::scalar* h, const typename G::scalar* delta, int64_t rows, int64_t width, int64_t n0, int64_t n1,
+              int64_t delta_stride) {
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t n = n0; n < n1; ++n) h[r * width + n] = G::store(G::load(h[r * width + n]) + G::load(delta[r * width + n]));
+    const typename G::scalar* d = delta + r * delta_stride;
+    for (int64_t n = n0; n < n1; ++n) h[r * width + n] = G::store(G::load(h[r * width + n]) + G::load(d[n]));
   }
 }
 
@@ -328,6 +334,7 @@ void LlamaDecoder::run(const at::Tensor& ids, const at::Tensor& positions, const
       int64_t a, e;
       std::tie(a, e) = share(items_of(L.qkv), t, team);
       matmul_items(L.qkv, in.x.data(), in.xsum.data(), qkv.data(), B, a, e);
+      if (L.qkv_bias.numel() > 0) add_rows<G>(st(qkv), sv(L.qkv_bias), B, qkv_n, a * gemv::kTile, std::min(qkv_n, e * gemv::kTile), 0);
 #pragma omp barrier
       // RoPE of q and k; k and v written at each row's new slot.
       const int64_t per_row = heads_ + kv_heads_;
@@ -370,7 +377,7 @@ void LlamaDecoder::run(const at::Tensor& ids, const at::Tensor& positions, const
       in.from<G>(st(att), B, heads_ * D);
       std::tie(a, e) = share(items_of(L.o), t, team);
       matmul_items(L.o, in.x.data(), in.xsum.data(), delta.data(), B, a, e);
-      add_rows<G>(st(h), st(delta), B, H, a * gemv::kTile, std::min(H, e * gemv::kTile));
+      add_rows<G>(st(h), st(delta), B, H, a * gemv::kTile, std::min(H, e * gemv::kTile), H);
 #pragma omp barrier
       // x = post_norm(h); gate_up, then SiLU(gate) * up on this thread's tiles of both halves.
       in.normed<G>(st(h), sv(L.post_norm), B, H, eps_);
@@ -388,7 +395,7 @@ void LlamaDecoder::run(const at::Tensor& ids, const at::Tensor& positions, const
       in.from<G>(st(act), B, inter_);
       std::tie(a, e) = share(items_of(L.down), t, team);
       matmul_items(L.down, in.x.data(), in.xsum.data(), delta.data(), B, a, e);
-      add_rows<G>(st(h), st(delta), B, H, a * gemv::kTile, std::min(H, e * gemv::kTile));
+      add_rows<G>(st(h), st(delta), B, H, a * gemv::kTile, std::min(H, e * gemv::kTile), H);
 #pragma omp barrier
     }
     // logits of the picked rows: final_norm(h) @ Whead^T
