@@ -26,6 +26,7 @@ from gpu.attention.torch_backend import TorchAttention
 from gpu.forward_batch import ForwardBatch
 from gpu.graphs.runner import Bucket, Graph
 from gpu.models import llama_cpu_step
+from gpu.models.llama import LlamaModel
 from gpu.step_inputs import StepInputs, flat_inputs
 
 log = structlog.get_logger("tierserve")
@@ -35,7 +36,7 @@ def unsupported(model: Any, attention: AttentionBackend) -> str | None:
     """Why `graphs.mode: cpu` cannot run this model and backend (None: it can)."""
     if not isinstance(attention, TorchAttention) or not attention.uses_paged_kernel:
         return "needs the torch attention backend with the C++ paged decode kernel"
-    if type(model).__name__ != "LlamaModel":
+    if not isinstance(model, LlamaModel):
         return f"has no native decode step for {type(model).__name__}"
     return llama_cpu_step.unsupported(model, attention.pool)
 

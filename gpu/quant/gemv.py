@@ -7,7 +7,7 @@ near memory bandwidth; they take float32 or bfloat16 activations and accumulate 
 - 4-bit: `pack_q4` interleaves tiles of 16 output rows: per tile and group of 32 along K,
   16 fp16 scales d, 16 fp16 offsets m (w = d * q + m), then for each pair of columns
   (2j, 2j + 1) 16 bytes, byte r holding row r's weight 2j (low nibble) and 2j + 1 (high).
-  NOTE: the C++ kernel reads exactly this layout (see its header).
+  NOTE: the C++ kernels read exactly this layout (see quant_gemv_core.h).
 """
 
 from __future__ import annotations
