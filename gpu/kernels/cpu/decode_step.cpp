@@ -16,8 +16,8 @@
 //
 // One LlamaDecoder per model and KV pool (torch.classes.tierserve_cpu.LlamaDecoder), built
 // once from the very weight and pool tensors the torch path uses (no copies); `step` runs
-// one decode step. NOTE: a decoder keeps its scratch between steps; one thread (the device
-// thread) calls it at a time.
+// one decode step (its scratch allocated per step). NOTE: one thread (the device thread)
+// calls a decoder at a time: a step writes the KV pool, as the torch path's steps do.
 
 #include <ATen/Parallel.h>
 #include <omp.h>
