@@ -215,31 +215,14 @@ class LlamaDecoder : public torch::CustomClassHolder {
   Linear head_;
 };
 
-// out rows [i0 * 16, i1 * 16) (clipped to N) of `rows` rows of x, in passes of kMaxRows.
+// out rows [i0 * 16, i1 * 16) (clipped to N) of `rows` rows of x (quant_gemv_core.h's run_items).
 template <class Out>
 void matmul_items(const Linear& l, const float* x, const float* xsum, Out* out, int64_t rows, int64_t i0, int64_t i1) {
-  using ItemFn = void (*)(const gemv::Problem<Out>&, int64_t, int64_t);
-  static constexpr ItemFn kInt8Items[gemv::kMaxRows] = {
-      gemv::item<Isa, false, 1, Out>, gemv::item<Isa, false, 2, Out>, gemv::item<Isa, false, 3, Out>,
-      gemv::item<Isa, false, 4, Out>, gemv::item<Isa, false, 5, Out>, gemv::item<Isa, false, 6, Out>,
-      gemv::item<Isa, false, 7, Out>, gemv::item<Isa, false, 8, Out>};
-  static constexpr ItemFn kQ4Items[gemv::kMaxRows] = {
-      gemv::item<Isa, true, 1, Out>, gemv::item<Isa, true, 2, Out>, gemv::item<Isa, true, 3, Out>,
-      gemv::item<Isa, true, 4, Out>, gemv::item<Isa, true, 5, Out>, gemv::item<Isa, true, 6, Out>,
-      gemv::item<Isa, true, 7, Out>, gemv::item<Isa, true, 8, Out>};
-  if (i0 >= i1) return;
-  const bool q4 = l.kind == kQ4;
-  const int64_t n0 = i0 * gemv::kTile, n1 = std::min(l.n, i1 * gemv::kTile), groups = l.k / gemv::kGroup;
-  const int64_t item_bytes = q4 ? l.stride : gemv::kTile * l.k;
-  for (int64_t m0 = 0; m0 < rows; m0 += gemv::kMaxRows) {
-    const int m = static_cast<int>(std::min<int64_t>(gemv::kMaxRows, rows - m0));
-    // the stream's head: the loops prefetch kPrefetchBytes ahead, this covers what comes before
-    const uint8_t* head = l.w + i0 * item_bytes;
-    const int64_t head_bytes = std::min(gemv::kPrefetchBytes, (i1 - i0) * item_bytes);
-    for (int64_t line = 0; line < head_bytes; line += 64) gemv::prefetch(head + line);
-    const gemv::Problem<Out> p{x + m0 * l.k, q4 ? xsum + m0 * groups : nullptr, l.w, l.s, out + m0 * l.n, l.k, l.n,
-                               l.stride};
-    (q4 ? kQ4Items : kInt8Items)[m - 1](p, n0, n1);
+  const gemv::Problem<Out> p{x, l.kind == kQ4 ? xsum : nullptr, l.w, l.s, out, l.k, l.n, l.stride};
+  if (l.kind == kQ4) {
+    gemv::run_items<Isa, true>(p, rows, i0, i1);
+  } else {
+    gemv::run_items<Isa, false>(p, rows, i0, i1);
   }
 }
 

@@ -15,38 +15,15 @@ namespace {
 
 using namespace tierserve_gemv;
 
+// Work items of 16 output rows over the intra-op threads, every pass of x's rows in each.
 template <class I, bool Q4, class Out>
-void run_pass(const Problem<Out>& p, int rows) {
-  using ItemFn = void (*)(const Problem<Out>&, int64_t, int64_t);
-  static constexpr ItemFn kItems[kMaxRows] = {
-      item<I, Q4, 1, Out>, item<I, Q4, 2, Out>, item<I, Q4, 3, Out>, item<I, Q4, 4, Out>,
-      item<I, Q4, 5, Out>, item<I, Q4, 6, Out>, item<I, Q4, 7, Out>, item<I, Q4, 8, Out>};
-  const ItemFn fn = kItems[rows - 1];
+void run_all(const Problem<Out>& p, int64_t rows) {
   const int64_t items = (p.N + kTile - 1) / kTile;
   const int64_t item_bytes = Q4 ? p.stride : kTile * p.K;
   // NOTE: at least ~32 KB of weight per work item, so small matrices do not pay for threads they cannot use
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / item_bytes);
-  at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
-    // the stream's head: the loops prefetch kPrefetchBytes ahead, this covers what comes before
-    const uint8_t* head = p.w + i0 * item_bytes;
-    const int64_t head_bytes = std::min(kPrefetchBytes, (i1 - i0) * item_bytes);
-    for (int64_t line = 0; line < head_bytes; line += 64) prefetch(head + line);
-    fn(p, i0 * kTile, std::min(p.N, i1 * kTile));
-  });
+  at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) { run_items<I, Q4>(p, rows, i0, i1); });
 }
-
-template <class I, bool Q4, class Out>
-void run_all(Problem<Out> p, int64_t rows) {
-  const int64_t groups = p.K / kGroup;
-  for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
-    Problem<Out> pass = p;
-    pass.x = p.x + m0 * p.K;
-    pass.xsum = Q4 ? p.xsum + m0 * groups : nullptr;
-    pass.out = p.out + m0 * p.N;
-    run_pass<I, Q4>(pass, static_cast<int>(std::min<int64_t>(kMaxRows, rows - m0)));
-  }
-}
-
 
 template <bool Q4, class Out>
 void dispatch_isa(const Problem<Out>& p, int64_t rows, std::string isa) {

@@ -301,6 +301,30 @@ void item(const Problem<Out>& p, int64_t n0, int64_t n1) {
   Q4 ? q4_item<I, M>(p, n0, n1) : int8_item<I, M>(p, n0, n1);
 }
 
+// Output rows [i0 * 16, i1 * 16) (clipped to N) for all `rows` rows of x: passes of up to
+// kMaxRows rows over the weight stream of those items, each pass prefetching the stream's
+// head (the loops prefetch kPrefetchBytes ahead; this covers what comes before). What one
+// thread runs: quant_gemv.cpp's ops give each thread a range of items, decode_step.cpp too.
+template <class I, bool Q4, class Out>
+void run_items(const Problem<Out>& p, int64_t rows, int64_t i0, int64_t i1) {
+  using ItemFn = void (*)(const Problem<Out>&, int64_t, int64_t);
+  static constexpr ItemFn kItems[kMaxRows] = {
+      item<I, Q4, 1, Out>, item<I, Q4, 2, Out>, item<I, Q4, 3, Out>, item<I, Q4, 4, Out>,
+      item<I, Q4, 5, Out>, item<I, Q4, 6, Out>, item<I, Q4, 7, Out>, item<I, Q4, 8, Out>};
+  if (i0 >= i1) return;
+  const int64_t item_bytes = Q4 ? p.stride : kTile * p.K, groups = p.K / kGroup;
+  const uint8_t* head = p.w + i0 * item_bytes;
+  const int64_t head_bytes = std::min(kPrefetchBytes, (i1 - i0) * item_bytes);
+  for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
+    for (int64_t line = 0; line < head_bytes; line += 64) prefetch(head + line);
+    Problem<Out> pass = p;
+    pass.x = p.x + m0 * p.K;
+    pass.xsum = Q4 ? p.xsum + m0 * groups : nullptr;
+    pass.out = p.out + m0 * p.N;
+    kItems[std::min<int64_t>(kMaxRows, rows - m0) - 1](pass, i0 * kTile, std::min(p.N, i1 * kTile));
+  }
+}
+
 inline std::vector<std::string> compiled_isas() {
   std::vector<std::string> isas;
 #if defined(QG_AVX512)
