@@ -21,9 +21,10 @@ offline Engine with config/default.yaml at float32/none, bfloat16/none, bfloat16
 bfloat16/int4 and the default (`auto`/`auto`, resolved by gpu/numerics.py's rules for this
 CPU), scored with prompt logprobs (`logprob_start_len` = n_ctx/2+1); `cache.num_pages` is
 lowered (the KV pool's size, no effect on the numbers). A quantized setting is scored twice:
-as a served prompt is (its 512-row prefill runs the layer's dense copy: gpu/quant/dispatch.py)
-and in steps of a few tokens (page, chunk and step size lowered), where every linear runs the
-quantized op, as decode does.
+as a served prompt is (512-row prefill steps: the 4-bit linears on their C++ kernel, which
+takes every batch, the int8 ones and torch's ops on the layer's dense copy:
+gpu/quant/dispatch.py) and in steps of a few tokens (page, chunk and step size lowered), where
+every linear runs the quantized op, as decode does.
 
 Printed: one table (ppl, ratio to transformers) and the two targets: tierserve float32
 within 0.1 % of transformers; the default's loss against tierserve float32
@@ -241,7 +242,7 @@ def quant_op_rows() -> int:
 
 def quant_op_overrides(rows: int) -> dict[str, object]:
     """Every step `rows` tokens: the prompt is fed as decode steps are, through the
-    quantized op (the dense copy only takes larger batches)."""
+    quantized op (only larger batches may take the dense copy)."""
     return {"cache.page_size": rows, "scheduler.chunked_prefill_size": rows, "scheduler.max_num_batched_tokens": rows}
 
 
@@ -267,7 +268,7 @@ def plan(args: argparse.Namespace, tree: llamacpp_build.LlamaCpp, packaged: Path
         label = f"tierserve {setting}" + (" (default here)" if setting == default else "")
         overrides = {} if setting == default else setting_overrides(setting)
         quantized = not setting.endswith("/none")
-        rows.append((label, setting, "dense copy, 512-token steps" if quantized else "dense, 512-token steps",
+        rows.append((label, setting, "as prompts, 512-token steps" if quantized else "dense, 512-token steps",
                      partial(tierserve_ppl, overrides, chunks)))
         if quantized:
             rows.append((label, setting, f"quantized op, {step}-token steps",

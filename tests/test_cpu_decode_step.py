@@ -161,7 +161,12 @@ def test_auto_picks_the_native_step_where_it_runs(native_engine: Engine, monkeyp
     runner, config = parts.runner, native_engine.config
     auto = SimpleNamespace(**{**vars(config), "graphs": SimpleNamespace(**{**vars(config.graphs), "mode": "auto"})})
     picked = _graph_runner(auto, runner.model, runner.attention, None, torch.device("cpu"))  # type: ignore[arg-type]
-    assert isinstance(picked, CpuStepRunner) and picked.max_rows == 8  # buckets 1..8 within int8's 12 rows
+    # the int8 head's row limit bounds the step (the 4-bit kernel takes any): 12 rows in
+    # bfloat16, 64 in float32 (gpu/quant/linears.py), so buckets up to 8 / 64
+    limit = min(runner.model.lm_head.quant.max_rows, config.scheduler.max_running_requests)
+    assert isinstance(picked, CpuStepRunner)
+    assert picked.max_rows == max(b for b in config.graphs.decode_buckets if b <= limit)
+    assert picked.max_rows == (64 if runner.model.dtype == torch.float32 else 8)
     monkeypatch.setattr(runner.model, "fused", False)  # as in deterministic mode or with the kernels off
     assert cpu_step.unsupported(runner.model, runner.attention) is not None
     assert _graph_runner(auto, runner.model, runner.attention, None, torch.device("cpu")) is None  # type: ignore[arg-type]

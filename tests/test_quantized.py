@@ -1,20 +1,20 @@
 """Quantized linears end to end against the float32 engine on the packaged SmolLM2 (its
 linears are Q4_1 blocks, its tied embedding / output head Q8_0), teacher-forced
 (tests/numerics_compare.py): forward, the float32 engine's greedy sequences scored by the
-quantized engine (prefill: many rows, so the dense copies run); reverse, the quantized
-engine's own greedy tokens (decode) scored by float32. The engine tested runs at most 3
-requests at once, so every decode step has <= 3 rows and every linear runs its quantized op
-(torch's int8 op stops at 4 rows, int4 at 8; the C++ kernels at 12 and 16): a spy counts
-the calls. `model.cpu_kernels: auto` runs tierserve's C++ kernels (gpu/quant/gemv.py),
-`off` torch's int4 / int8 ops.
+quantized engine (prefill: many rows); reverse, the quantized engine's own greedy tokens
+(decode) scored by float32. The engine tested runs at most 3 requests at once, so every
+decode step has <= 3 rows and every linear runs its quantized op (torch's int8 op stops at 4
+rows, int4 at 8; the C++ int8 kernel at 12, the 4-bit one takes every batch, prefill too): a
+spy counts the calls. `model.cpu_kernels: auto` runs tierserve's C++ kernels
+(gpu/quant/gemv.py), `off` torch's int4 / int8 ops.
 
 Measured on an AMD EPYC AVX2 (bf16 emulated): mean / p99 |Δ logprob|; top-1 agreement where
 float32's top-2 margin exceeds GAP (positions):
 
 | setting | forward | reverse | bounds |
 |---|---|---|---|
-| float32 + int4 | 0 / 0; 1.0 (187) | 0.021 / 0.114; 1.0 (124) | < 0.06 / < 0.35; >= 0.95 |
-| bfloat16 + int4 | 0.029 / 0.154; 1.0 (187) | 0.026 / 0.133; 1.0 (122) | < 0.1 / < 0.5; >= 0.95 |
+| float32 + int4 | 0.037 / 0.253; 1.0 (187) | 0.033 / 0.274; 1.0 (126) | < 0.1 / < 0.6; >= 0.95 |
+| bfloat16 + int4 | 0.044 / 0.220; 1.0 (187) | 0.039 / 0.240; 0.992 (128) | < 0.1 / < 0.5; >= 0.95 |
 | bfloat16 + int4, kernels off | 0.027 / 0.154; 1.0 (187) | 0.028 / 0.110; 1.0 (123) | < 0.1 / < 0.5; >= 0.95 |
 | bfloat16 + int8 | 0.029 / 0.154; 1.0 (187) | 0.034 / 0.175; 1.0 (121) | < 0.1 / < 0.5; >= 0.95 |
 | bfloat16 + int8, kernels off | 0.027 / 0.154; 1.0 (187) | 0.036 / 0.179; 1.0 (122) | < 0.1 / < 0.5; >= 0.95 |
@@ -24,13 +24,15 @@ float32's top-2 margin exceeds GAP (positions):
 three runs: 0.46, 0.38 (8 x 32) and 0.44 of the tokens alike, first divergences [17, 6,
 3, 6, 13, 18] in the last: the teacher-forced figures barely move.
 
-The old free-running test, on an AVX-512 BF16 Xeon, saw max chosen-token errors of 0.146
-(float32 + int4), 0.296 (bf16 + int4), 0.301 (bf16 + int8) before the first divergence:
-the same size. float32 + int4 computes the linears with the checkpoint's own 4-bit levels
-exactly (the float32 engine dequantizes the same blocks), so its forward error is ~0 (the
-prefill runs the dense copies, which are those levels) and its reverse error is the int8
-output head's. The bounds leave 2-3x headroom over the worst measured setting of each row.
-The op-level numerics (tight bounds, planted nibble swap) are in tests/test_quantized_ops.py.
+With the C++ kernels the 4-bit linears quantize their input to int8 per group of 32 (the
+kernel's integer dot products, as llama.cpp's Q4_1 x Q8_1): that, not the weights (float32's
+engine dequantizes the same blocks), is most of the int4 rows' error, prefill and decode
+alike; without the kernels torch's op keeps x in the compute dtype and the prefill runs the
+dense copies (the checkpoint's levels exactly). The old free-running test, on an AVX-512
+BF16 Xeon, saw max chosen-token errors of 0.146 (float32 + int4, before int8 activations),
+0.296 (bf16 + int4), 0.301 (bf16 + int8) before the first divergence. The bounds leave
+2-3x headroom over the worst measured setting of each row. The op-level numerics (tight
+bounds, planted nibble swap) are in tests/test_cpu_quant_gemv.py and test_quantized_ops.py.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import torch
 
 from gpu.quant import gemv
 from gpu.quant.dispatch import QuantizedWeight
-from gpu.quant.linears import Int4Linear, Int8Linear
+from gpu.quant.linears import UNLIMITED, Int4Linear, Int8Linear
 from kernel import Engine
 from tests.conftest import CONFIG, TEST_OVERRIDES
 from tests.numerics_compare import Bounds, Reference, check_report, evaluate
@@ -56,7 +58,7 @@ GAP = 0.3
 # At most 3 requests at once: every decode row runs the quantized op (docstring), and the
 # six prompts run in two full waves.
 FEW_ROWS = {"scheduler.max_running_requests": 3}
-FLOAT32_INT4 = Bounds(mean=0.06, p99=0.35, agreement=0.95, gap=GAP)
+FLOAT32_INT4 = Bounds(mean=0.1, p99=0.6, agreement=0.95, gap=GAP)
 BF16_QUANT = Bounds(mean=0.1, p99=0.5, agreement=0.95, gap=GAP)
 BOUNDS = {  # setting (dtype, quantization, model.cpu_kernels) -> bounds
     ("float32", "int4", "auto"): FLOAT32_INT4,
@@ -74,8 +76,11 @@ def check_layers(model: Any, quantization: str, kernels: bool) -> None:
     expected = Int4Linear if quantization == "int4" else Int8Linear
     for weight in (layer.qkv, layer.o, layer.gate_up, layer.down):
         assert isinstance(weight, QuantizedWeight) and isinstance(weight.quant, expected)
-        assert weight.dense is not None and weight.dense.dtype == model.dtype  # many-row steps
         assert runs_kernel(weight.quant) == kernels
+        if expected is Int4Linear and kernels:  # the 4-bit kernel takes every batch: no dense copy
+            assert weight.dense is None and weight.quant.max_rows == UNLIMITED
+        else:  # many-row steps run the dense copy
+            assert weight.dense is not None and weight.dense.dtype == model.dtype
     assert isinstance(model.lm_head, QuantizedWeight) and isinstance(model.lm_head.quant, Int8Linear)
     assert runs_kernel(model.lm_head.quant) == kernels
 

@@ -14,9 +14,10 @@ compute-bound and bfloat16/float32 GEMMs beat the quantized ops there
 (benchmarks/quant_linear.py), so the layer keeps its dense weight for them too: memory is
 the dense weight plus the quantized one (+25 % over bf16 for int4, +50 % for int8).
 With `QuantSpec.cpu_kernels` (model.cpu_kernels on, never in deterministic mode) the
-quantized linears run tierserve's C++ few-row kernels instead of torch's ops
-(gpu/quant/gemv.py), in the same number of bytes, with their own crossovers as row limits
-(12 for int8, 16 for int4: `benchmarks/quant_linear.py --model --force-quant`).
+quantized linears run tierserve's C++ kernels instead of torch's ops (gpu/quant/gemv.py), in
+the same number of bytes: int8 up to its crossover (12 rows), 4-bit at every batch size (its
+int8-activation kernel beats float32 GEMMs at prefill shapes too:
+`benchmarks/quant_linear.py --model --force-quant`), so a 4-bit layer then keeps no dense copy.
 
 NOTE: invariant 7. In deterministic mode every row runs the quantized op in fixed tiles of
 LINEAR_TILE rows (never the dense copy, which is not kept), so a token's logits do not
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 
 from gpu.batch_invariant import LINEAR_TILE
 from gpu.quant.gguf_blocks import Q4Blocks, cat_blocks
-from gpu.quant.linears import Int4Linear, Int8Linear, QuantLinear
+from gpu.quant.linears import UNLIMITED, Int4Linear, Int8Linear, QuantLinear
 
 
 class QuantSpec(NamedTuple):
@@ -63,7 +64,9 @@ def build_linear(spec: QuantSpec | None, names: Sequence[str], dense: torch.Tens
         quant = Int4Linear(nibbles, scales, zeros, dense.dtype, kernels=spec.cpu_kernels)
     else:
         quant = Int8Linear.quantize(dense, dense.dtype, kernels=spec.cpu_kernels)
-    return QuantizedWeight(quant, dense if spec.keep_dense else None)
+    # NOTE: no dense copy where the quantized layer takes every batch: it would never run.
+    keep = spec.keep_dense and quant.max_rows < UNLIMITED
+    return QuantizedWeight(quant, dense if keep else None)
 
 
 def make_linear(dense_linear: Linear, deterministic: bool) -> Linear:

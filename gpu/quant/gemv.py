@@ -1,12 +1,15 @@
-"""tierserve's C++ few-row quantized matmuls (gpu/kernels/cpu/quant_gemv.cpp) from Python.
+"""tierserve's C++ quantized matmuls (gpu/kernels/cpu/quant_gemv.cpp) from Python.
 
-The kernels stream each weight byte once per call for up to 8 rows of x, so decode steps run
-near memory bandwidth; they take float32 or bfloat16 activations and accumulate in float32.
+The kernels stream each weight byte once per call for many rows of x, so decode steps run
+near memory bandwidth; they take float32 or bfloat16 activations.
 
-- int8: the int8 weight [N, K] as it is, with float32 per-row scales (w = q * s).
-- 4-bit: `pack_q4` interleaves tiles of 16 output rows: per tile and group of 32 along K,
-  16 fp16 scales d, 16 fp16 offsets m (w = d * q + m), then for each pair of columns
-  (2j, 2j + 1) 16 bytes, byte r holding row r's weight 2j (low nibble) and 2j + 1 (high).
+- int8: the int8 weight [N, K] as it is, with float32 per-row scales (w = q * s); float32
+  arithmetic, for few rows (decode).
+- 4-bit: x quantized to int8 per group of 32 (s = max|x| / 127), integer dot products, any
+  number of rows (prefill too). `pack_q4` interleaves tiles of 16 output rows: per tile and
+  group of 32 along K, 16 fp16 scales d, 16 fp16 offsets m (w = d * q + m), then per quad of
+  columns (4u .. 4u + 3) 32 bytes, byte 2r holding row r's weights 4u (low nibble) and
+  4u + 2 (high), byte 2r + 1 its 4u + 1 and 4u + 3.
   NOTE: the C++ kernels read exactly this layout (see quant_gemv_core.h).
 """
 
@@ -34,14 +37,14 @@ def pack_q4(nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) 
     n, k = nibbles.shape
     pad = (-n) % TILE
     tiles, groups = (n + pad) // TILE, k // GROUP
-    q = F.pad(nibbles.to(torch.uint8), (0, 0, 0, pad)).reshape(tiles, TILE, groups, GROUP // 2, 2)
-    pairs = (q[..., 0] | (q[..., 1] << 4)).permute(0, 2, 3, 1)  # [tile, group, pair, row]
+    q = F.pad(nibbles.to(torch.uint8), (0, 0, 0, pad)).reshape(tiles, TILE, groups, GROUP // 4, 2, 2)
+    quads = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4)  # [tile, group, quad, row, 2]
 
     def halves(v: torch.Tensor) -> torch.Tensor:  # [N, groups] -> uint8 [tile, group, 32]
         v = F.pad(v.to(torch.float16), (0, 0, 0, pad)).reshape(tiles, TILE, groups)
         return v.permute(0, 2, 1).contiguous().view(torch.uint8)
 
-    parts = [halves(scales), halves(offsets), pairs.reshape(tiles, groups, -1)]
+    parts = [halves(scales), halves(offsets), quads.reshape(tiles, groups, -1)]
     return torch.cat(parts, dim=-1).reshape(tiles, -1).contiguous()
 
 

@@ -27,6 +27,7 @@ import torch
 from gpu.quant import gemv
 
 GROUP = 32  # elements per 4-bit group along K (= a GGUF block)
+UNLIMITED = 1 << 62  # `max_rows` of a layer that beats the dense weight at every batch size
 _INNER_K_TILES = 2  # packing parameter of the CPU int4 op (K must be a multiple of 16 * this)
 
 
@@ -34,7 +35,11 @@ class Int8Linear:
     # Rows up to which the op beats a bf16 GEMM (benchmarks/quant_linear.py): above that
     # the step is compute-bound and the dense weight is faster.
     max_rows = 4
-    kernel_max_rows = 12  # the same with the C++ kernel (quant_linear.py --model --force-quant)
+    # The same with the C++ kernel (quant_linear.py --model --force-quant): against bfloat16
+    # GEMMs 12 rows; against float32 ones (no native bf16) it is ~2.5x faster up to 64 rows
+    # (AVX2 EPYC, the 49152 x 576 head in float32: 32 rows 33 vs 84 ms, 64 rows 74 vs 158 ms).
+    kernel_max_rows = 12
+    kernel_max_rows_float32 = 64
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, kernels: bool = False) -> None:
         assert qweight.dtype == torch.int8 and qweight.dim() == 2
@@ -44,7 +49,7 @@ class Int8Linear:
         self.kernel_scales: torch.Tensor | None = None  # float32 [N] when the C++ kernel runs
         if kernels and gemv.available(scales.dtype) and self.in_features % GROUP == 0:
             self.kernel_scales = self.scales.float()
-            self.max_rows = self.kernel_max_rows
+            self.max_rows = self.kernel_max_rows_float32 if scales.dtype == torch.float32 else self.kernel_max_rows
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, dtype: torch.dtype, kernels: bool = False) -> Int8Linear:
@@ -94,7 +99,9 @@ def int8_matmul_float32(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
 
 class Int4Linear:
     max_rows = 8  # see Int8Linear.max_rows
-    kernel_max_rows = 16  # two 8-row passes over 4-bit weights still read fewer bytes than bf16's one
+    # The C++ kernel (int8 activations, integer dot products) is faster than float32 GEMMs at
+    # prefill shapes too (benchmarks/quant_linear.py --model --force-quant), so it takes every batch.
+    kernel_max_rows = UNLIMITED
 
     def __init__(
         self, nibbles: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype,

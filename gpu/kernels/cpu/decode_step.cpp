@@ -215,29 +215,17 @@ class LlamaDecoder : public torch::CustomClassHolder {
   Linear head_;
 };
 
-// out rows [i0 * 16, i1 * 16) (clipped to N) of `rows` rows of x (quant_gemv_core.h's run_items).
-template <class Out>
-void matmul_items(const Linear& l, const float* x, const float* xsum, Out* out, int64_t rows, int64_t i0, int64_t i1) {
-  const gemv::Problem<Out> p{x, l.kind == kQ4 ? xsum : nullptr, l.w, l.s, out, l.k, l.n, l.stride};
-  if (l.kind == kQ4) {
-    gemv::run_items<Isa, true>(p, rows, i0, i1);
-  } else {
-    gemv::run_items<Isa, false>(p, rows, i0, i1);
-  }
-}
-
-inline int64_t items_of(const Linear& l) { return (l.n + gemv::kTile - 1) / gemv::kTile; }
-
-// Each thread's own copy of a matmul's input: x as float32 rows and each group of 32's sum,
-// computed as quant_gemv.cpp's Activations does (the same sums, in the same order).
+// Each thread's own copy of a matmul's input: x as float32 rows and, quantized per group,
+// as the q4 kernel reads it (quant_gemv_core.h's Quantized, as quant_gemv.cpp's op computes it).
 struct Input {
-  std::vector<float> x, xsum;
+  std::vector<float> x;
+  gemv::Quantized q;
   std::vector<uint16_t> row;  // one normed row in the compute dtype (bfloat16's bits)
 
   template <class G>
   void from(const typename G::scalar* src, int64_t rows, int64_t k) {
     for (int64_t i = 0; i < rows * k; ++i) x[i] = G::load(src[i]);
-    sums(rows, k);
+    q.quantize(x.data(), rows, k);
   }
 
   // weight * norm(src row) in the compute dtype, as float32 (glue's rms_norm, then the matmul's read).
@@ -250,14 +238,22 @@ struct Input {
       glue::norm_row<G>(src + (pick ? pick[r] : r) * k, w, y, k, eps);
       for (int64_t i = 0; i < k; ++i) x[r * k + i] = G::load(y[i]);
     }
-    sums(rows, k);
-  }
-
-  void sums(int64_t rows, int64_t k) {
-    std::fill(xsum.begin(), xsum.begin() + rows * (k / gemv::kGroup), 0.0f);
-    for (int64_t i = 0; i < rows * k; ++i) xsum[i / gemv::kGroup] += x[i];
+    q.quantize(x.data(), rows, k);
   }
 };
+
+// out rows [i0 * 16, i1 * 16) (clipped to N) of `rows` rows of x (quant_gemv_core.h's int8_items / q4_items).
+template <class Out>
+void matmul_items(const Linear& l, const Input& in, Out* out, int64_t rows, int64_t i0, int64_t i1) {
+  const gemv::Problem<Out> p{in.x.data(), l.w, l.s, out, l.k, l.n, l.stride};
+  if (l.kind == kQ4) {
+    gemv::q4_items(p, gemv::Q4Input{in.q.pairs.data(), in.q.scale.data(), in.q.sum.data()}, rows, i0, i1, true);
+  } else {
+    gemv::int8_items<Isa>(p, rows, i0, i1);
+  }
+}
+
+inline int64_t items_of(const Linear& l) { return (l.n + gemv::kTile - 1) / gemv::kTile; }
 
 // h += delta (each sum rounded to the compute dtype, as glue's add_rms_norm and torch's add)
 // on columns [n0, n1); delta's rows are `delta_stride` apart (0: one row for all, a bias).
@@ -298,7 +294,6 @@ void LlamaDecoder::run(const at::Tensor& ids, const at::Tensor& positions, const
   std::vector<Input> inputs(threads);
   for (Input& in : inputs) {
     in.x.resize(std::max(B, R) * kmax);
-    in.xsum.resize(std::max(B, R) * kmax / gemv::kGroup);
     in.row.resize(kmax);
   }
   const E* rope = reinterpret_cast<const E*>(rope_.data_ptr());
@@ -316,7 +311,7 @@ void LlamaDecoder::run(const at::Tensor& ids, const at::Tensor& positions, const
       in.normed<G>(st(h), sv(L.input_norm), B, H, eps_);
       int64_t a, e;
       std::tie(a, e) = share(items_of(L.qkv), t, team);
-      matmul_items(L.qkv, in.x.data(), in.xsum.data(), qkv.data(), B, a, e);
+      matmul_items(L.qkv, in, qkv.data(), B, a, e);
       if (L.qkv_bias.numel() > 0) add_rows<G>(st(qkv), sv(L.qkv_bias), B, qkv_n, a * gemv::kTile, std::min(qkv_n, e * gemv::kTile), 0);
 #pragma omp barrier
       // RoPE of q and k; k and v written at each row's new slot.
@@ -359,15 +354,15 @@ void LlamaDecoder::run(const at::Tensor& ids, const at::Tensor& positions, const
       // h += att @ Wo^T, on this thread's output rows.
       in.from<G>(st(att), B, heads_ * D);
       std::tie(a, e) = share(items_of(L.o), t, team);
-      matmul_items(L.o, in.x.data(), in.xsum.data(), delta.data(), B, a, e);
+      matmul_items(L.o, in, delta.data(), B, a, e);
       add_rows<G>(st(h), st(delta), B, H, a * gemv::kTile, std::min(H, e * gemv::kTile), H);
 #pragma omp barrier
       // x = post_norm(h); gate_up, then SiLU(gate) * up on this thread's tiles of both halves.
       in.normed<G>(st(h), sv(L.post_norm), B, H, eps_);
       std::tie(a, e) = share(inter_ / gemv::kTile, t, team);
       const int64_t up = inter_ / gemv::kTile;
-      matmul_items(L.gate_up, in.x.data(), in.xsum.data(), gu.data(), B, a, e);
-      matmul_items(L.gate_up, in.x.data(), in.xsum.data(), gu.data(), B, up + a, up + e);
+      matmul_items(L.gate_up, in, gu.data(), B, a, e);
+      matmul_items(L.gate_up, in, gu.data(), B, up + a, up + e);
       for (int64_t b = 0; b < B; ++b) {
         const S* g = st(gu) + b * 2 * inter_;
         S* y = st(act) + b * inter_;
@@ -377,7 +372,7 @@ void LlamaDecoder::run(const at::Tensor& ids, const at::Tensor& positions, const
       // h += act @ Wdown^T
       in.from<G>(st(act), B, inter_);
       std::tie(a, e) = share(items_of(L.down), t, team);
-      matmul_items(L.down, in.x.data(), in.xsum.data(), delta.data(), B, a, e);
+      matmul_items(L.down, in, delta.data(), B, a, e);
       add_rows<G>(st(h), st(delta), B, H, a * gemv::kTile, std::min(H, e * gemv::kTile), H);
 #pragma omp barrier
     }
@@ -385,7 +380,7 @@ void LlamaDecoder::run(const at::Tensor& ids, const at::Tensor& positions, const
     in.normed<G>(st(h), sv(final_norm_), R, H, eps_, pick);
     int64_t a, e;
     std::tie(a, e) = share(items_of(head_), t, team);
-    matmul_items(head_, in.x.data(), in.xsum.data(), out_logits, R, a, e);
+    matmul_items(head_, in, out_logits, R, a, e);
     if constexpr (!std::is_same_v<E, float>) {
       float* lp = logits.data_ptr<float>();
       const int64_t n0 = a * gemv::kTile, n1 = std::min(vocab_, e * gemv::kTile);

@@ -1,5 +1,5 @@
-// Weight-only quantized matmuls for few-row batches (decode), as torch ops; the formats and
-// the inner loops are in quant_gemv_core.h.
+// Weight-only quantized matmuls as torch ops: int8 weights for few-row batches (decode), 4-bit
+// ones for any batch (x quantized to int8); the formats and the inner loops are in quant_gemv_core.h.
 
 #include <torch/all.h>
 #include <torch/library.h>
@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "quant_gemv_core.h"
@@ -15,70 +16,77 @@ namespace {
 
 using namespace tierserve_gemv;
 
-// Work items of 16 output rows over the intra-op threads, every pass of x's rows in each.
-template <class I, bool Q4, class Out>
-void run_all(const Problem<Out>& p, int64_t rows) {
-  const int64_t items = (p.N + kTile - 1) / kTile;
-  const int64_t item_bytes = Q4 ? p.stride : kTile * p.K;
+// Work items of 16 output rows over the intra-op threads, for all rows of x in each.
+template <class Fn>
+void over_items(int64_t n, int64_t item_bytes, const Fn& fn) {
+  const int64_t items = (n + kTile - 1) / kTile;
   // NOTE: at least ~32 KB of weight per work item, so small matrices do not pay for threads they cannot use
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / item_bytes);
-  at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) { run_items<I, Q4>(p, rows, i0, i1); });
+  at::parallel_for(0, items, grain, fn);
 }
 
-template <bool Q4, class Out>
-void dispatch_isa(const Problem<Out>& p, int64_t rows, std::string isa) {
+template <class Out>
+void int8_all(const Problem<Out>& p, int64_t rows, std::string isa) {
   if (isa == "auto") isa = compiled_isas().front();
+  over_items(p.N, kTile * p.K, [&](int64_t i0, int64_t i1) {
 #if defined(QG_AVX512)
-  if (isa == "avx512") return run_all<Avx512, Q4>(p, rows);
+    if (isa == "avx512") return int8_items<Avx512>(p, rows, i0, i1);
 #endif
 #if defined(QG_AVX2)
-  if (isa == "avx2") return run_all<Avx2, Q4>(p, rows);
+    if (isa == "avx2") return int8_items<Avx2>(p, rows, i0, i1);
 #endif
-  TORCH_CHECK(isa == "scalar", "quant_gemv: instruction set '", isa, "' is not compiled in");
-  run_all<Scalar, Q4>(p, rows);
+    int8_items<Scalar>(p, rows, i0, i1);
+  });
 }
 
-// x as float32 rows (a view when it already is) and, for q4, each group's sum of x (for the
-// offsets: m * sum_k x_k), in plain loops: aten ops here would cost more than a small matmul.
-struct Activations {
-  std::vector<float> copy, sums;
-  const float* x = nullptr;
+template <class Out>
+void q4_all(const Problem<Out>& p, const Q4Input& in, int64_t rows, const std::string& isa) {
+  over_items(p.N, p.stride, [&](int64_t i0, int64_t i1) { q4_items(p, in, rows, i0, i1, isa != "scalar"); });
+}
 
-  Activations(const at::Tensor& input, bool group_sums) {
-    const int64_t rows = input.size(0), k = input.size(1);
-    if (input.scalar_type() == at::kFloat) {
-      x = input.data_ptr<float>();
-    } else {
-      const at::BFloat16* src = input.data_ptr<at::BFloat16>();
-      copy.resize(rows * k);
-      for (int64_t i = 0; i < rows * k; ++i) copy[i] = static_cast<float>(src[i]);
-      x = copy.data();
-    }
-    if (!group_sums) return;
-    sums.assign(rows * (k / kGroup), 0.0f);
-    for (int64_t i = 0; i < rows * k; ++i) sums[i / kGroup] += x[i];
-  }
-};
-
-// x [M, K] float32 or bfloat16 -> out [M, n] in x's dtype.
+// x [M, K] float32 or bfloat16 -> out [M, n] in x's dtype; x as float32 rows (a view when
+// it already is, else converted in a plain loop: aten ops here would cost more than a small
+// matmul) and, for q4, quantized per group (quant_gemv_core.h's Quantized).
 template <bool Q4>
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const float* scales, int64_t n, int64_t stride,
                 const std::string& isa) {
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "quant_gemv: x must be float32 or bfloat16");
   TORCH_CHECK(weight.is_contiguous(), "quant_gemv: the weight must be contiguous");
+  const std::vector<std::string> isas = compiled_isas();
+  TORCH_CHECK(isa == "auto" || std::find(isas.begin(), isas.end(), isa) != isas.end(),
+              "quant_gemv: instruction set '", isa, "' is not compiled in");
   const at::Tensor input = x.contiguous();
   const int64_t rows = x.size(0), k = x.size(1);
   at::Tensor out = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return out;
-  const Activations act(input, Q4);
-  const uint8_t* w = static_cast<const uint8_t*>(weight.data_ptr());
-  const float* sums = Q4 ? act.sums.data() : nullptr;
-  if (x.scalar_type() == at::kFloat) {
-    dispatch_isa<Q4>(Problem<float>{act.x, sums, w, scales, out.data_ptr<float>(), k, n, stride}, rows, isa);
+  std::vector<float> copy;
+  const float* xf = nullptr;
+  if (input.scalar_type() == at::kFloat) {
+    xf = input.data_ptr<float>();
   } else {
-    auto* o = out.data_ptr<at::BFloat16>();
-    dispatch_isa<Q4>(Problem<at::BFloat16>{act.x, sums, w, scales, o, k, n, stride}, rows, isa);
+    const at::BFloat16* src = input.data_ptr<at::BFloat16>();
+    copy.resize(rows * k);
+    for (int64_t i = 0; i < rows * k; ++i) copy[i] = static_cast<float>(src[i]);
+    xf = copy.data();
+  }
+  const uint8_t* w = static_cast<const uint8_t*>(weight.data_ptr());
+  auto run = [&](auto* o) {
+    using Out = std::remove_pointer_t<decltype(o)>;
+    const Problem<Out> p{xf, w, scales, o, k, n, stride};
+    if constexpr (Q4) {
+      Quantized q;
+      q.resize(rows, k);
+      at::parallel_for(0, rows, std::max<int64_t>(1, (64 << 10) / k), [&](int64_t r0, int64_t r1) { q.quantize_rows(xf, k, r0, r1); });
+      q4_all(p, Q4Input{q.pairs.data(), q.scale.data(), q.sum.data()}, rows, isa);
+    } else {
+      int8_all(p, rows, isa);
+    }
+  };
+  if (x.scalar_type() == at::kFloat) {
+    run(out.data_ptr<float>());
+  } else {
+    run(out.data_ptr<at::BFloat16>());
   }
   return out;
 }
