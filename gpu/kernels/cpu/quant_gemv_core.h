@@ -294,9 +294,10 @@ void q4_scalar(const Problem<Out>& p, const Q4Input& in, int64_t rows, int64_t n
 #if defined(QG_AVX2)
 // R rows of x from row m0 against tile t: per row two 16-lane int16 sums of a group (the
 // quads' low and high pairs; each at most 8 * 2 * 15 * 127 = 30480, so no overflow), then
-// widened to int32 per output row and accumulated in float32.
+// widened to int32 per output row and accumulated in float32. `unpacked`: the tile's quads
+// already split into their low and high vectors (q4_unpack), else they are split here.
 template <int R, class Out>
-void q4_tile_rows(const Problem<Out>& p, const Q4Input& in, int64_t t, int64_t m0) {
+void q4_tile_rows(const Problem<Out>& p, const Q4Input& in, int64_t t, int64_t m0, const uint8_t* unpacked) {
   const int64_t groups = p.K / kGroup;
   const uint8_t* tile = p.w + t * p.stride;
   const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -310,8 +311,14 @@ void q4_tile_rows(const Problem<Out>& p, const Q4Input& in, int64_t t, int64_t m
     __m256i lo_sum[R], hi_sum[R];
     for (int m = 0; m < R; ++m) lo_sum[m] = hi_sum[m] = _mm256_setzero_si256();
     for (int u = 0; u < kGroup / 4; ++u) {
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + kTile * 4 + u * 32));
-      const __m256i lo = _mm256_and_si256(b, mask), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
+      __m256i lo, hi;
+      if (unpacked) {
+        lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unpacked + (g * 8 + u) * 64));
+        hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unpacked + (g * 8 + u) * 64 + 32));
+      } else {
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + kTile * 4 + u * 32));
+        lo = _mm256_and_si256(b, mask), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
+      }
       for (int m = 0; m < R; ++m) {
         const int32_t* xp = in.pairs + (m0 + m) * p.K / 2 + g * kGroup / 2 + 2 * u;
         lo_sum[m] = _mm256_add_epi16(lo_sum[m], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xp[0])));
@@ -344,29 +351,63 @@ void q4_tile_rows(const Problem<Out>& p, const Q4Input& in, int64_t t, int64_t m
   }
 }
 
-// Tiles [t0, t1) for all rows of x, in blocks of kQ4BlockRows rows (their quantized x stays
-// in L2 while the tiles stream past) and chunks of kQ4ChunkRows (their sums in registers).
-constexpr int kQ4ChunkRows = 3;
+// Tile t's quads split into low and high vectors: 512 bytes a group, read by every chunk.
+inline void q4_unpack(const uint8_t* tile, int64_t groups, uint8_t* out) {
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int u = 0; u < kGroup / 4; ++u) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + g * kTileGroupBytes + kTile * 4 + u * 32));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (g * 8 + u) * 64), _mm256_and_si256(b, mask));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (g * 8 + u) * 64 + 32),
+                          _mm256_and_si256(_mm256_srli_epi16(b, 4), mask));
+    }
+  }
+}
+
+// Tiles [t0, t1) for all rows of x. Up to kQ4ChunkRows rows (decode): one chunk, the quads
+// split in registers. More: in blocks of kQ4BlockRows rows (their quantized x stays in L2
+// while the tiles go past), each tile split once per block into a scratch buffer that the
+// block's chunks of kQ4ChunkRows rows (their sums in registers) read from L1.
+constexpr int kQ4ChunkRows = 4;
 constexpr int64_t kQ4BlockRows = 48;
 
 template <class Out>
+void q4_chunk(const Problem<Out>& p, const Q4Input& in, int64_t t, int64_t m, int64_t rows, const uint8_t* unpacked) {
+  switch (rows) {
+    case 1: return q4_tile_rows<1>(p, in, t, m, unpacked);
+    case 2: return q4_tile_rows<2>(p, in, t, m, unpacked);
+    case 3: return q4_tile_rows<3>(p, in, t, m, unpacked);
+    default: return q4_tile_rows<kQ4ChunkRows>(p, in, t, m, unpacked);
+  }
+}
+
+template <class Out>
 void q4_avx2(const Problem<Out>& p, const Q4Input& in, int64_t rows, int64_t t0, int64_t t1) {
+  if (rows <= kQ4ChunkRows) {
+    for (int64_t t = t0; t < t1; ++t) q4_chunk(p, in, t, 0, rows, nullptr);
+    return;
+  }
+  const int64_t groups = p.K / kGroup;
+  thread_local std::vector<uint8_t> scratch;
+  if (static_cast<int64_t>(scratch.size()) < groups * 512) scratch.resize(groups * 512);
   for (int64_t b0 = 0; b0 < rows; b0 += kQ4BlockRows) {
     const int64_t b1 = std::min(rows, b0 + kQ4BlockRows);
     for (int64_t t = t0; t < t1; ++t) {
-      int64_t m = b0;
-      for (; m + kQ4ChunkRows <= b1; m += kQ4ChunkRows) q4_tile_rows<kQ4ChunkRows>(p, in, t, m);
-      if (b1 - m == 2) q4_tile_rows<2>(p, in, t, m);
-      if (b1 - m == 1) q4_tile_rows<1>(p, in, t, m);
+      q4_unpack(p.w + t * p.stride, groups, scratch.data());
+      for (int64_t m = b0; m < b1; m += kQ4ChunkRows) q4_chunk(p, in, t, m, std::min<int64_t>(kQ4ChunkRows, b1 - m), scratch.data());
     }
   }
 }
 #endif
 
 // int8 output rows [i0 * 16, i1 * 16) (clipped to N) for all `rows` rows of x: passes of up
-// to kMaxRows rows over the weight stream of those items, each pass prefetching the stream's
-// head (the loops prefetch kPrefetchBytes ahead; this covers what comes before). What one
-// thread runs: quant_gemv.cpp's ops give each thread a range of items, decode_step.cpp too.
+// to kMaxRows rows, and with more than one pass, over blocks of kInt8BlockItems items (~64
+// KB of weight, read from DRAM once and by the later passes from L2), not the whole range.
+// Each stream's head is prefetched (the loops prefetch kPrefetchBytes ahead; this covers
+// what comes before). What one thread runs: quant_gemv.cpp's ops give each thread a range
+// of items, decode_step.cpp too.
+constexpr int64_t kInt8BlockBytes = 64 << 10;
+
 template <class I, class Out>
 void int8_items(const Problem<Out>& p, int64_t rows, int64_t i0, int64_t i1) {
   using ItemFn = void (*)(const Problem<Out>&, int64_t, int64_t);
@@ -375,14 +416,20 @@ void int8_items(const Problem<Out>& p, int64_t rows, int64_t i0, int64_t i1) {
       int8_item<I, 5, Out>, int8_item<I, 6, Out>, int8_item<I, 7, Out>, int8_item<I, 8, Out>};
   if (i0 >= i1) return;
   const int64_t item_bytes = kTile * p.K;
-  const uint8_t* head = p.w + i0 * item_bytes;
-  const int64_t head_bytes = std::min(kPrefetchBytes, (i1 - i0) * item_bytes);
-  for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
-    for (int64_t line = 0; line < head_bytes; line += 64) prefetch(head + line);
-    Problem<Out> pass = p;
-    pass.x = p.x + m0 * p.K;
-    pass.out = p.out + m0 * p.N;
-    kItems[std::min<int64_t>(kMaxRows, rows - m0) - 1](pass, i0 * kTile, std::min(p.N, i1 * kTile));
+  const int64_t block = rows <= kMaxRows ? i1 - i0 : std::max<int64_t>(1, kInt8BlockBytes / item_bytes);
+  for (int64_t b0 = i0; b0 < i1; b0 += block) {
+    const int64_t b1 = std::min(i1, b0 + block);
+    const uint8_t* head = p.w + b0 * item_bytes;
+    const int64_t head_bytes = std::min(kPrefetchBytes, (b1 - b0) * item_bytes);
+    for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
+      if (m0 == 0) {
+        for (int64_t line = 0; line < head_bytes; line += 64) prefetch(head + line);
+      }
+      Problem<Out> pass = p;
+      pass.x = p.x + m0 * p.K;
+      pass.out = p.out + m0 * p.N;
+      kItems[std::min<int64_t>(kMaxRows, rows - m0) - 1](pass, b0 * kTile, std::min(p.N, b1 * kTile));
+    }
   }
 }
 
