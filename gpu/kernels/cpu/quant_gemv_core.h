@@ -173,13 +173,13 @@ struct Quantized {
   std::vector<float> scale;    // [rows, K / 32]
   std::vector<float> sum;      // [rows, K / 32]: s * sum of the group's xq
 
-  // Rows [r0, r1) of x [rows, k] (resize first); callers may split rows among threads.
   void resize(int64_t rows, int64_t k) {
     const int64_t groups = rows * (k / kGroup);
     if (static_cast<int64_t>(pairs.size()) < rows * k / 2) pairs.resize(rows * k / 2);
     if (static_cast<int64_t>(scale.size()) < groups) scale.resize(groups), sum.resize(groups);
   }
 
+  // Rows [r0, r1) of x [rows, k] (resize first); callers may split rows among threads.
   void quantize_rows(const float* x, int64_t k, int64_t r0, int64_t r1) {
     for (int64_t g = r0 * (k / kGroup); g < r1 * (k / kGroup); ++g) {
       quantize_group(x + g * kGroup, pairs.data() + g * kGroup / 2, scale[g], sum[g]);
