@@ -215,30 +215,31 @@ class LlamaDecoder : public torch::CustomClassHolder {
   Linear head_;
 };
 
-// Each thread's own copy of a matmul's input: x as float32 rows and, quantized per group,
-// as the q4 kernel reads it (quant_gemv_core.h's Quantized, as quant_gemv.cpp's op computes it).
+// Each thread's own copy of a matmul's input: x as float32 rows and, where the linear is
+// 4-bit, quantized per group as its kernel reads it (quant_gemv_core.h's Quantized, as
+// quant_gemv.cpp's op computes it); `for_linear` says which.
 struct Input {
   std::vector<float> x;
   gemv::Quantized q;
   std::vector<uint16_t> row;  // one normed row in the compute dtype (bfloat16's bits)
 
   template <class G>
-  void from(const typename G::scalar* src, int64_t rows, int64_t k) {
+  void from(const typename G::scalar* src, int64_t rows, int64_t k, const Linear& for_linear) {
     for (int64_t i = 0; i < rows * k; ++i) x[i] = G::load(src[i]);
-    q.quantize(x.data(), rows, k);
+    if (for_linear.kind == kQ4) q.quantize(x.data(), rows, k);
   }
 
   // weight * norm(src row) in the compute dtype, as float32 (glue's rms_norm, then the matmul's read).
   template <class G>
   void normed(const typename G::scalar* src, const typename G::scalar* w, int64_t rows, int64_t k, float eps,
-              const int64_t* pick = nullptr) {
+              const Linear& for_linear, const int64_t* pick = nullptr) {
     using S = typename G::scalar;
     S* y = reinterpret_cast<S*>(row.data());
     for (int64_t r = 0; r < rows; ++r) {
       glue::norm_row<G>(src + (pick ? pick[r] : r) * k, w, y, k, eps);
       for (int64_t i = 0; i < k; ++i) x[r * k + i] = G::load(y[i]);
     }
-    q.quantize(x.data(), rows, k);
+    if (for_linear.kind == kQ4) q.quantize(x.data(), rows, k);
   }
 };
 
@@ -247,7 +248,7 @@ template <class Out>
 void matmul_items(const Linear& l, const Input& in, Out* out, int64_t rows, int64_t i0, int64_t i1) {
   const gemv::Problem<Out> p{in.x.data(), l.w, l.s, out, l.k, l.n, l.stride};
   if (l.kind == kQ4) {
-    gemv::q4_items(p, gemv::Q4Input{in.q.pairs.data(), in.q.scale.data(), in.q.sum.data()}, rows, i0, i1, true);
+    gemv::q4_items(p, in.q.input(), rows, i0, i1, true);
   } else {
     gemv::int8_items<Isa>(p, rows, i0, i1);
   }
@@ -308,7 +309,7 @@ void LlamaDecoder::run(const at::Tensor& ids, const at::Tensor& positions, const
     std::vector<float> merge_tmp(width);
     for (const Layer& L : layers_) {
       // x = input_norm(h); qkv = x @ Wqkv^T
-      in.normed<G>(st(h), sv(L.input_norm), B, H, eps_);
+      in.normed<G>(st(h), sv(L.input_norm), B, H, eps_, L.qkv);
       int64_t a, e;
       std::tie(a, e) = share(items_of(L.qkv), t, team);
       matmul_items(L.qkv, in, qkv.data(), B, a, e);
@@ -352,13 +353,13 @@ void LlamaDecoder::run(const at::Tensor& ids, const at::Tensor& positions, const
       });
 #pragma omp barrier
       // h += att @ Wo^T, on this thread's output rows.
-      in.from<G>(st(att), B, heads_ * D);
+      in.from<G>(st(att), B, heads_ * D, L.o);
       std::tie(a, e) = share(items_of(L.o), t, team);
       matmul_items(L.o, in, delta.data(), B, a, e);
       add_rows<G>(st(h), st(delta), B, H, a * gemv::kTile, std::min(H, e * gemv::kTile), H);
 #pragma omp barrier
       // x = post_norm(h); gate_up, then SiLU(gate) * up on this thread's tiles of both halves.
-      in.normed<G>(st(h), sv(L.post_norm), B, H, eps_);
+      in.normed<G>(st(h), sv(L.post_norm), B, H, eps_, L.gate_up);
       std::tie(a, e) = share(inter_ / gemv::kTile, t, team);
       const int64_t up = inter_ / gemv::kTile;
       matmul_items(L.gate_up, in, gu.data(), B, a, e);
@@ -370,14 +371,14 @@ void LlamaDecoder::run(const at::Tensor& ids, const at::Tensor& positions, const
       }
 #pragma omp barrier
       // h += act @ Wdown^T
-      in.from<G>(st(act), B, inter_);
+      in.from<G>(st(act), B, inter_, L.down);
       std::tie(a, e) = share(items_of(L.down), t, team);
       matmul_items(L.down, in, delta.data(), B, a, e);
       add_rows<G>(st(h), st(delta), B, H, a * gemv::kTile, std::min(H, e * gemv::kTile), H);
 #pragma omp barrier
     }
     // logits of the picked rows: final_norm(h) @ Whead^T
-    in.normed<G>(st(h), sv(final_norm_), R, H, eps_, pick);
+    in.normed<G>(st(h), sv(final_norm_), R, H, eps_, head_, pick);
     int64_t a, e;
     std::tie(a, e) = share(items_of(head_), t, team);
     matmul_items(head_, in, out_logits, R, a, e);

@@ -78,7 +78,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const float* scal
       Quantized q;
       q.resize(rows, k);
       at::parallel_for(0, rows, std::max<int64_t>(1, (64 << 10) / k), [&](int64_t r0, int64_t r1) { q.quantize_rows(xf, k, r0, r1); });
-      q4_all(p, Q4Input{q.pairs.data(), q.scale.data(), q.sum.data()}, rows, isa);
+      q4_all(p, q.input(), rows, isa);
     } else {
       int8_all(p, rows, isa);
     }

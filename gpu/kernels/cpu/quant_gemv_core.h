@@ -165,6 +165,13 @@ void int8_item(const Problem<Out>& p, int64_t n0, int64_t n1) {
 // load, a mask and a shift give two vectors of 16 (row, two k) byte pairs, ready for
 // vpmaddubsw against a broadcast pair of x (unsigned weights 0..15 times signed x).
 
+// Everything a q4 pass needs besides the weight: the quantized rows of x.
+struct Q4Input {
+  const int32_t* pairs;
+  const float* scale;
+  const float* sum;
+};
+
 // x's rows quantized for the q4 kernel: per pair of k its two int8 values, the 16-bit pair
 // repeated in both halves of an int32 (so a 32-bit broadcast gives every 16-bit lane the
 // pair); per group its scale s and s * S.
@@ -190,6 +197,8 @@ struct Quantized {
     resize(rows, k);
     quantize_rows(x, k, 0, rows);
   }
+
+  Q4Input input() const { return {pairs.data(), scale.data(), sum.data()}; }
 
   // NOTE: the AVX2 code computes what the scalar code does, bit for bit (the max, one
   // division, products rounded to nearest even, an integer sum), so where x is quantized
@@ -254,13 +263,6 @@ struct Quantized {
     s = amax / 127.0f;
     ssum = s * static_cast<float>(total);
   }
-};
-
-// Everything a q4 pass needs besides the weight: the quantized rows of x.
-struct Q4Input {
-  const int32_t* pairs;
-  const float* scale;
-  const float* sum;
 };
 
 // Reference and fallback: output rows [n0, n1) for rows [0, rows) of x, one row at a time.
