@@ -10,12 +10,13 @@ independent references, in every instruction set compiled here (AVX-512, AVX2, s
   error is the activations' quantization (measured 4.6e-3 to 6.4e-3; bound 2e-2). bfloat16
   x: the output is rounded to bfloat16 (bound 1e-2 on top). Every instruction set gives the
   same bits, and a row's result does not depend on how many rows share the call.
-- int8: the kernel against the layer's dequantized weight (measured 1.6e-6 and 3.6e-3; same
-  bounds).
+- int8: the same scheme (x quantized alike, exact integer dot products) against the
+  layer's dequantized weight: against quantized x measured 0.9e-7 to 3e-7 (float32), 2e-3 to
+  3.4e-3 (bfloat16 output); against the unquantized x 4e-3 to 6.7e-3; same bounds.
 - Shapes: SmolLM2's (K, N), an N not a multiple of the 16-row tile, an output head of 8200
   rows; M 1..8 (one pass) and 11 (two passes).
-- Planted bugs (monkeypatched into the packer): nibbles of a pair swapped, offsets dropped:
-  each turns the 4-bit check red.
+- Planted bugs (monkeypatched into the packers): nibbles of a pair swapped, offsets dropped,
+  the int8 tile's two halves of rows swapped: each turns its check red.
 """
 
 from __future__ import annotations
@@ -62,7 +63,10 @@ def quantized_x(x: torch.Tensor) -> torch.Tensor:
     """x as the 4-bit kernel sees it: per row and group of 32, s * round(x * 127 / max|x|)."""
     groups = x.float().reshape(x.shape[0], -1, 32)
     amax = groups.abs().amax(-1, keepdim=True)
-    q = torch.round(groups * (127.0 / amax)).nan_to_num(0.0)  # all-zero groups stay zeros
+    # NOTE: `127.0 / amax` would be torch's scalar-by-tensor division, computed as 127 times
+    # amax's reciprocal: one ulp off the kernel's division, and products that fall on a tie
+    # then round the other way (one in ~2e6 values).
+    q = torch.round(groups * (torch.full_like(amax, 127.0) / amax)).nan_to_num(0.0)  # all-zero groups stay zeros
     return (q.double() * (amax / 127.0).double()).reshape(x.shape)
 
 
@@ -116,19 +120,42 @@ def test_q4_kernel_is_one_function_of_each_row() -> None:
     assert outs[0][finite].isfinite().all()
 
 
+def int8_outputs(layer: Int8Linear, x: torch.Tensor) -> list[torch.Tensor]:
+    assert layer.kernel_scales is not None
+    outs = [torch.ops.tierserve_cpu.quant_gemv_int8(x, layer.packed, layer.kernel_scales, isa) for isa in ISAS]
+    for got in outs:
+        assert got.dtype == x.dtype and got.shape == (x.shape[0], layer.out_features)
+    return outs
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("k", "n"), SHAPES)
 def test_int8_kernel_matches_dequantized(k: int, n: int, dtype: torch.dtype) -> None:
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(n)) * 0.02
-    layer = Int8Linear.quantize(w, dtype, kernels=True)
-    assert layer.kernel_scales is not None
-    ref = layer.dequantize()
+    layer, plain = Int8Linear.quantize(w, dtype, kernels=True), Int8Linear.quantize(w, dtype)
+    assert layer.qweight.numel() == 0 and torch.equal(gemv.unpack_int8(layer.packed, n), plain.qweight)
+    ref = plain.dequantize().double()  # only the kernel's layout is kept; the torch op's weight as reference
     for m in rows_for(n):
-        x = torch.randn(m, k).to(dtype)
-        for isa in ISAS:
-            got = torch.ops.tierserve_cpu.quant_gemv_int8(x, layer.qweight, layer.kernel_scales, isa)
-            assert got.dtype == dtype
-            assert relative_error(got, x.float() @ ref.t()) < BOUND[dtype]
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+        outs = int8_outputs(layer, x)
+        for got in outs:
+            assert same_bits(got, outs[0])
+            assert relative_error(got, (quantized_x(x) @ ref.t()).float()) < BOUND[dtype]
+            assert relative_error(got, (x.double() @ ref.t()).float()) < 2e-2  # what quantizing x costs
+
+
+def test_int8_kernel_is_one_function_of_each_row() -> None:
+    """As the 4-bit one: a row alone or among 70, zeros exact, inf / NaN rows NaN."""
+    layer = Int8Linear.quantize(torch.randn(200, 576, generator=torch.Generator().manual_seed(3)) * 0.02, torch.float32,
+                                kernels=True)
+    x = torch.randn(70, 576, generator=torch.Generator().manual_seed(7))
+    x[5] = 0.0
+    x[9, 100] = float("inf")
+    outs = int8_outputs(layer, x)
+    alone = torch.cat([gemv.int8_matmul(x[i : i + 1], layer.packed, layer.kernel_scales) for i in range(70)])
+    assert same_bits(alone, outs[0])
+    assert torch.equal(outs[0][5], torch.zeros(200)) and outs[0][9].isnan().all()
+    assert outs[0][[i for i in range(70) if i != 9]].isfinite().all()
 
 
 def test_layers_run_the_kernel_and_match_the_torch_ops() -> None:
@@ -142,7 +169,9 @@ def test_layers_run_the_kernel_and_match_the_torch_ops() -> None:
     assert relative_error(layer.dequantize(), ref) < 1e-6
     w = torch.randn(960, 576) * 0.02
     rows = x.reshape(6, 576)
-    assert relative_error(Int8Linear.quantize(w, torch.float32, kernels=True)(rows), Int8Linear.quantize(w, torch.float32)(rows)) < 1e-5
+    int8 = Int8Linear.quantize(w, torch.float32, kernels=True)
+    assert torch.equal(int8(rows), gemv.int8_matmul(rows, int8.packed, int8.kernel_scales))
+    assert relative_error(int8(rows), Int8Linear.quantize(w, torch.float32)(rows)) < 2e-2  # x quantized
 
 
 def test_without_kernels_the_torch_ops_run() -> None:
@@ -170,3 +199,21 @@ def test_red_planted_packing_bugs(monkeypatch: pytest.MonkeyPatch, planted: obje
     monkeypatch.setattr(gemv, "pack_q4", planted)
     layer, ref, _ = q4_case("Q4_1", 576, 200)
     assert min(q4_errors(layer, ref, torch.float32)) > 100 * BOUND[torch.float32]
+
+
+def swapped_halves(q: torch.Tensor) -> torch.Tensor:
+    n, k = q.shape
+    packed = ORIGINAL_PACK_INT8(q).reshape(-1, k // 2, 2, 16)
+    return packed.flip(2).reshape(-1, k * 16).contiguous()
+
+
+ORIGINAL_PACK_INT8 = gemv.pack_int8
+
+
+def test_red_planted_int8_packing_bug(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = torch.randn(200, 576, generator=torch.Generator().manual_seed(5)) * 0.02
+    expected_weight = Int8Linear.quantize(w, torch.float32).dequantize().double()  # no kernel: q as it is
+    monkeypatch.setattr(gemv, "pack_int8", swapped_halves)
+    layer = Int8Linear.quantize(w, torch.float32, kernels=True)
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(6))
+    assert relative_error(int8_outputs(layer, x)[0], (quantized_x(x) @ expected_weight.t()).float()) > 100 * BOUND[torch.float32]

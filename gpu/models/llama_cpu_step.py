@@ -112,7 +112,7 @@ def _kernel_weight(weight: LinearWeight) -> _KernelWeight | None:
     if isinstance(quant, Int4Linear) and quant.kernel:
         return _KernelWeight(Q4, quant.packed, _EMPTY, quant.max_rows)
     if isinstance(quant, Int8Linear) and quant.kernel_scales is not None:
-        return _KernelWeight(INT8, quant.qweight, quant.kernel_scales, quant.max_rows)
+        return _KernelWeight(INT8, quant.packed, quant.kernel_scales, quant.max_rows)
     return None
 
 

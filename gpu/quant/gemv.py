@@ -3,10 +3,12 @@
 The kernels stream each weight byte once per call for many rows of x, so decode steps run
 near memory bandwidth; they take float32 or bfloat16 activations.
 
-- int8: the int8 weight [N, K] as it is, with float32 per-row scales (w = q * s); float32
-  arithmetic, for few rows (decode).
-- 4-bit: x quantized to int8 per group of 32 (s = max|x| / 127), integer dot products, any
-  number of rows (prefill too). `pack_q4` interleaves tiles of 16 output rows: per tile and
+Both quantize x to int8 per group of 32 (s = max|x| / 127) and compute integer dot
+products, for any number of rows (prefill too), over weights interleaved in tiles of 16
+output rows:
+- int8: float32 per-row scales (w = q * s) beside the weight; `pack_int8`: per tile and pair
+  of columns (k, k + 1) 32 bytes, rows 0-7's (q[k], q[k + 1]), then rows 8-15's.
+- 4-bit: `pack_q4`: per tile and
   group of 32 along K, 16 fp16 scales d, 16 fp16 offsets m (w = d * q + m), then per quad of
   columns (4u .. 4u + 3) 32 bytes, byte 2r holding row r's weights 4u (low nibble) and
   4u + 2 (high), byte 2r + 1 its 4u + 1 and 4u + 3.
@@ -48,9 +50,24 @@ def pack_q4(nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) 
     return torch.cat(parts, dim=-1).reshape(tiles, -1).contiguous()
 
 
+def pack_int8(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [ceil(N / 16), K * 16] from int8 q [N, K]; rows past N are zeros."""
+    n, k = q.shape
+    pad = (-n) % TILE
+    tiles = F.pad(q, (0, 0, 0, pad)).reshape(-1, 2, 8, k // 2, 2)  # [tile, half, row, pair, 2]
+    return tiles.permute(0, 3, 1, 2, 4).contiguous().view(torch.uint8).reshape(-1, k * TILE)
+
+
+def unpack_int8(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The int8 q [N, K] that `pack_int8` packed (for tests and dequantize)."""
+    k = packed.shape[1] // TILE
+    tiles = packed.view(torch.int8).reshape(-1, k // 2, 2, 8, 2).permute(0, 2, 3, 1, 4)
+    return tiles.reshape(-1, k)[:n]
+
+
 def q4_matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     return torch.ops.tierserve_cpu.quant_gemv_q4(x, packed, out_features)
 
 
-def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return torch.ops.tierserve_cpu.quant_gemv_int8(x, qweight, scales)
+def int8_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return torch.ops.tierserve_cpu.quant_gemv_int8(x, packed, scales)

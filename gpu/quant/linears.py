@@ -47,8 +47,11 @@ class Int8Linear:
         self.scales = scales.contiguous()
         self.out_features, self.in_features = qweight.shape
         self.kernel_scales: torch.Tensor | None = None  # float32 [N] when the C++ kernel runs
+        self.packed = torch.empty(0, dtype=torch.uint8)  # the kernel's layout (gpu/quant/gemv.py)
         if kernels and gemv.available(scales.dtype) and self.in_features % GROUP == 0:
             self.kernel_scales = self.scales.float()
+            self.packed = gemv.pack_int8(self.qweight)
+            self.qweight = torch.empty(0, dtype=torch.int8)  # only the format the layer runs is kept
             self.max_rows = self.kernel_max_rows_float32 if scales.dtype == torch.float32 else self.kernel_max_rows
 
     @classmethod
@@ -62,12 +65,13 @@ class Int8Linear:
         return cls(q, scales, kernels)
 
     def dequantize(self) -> torch.Tensor:
-        return self.qweight.float() * self.scales.float()[:, None]
+        q = self.qweight if self.kernel_scales is None else gemv.unpack_int8(self.packed, self.out_features)
+        return q.float() * self.scales.float()[:, None]
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.kernel_scales is not None:
             scales = self.kernel_scales
-            out = on_rows(x, self.out_features, lambda rows: gemv.int8_matmul(rows, self.qweight, scales))
+            out = on_rows(x, self.out_features, lambda rows: gemv.int8_matmul(rows, self.packed, scales))
         elif x.dtype == torch.float32:
             out = on_rows(x, self.out_features, lambda rows: int8_matmul_float32(rows, self.qweight, self.scales))
         else:
@@ -75,7 +79,7 @@ class Int8Linear:
         return out + bias if bias is not None else out
 
     def nbytes(self) -> int:
-        return self.qweight.nbytes + self.scales.nbytes
+        return self.qweight.nbytes + self.packed.nbytes + self.scales.nbytes
 
 
 def int8_matmul_float32(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

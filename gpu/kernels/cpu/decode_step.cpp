@@ -43,15 +43,6 @@ namespace gemv = tierserve_gemv;
 namespace paged = tierserve_paged;
 namespace glue = tierserve_glue;
 
-// The matmuls' instruction set: the widest compiled, as quant_gemv's "auto".
-#if defined(QG_AVX512)
-using Isa = gemv::Avx512;
-#elif defined(QG_AVX2)
-using Isa = gemv::Avx2;
-#else
-using Isa = gemv::Scalar;
-#endif
-
 enum Kind : int64_t { kInt8 = 1, kQ4 = 2 };  // the weight formats of quant_gemv_core.h
 
 struct Linear {
@@ -170,19 +161,19 @@ class LlamaDecoder : public torch::CustomClassHolder {
     l.kind = kind, l.n = n, l.k = k, l.weight = weight, l.scales = scales;
     TORCH_CHECK(weight.is_contiguous() && weight.dim() == 2, "LlamaDecoder: a weight must be a contiguous matrix");
     if (kind == kInt8) {
-      TORCH_CHECK(weight.scalar_type() == at::kChar && weight.size(0) == n && weight.size(1) == k,
-                  "LlamaDecoder: an int8 weight must be [", n, ", ", k, "]");
+      TORCH_CHECK(weight.scalar_type() == at::kByte && weight.size(0) == (n + gemv::kTile - 1) / gemv::kTile &&
+                      weight.size(1) == k * gemv::kTile,
+                  "LlamaDecoder: an int8 weight must be packed uint8 [ceil(", n, " / 16), ", k, " * 16]");
       TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == n,
                   "LlamaDecoder: int8 scales must be float32 [", n, "]");
-      l.stride = k;
       l.s = scales.data_ptr<float>();
     } else {
       TORCH_CHECK(kind == kQ4, "LlamaDecoder: weight kind ", kind, " is neither int8 (1) nor q4 (2)");
       TORCH_CHECK(weight.scalar_type() == at::kByte && weight.size(0) == (n + gemv::kTile - 1) / gemv::kTile &&
                       weight.size(1) == k / gemv::kGroup * gemv::kTileGroupBytes,
                   "LlamaDecoder: a q4 weight must be packed uint8 [ceil(", n, " / 16), ", k, " / 32 * 320]");
-      l.stride = weight.size(1);
     }
+    l.stride = weight.size(1);
     l.w = static_cast<const uint8_t*>(weight.data_ptr());
     return l;
   }
@@ -215,42 +206,41 @@ class LlamaDecoder : public torch::CustomClassHolder {
   Linear head_;
 };
 
-// Each thread's own copy of a matmul's input: x as float32 rows and, where the linear is
-// 4-bit, quantized per group as its kernel reads it (quant_gemv_core.h's Quantized, as
-// quant_gemv.cpp's op computes it); `for_linear` says which.
+// Each thread's own copy of a matmul's input: x as float32 rows, then quantized per group
+// as the kernels read it (quant_input.h, as quant_gemv.cpp's op computes it).
 struct Input {
   std::vector<float> x;
   gemv::Quantized q;
   std::vector<uint16_t> row;  // one normed row in the compute dtype (bfloat16's bits)
 
   template <class G>
-  void from(const typename G::scalar* src, int64_t rows, int64_t k, const Linear& for_linear) {
+  void from(const typename G::scalar* src, int64_t rows, int64_t k) {
     for (int64_t i = 0; i < rows * k; ++i) x[i] = G::load(src[i]);
-    if (for_linear.kind == kQ4) q.quantize(x.data(), rows, k);
+    q.quantize(x.data(), rows, k);
   }
 
   // weight * norm(src row) in the compute dtype, as float32 (glue's rms_norm, then the matmul's read).
   template <class G>
   void normed(const typename G::scalar* src, const typename G::scalar* w, int64_t rows, int64_t k, float eps,
-              const Linear& for_linear, const int64_t* pick = nullptr) {
+              const int64_t* pick = nullptr) {
     using S = typename G::scalar;
     S* y = reinterpret_cast<S*>(row.data());
     for (int64_t r = 0; r < rows; ++r) {
       glue::norm_row<G>(src + (pick ? pick[r] : r) * k, w, y, k, eps);
       for (int64_t i = 0; i < k; ++i) x[r * k + i] = G::load(y[i]);
     }
-    if (for_linear.kind == kQ4) q.quantize(x.data(), rows, k);
+    q.quantize(x.data(), rows, k);
   }
 };
 
-// out rows [i0 * 16, i1 * 16) (clipped to N) of `rows` rows of x (quant_gemv_core.h's int8_items / q4_items).
+// out rows [i0 * 16, i1 * 16) (clipped to N) of `rows` rows of x (quant_gemv_core.h's tiles).
 template <class Out>
 void matmul_items(const Linear& l, const Input& in, Out* out, int64_t rows, int64_t i0, int64_t i1) {
-  const gemv::Problem<Out> p{in.x.data(), l.w, l.s, out, l.k, l.n, l.stride};
+  const gemv::Problem<Out> p{l.w, l.s, out, l.k, l.n, l.stride};
   if (l.kind == kQ4) {
-    gemv::q4_items(p, in.q.input(), rows, i0, i1, true);
+    gemv::tiles<true>(p, in.q.input(), rows, i0, i1, true);
   } else {
-    gemv::int8_items<Isa>(p, rows, i0, i1);
+    gemv::tiles<false>(p, in.q.input(), rows, i0, i1, true);
   }
 }
 
@@ -309,7 +299,7 @@ void LlamaDecoder::run(const at::Tensor& ids, const at::Tensor& positions, const
     std::vector<float> merge_tmp(width);
     for (const Layer& L : layers_) {
       // x = input_norm(h); qkv = x @ Wqkv^T
-      in.normed<G>(st(h), sv(L.input_norm), B, H, eps_, L.qkv);
+      in.normed<G>(st(h), sv(L.input_norm), B, H, eps_);
       int64_t a, e;
       std::tie(a, e) = share(items_of(L.qkv), t, team);
       matmul_items(L.qkv, in, qkv.data(), B, a, e);
@@ -353,13 +343,13 @@ void LlamaDecoder::run(const at::Tensor& ids, const at::Tensor& positions, const
       });
 #pragma omp barrier
       // h += att @ Wo^T, on this thread's output rows.
-      in.from<G>(st(att), B, heads_ * D, L.o);
+      in.from<G>(st(att), B, heads_ * D);
       std::tie(a, e) = share(items_of(L.o), t, team);
       matmul_items(L.o, in, delta.data(), B, a, e);
       add_rows<G>(st(h), st(delta), B, H, a * gemv::kTile, std::min(H, e * gemv::kTile), H);
 #pragma omp barrier
       // x = post_norm(h); gate_up, then SiLU(gate) * up on this thread's tiles of both halves.
-      in.normed<G>(st(h), sv(L.post_norm), B, H, eps_, L.gate_up);
+      in.normed<G>(st(h), sv(L.post_norm), B, H, eps_);
       std::tie(a, e) = share(inter_ / gemv::kTile, t, team);
       const int64_t up = inter_ / gemv::kTile;
       matmul_items(L.gate_up, in, gu.data(), B, a, e);
@@ -371,14 +361,14 @@ void LlamaDecoder::run(const at::Tensor& ids, const at::Tensor& positions, const
       }
 #pragma omp barrier
       // h += act @ Wdown^T
-      in.from<G>(st(act), B, inter_, L.down);
+      in.from<G>(st(act), B, inter_);
       std::tie(a, e) = share(items_of(L.down), t, team);
       matmul_items(L.down, in, delta.data(), B, a, e);
       add_rows<G>(st(h), st(delta), B, H, a * gemv::kTile, std::min(H, e * gemv::kTile), H);
 #pragma omp barrier
     }
     // logits of the picked rows: final_norm(h) @ Whead^T
-    in.normed<G>(st(h), sv(final_norm_), R, H, eps_, head_, pick);
+    in.normed<G>(st(h), sv(final_norm_), R, H, eps_, pick);
     int64_t a, e;
     std::tie(a, e) = share(items_of(head_), t, team);
     matmul_items(head_, in, out_logits, R, a, e);
