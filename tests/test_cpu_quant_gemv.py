@@ -1,5 +1,5 @@
-"""tierserve's C++ few-row quantized matmuls (gpu/kernels/cpu/quant_gemv.cpp) against
-independent references, in every instruction set compiled here (AVX-512, AVX2, scalar).
+"""tierserve's C++ quantized matmuls (gpu/kernels/cpu/quant_gemv.cpp) against
+independent references, in every instruction set compiled here (AVX2, scalar).
 
 - 4-bit: GGUF Q4_0 / Q4_1 blocks made by the `gguf` package's quantizer, dequantized by its
   reference code, against Int4Linear built on those blocks with the kernel
@@ -14,7 +14,7 @@ independent references, in every instruction set compiled here (AVX-512, AVX2, s
   layer's dequantized weight: against quantized x measured 0.9e-7 to 3e-7 (float32), 2e-3 to
   3.4e-3 (bfloat16 output); against the unquantized x 4e-3 to 6.7e-3; same bounds.
 - Shapes: SmolLM2's (K, N), an N not a multiple of the 16-row tile, an output head of 8200
-  rows; M 1..8 (one pass) and 11 (two passes).
+  rows; M 1..8, 11 and 50 (one chunk of rows, several, more than one block).
 - Planted bugs (monkeypatched into the packers): nibbles of a pair swapped, offsets dropped,
   the int8 tile's two halves of rows swapped: each turns its check red.
 """
@@ -152,7 +152,9 @@ def test_int8_kernel_is_one_function_of_each_row() -> None:
     x[5] = 0.0
     x[9, 100] = float("inf")
     outs = int8_outputs(layer, x)
-    alone = torch.cat([gemv.int8_matmul(x[i : i + 1], layer.packed, layer.kernel_scales) for i in range(70)])
+    scales = layer.kernel_scales
+    assert scales is not None
+    alone = torch.cat([gemv.int8_matmul(x[i : i + 1], layer.packed, scales) for i in range(70)])
     assert same_bits(alone, outs[0])
     assert torch.equal(outs[0][5], torch.zeros(200)) and outs[0][9].isnan().all()
     assert outs[0][[i for i in range(70) if i != 9]].isfinite().all()
@@ -170,6 +172,7 @@ def test_layers_run_the_kernel_and_match_the_torch_ops() -> None:
     w = torch.randn(960, 576) * 0.02
     rows = x.reshape(6, 576)
     int8 = Int8Linear.quantize(w, torch.float32, kernels=True)
+    assert int8.kernel_scales is not None
     assert torch.equal(int8(rows), gemv.int8_matmul(rows, int8.packed, int8.kernel_scales))
     assert relative_error(int8(rows), Int8Linear.quantize(w, torch.float32)(rows)) < 2e-2  # x quantized
 
@@ -202,7 +205,7 @@ def test_red_planted_packing_bugs(monkeypatch: pytest.MonkeyPatch, planted: obje
 
 
 def swapped_halves(q: torch.Tensor) -> torch.Tensor:
-    n, k = q.shape
+    k = q.shape[1]
     packed = ORIGINAL_PACK_INT8(q).reshape(-1, k // 2, 2, 16)
     return packed.flip(2).reshape(-1, k * 16).contiguous()
 

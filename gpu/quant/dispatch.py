@@ -15,9 +15,10 @@ compute-bound and bfloat16/float32 GEMMs beat the quantized ops there
 the dense weight plus the quantized one (+25 % over bf16 for int4, +50 % for int8).
 With `QuantSpec.cpu_kernels` (model.cpu_kernels on, never in deterministic mode) the
 quantized linears run tierserve's C++ kernels instead of torch's ops (gpu/quant/gemv.py), in
-the same number of bytes: int8 up to its crossover (12 rows), 4-bit at every batch size (its
-int8-activation kernel beats float32 GEMMs at prefill shapes too:
-`benchmarks/quant_linear.py --model --force-quant`), so a 4-bit layer then keeps no dense copy.
+the same number of bytes, both on int8 activations: int8 up to its crossover (12 rows against
+bfloat16 GEMMs, 64 against float32 ones), 4-bit at every batch size (it beats float32 GEMMs at
+prefill shapes too: `benchmarks/quant_linear.py --model --force-quant`), so a 4-bit layer then
+keeps no dense copy.
 
 NOTE: invariant 7. In deterministic mode every row runs the quantized op in fixed tiles of
 LINEAR_TILE rows (never the dense copy, which is not kept), so a token's logits do not

@@ -1,8 +1,9 @@
 """Weight-only quantized linear layers over torch's packed CPU matmul ops.
 
 Batch-1 decode reads every weight once per token, so its speed is memory bandwidth over
-weight bytes: int8 halves bfloat16's bytes and 4-bit quarters them. Activations stay in
-the compute dtype; only the weights are quantized.
+weight bytes: int8 halves bfloat16's bytes and 4-bit quarters them. With torch's ops the
+activations stay in the compute dtype (only the weights are quantized); tierserve's C++
+kernels (below) quantize them too.
 
 - `Int8Linear`: `aten._weight_int8pack_mm`, int8 weights [N, K] with one scale per
   output channel (symmetric, w = q * s).
@@ -14,8 +15,9 @@ the compute dtype; only the weights are quantized.
 Both are callables `layer(x, bias=None)` like `F.linear(x, weight, bias)`; gpu/quant/dispatch.py
 chooses between them and a dense copy per call. Built with `kernels=True` (model.cpu_kernels,
 never in deterministic mode) and the C++ kernels available for the dtype, they run
-tierserve's few-row kernels instead (gpu/quant/gemv.py: the int8 weight as it is, 4-bit
-weights repacked into their interleaved layout; only the format the layer runs is kept).
+tierserve's kernels instead (gpu/quant/gemv.py: x quantized to int8 per group of 32, integer
+dot products; the weights repacked into the kernels' interleaved tiles, and only the format
+the layer runs is kept).
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ class Int8Linear:
     # the step is compute-bound and the dense weight is faster.
     max_rows = 4
     # The same with the C++ kernel (quant_linear.py --model --force-quant): against bfloat16
-    # GEMMs 12 rows; against float32 ones (no native bf16) it is ~2.5x faster up to 64 rows
-    # (AVX2 EPYC, the 49152 x 576 head in float32: 32 rows 33 vs 84 ms, 64 rows 74 vs 158 ms).
+    # GEMMs 12 rows; against float32 ones (no native bf16) up to 64 rows (2-core AVX2 EPYC,
+    # 2 threads: the 49152 x 576 head 1 row 1.15 vs 14.0 ms, 32 rows 17.1 vs 58.6 ms, 64 rows
+    # 29.9 vs 59.3 ms; SmolLM2's 576 x 1536 and 1536 x 576 even at 64 rows, 0.8-0.9x at 256).
     kernel_max_rows = 12
     kernel_max_rows_float32 = 64
 

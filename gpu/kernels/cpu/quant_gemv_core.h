@@ -1,6 +1,6 @@
 // The inner loops of quant_gemv.cpp's weight-only quantized matmuls, shared with
 // decode_step.cpp (which runs them inside its own parallel region): the problem, and the
-// work of one thread (`int8_items`, `q4_items`: a range of 16-output-row tiles for all rows
+// work of one thread (`tiles`: a range of 16-output-row tiles for all rows
 // of x). NOTE: a row's result depends only on its own x and the weight — never on the other
 // rows, on how [0, N) is cut into tiles, or on the instruction set — so both callers give
 // bit-identical results and the scalar code is the AVX2 code's exact reference.
