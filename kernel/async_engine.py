@@ -245,6 +245,7 @@ class AsyncEngine:
             },
             "cache": cache,
             "num_retractions": sched.num_retractions,
+            "speculative": sched.speculator.stats() if sched.speculator is not None else None,
             "policies": self.policies(),
             "halt_reason": self.halt_reason,
         }

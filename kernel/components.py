@@ -42,6 +42,7 @@ from kernel.numerics_choice import (
 from kernel.scheduling.overlap import resolve_overlap
 from kernel.scheduling.prefix_reuse import PrefixReuse
 from kernel.scheduling.scheduler import Scheduler
+from kernel.speculative.speculator import Speculator
 from kernel.states.hybrid_state import HybridState
 from kernel.tiers.host_tier import HostTier
 from kernel.tiers.storage_io import weights_fingerprint
@@ -154,10 +155,12 @@ def _build_components(config: Config, device: torch.device, backend: StorageBack
             if hybrid is not None:
                 prefix.host.state_pending = lambda slot: any(dst == slot for _, dst in hybrid.copies)
     runner = ModelRunner(model, pool, attention, states)
-    overlap = resolve_overlap(config.scheduler.overlap, device, hybrid=states is not None)
+    overlap = resolve_overlap(config.scheduler.overlap, device, hybrid=states is not None,
+                              speculative=config.speculative.enabled)
     log.info("overlap_scheduling", on=overlap, setting=config.scheduler.overlap, hybrid=states is not None)
     runner.inputs = _step_inputs(device, table.num_rows, overlap)
     runner.graphs = _graph_runner(config, model, attention, states, device)
+    speculator = _speculator(config, states is not None, runner.graphs.decode_rows if runner.graphs else None)
     if runner.graphs is not None:
         runner.graphs.inputs = runner.inputs
     return Components(
@@ -172,6 +175,7 @@ def _build_components(config: Config, device: torch.device, backend: StorageBack
             max_context=context,
             prefix=prefix,
             hybrid=hybrid,
+            speculator=speculator,
         ),
         tokenizer=tokenizer,
         num_pages=num_pages,
@@ -179,6 +183,21 @@ def _build_components(config: Config, device: torch.device, backend: StorageBack
         model_name=config.model.served_name or os.path.basename(config.model.path.rstrip("/")),
         overlap=overlap,
     )
+
+
+def _speculator(config: Config, hybrid: bool, graph_rows: int | None) -> Speculator | None:
+    """speculative.method resolved: its drafter, for dense models (hybrid ones: not yet).
+    With a graph runner (or native CPU steps) a step's drafts stop at its largest decode
+    bucket: a verify step then replays (or runs natively) as plain decode steps do."""
+    spec = config.speculative
+    if not spec.enabled:
+        return None
+    if hybrid:
+        log.warning("speculative_off", method=spec.method, reason="hybrid models do not speculate yet")
+        return None
+    log.info("speculative_on", method=spec.method, num_draft_tokens=spec.num_draft_tokens,
+             max_batch=spec.max_batch)
+    return Speculator(spec, row_limit=graph_rows)
 
 
 def _step_inputs(device: torch.device, num_rows: int, overlap: bool) -> StepInputs:

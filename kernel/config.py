@@ -238,6 +238,55 @@ class StructuredConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (kernel/speculative/): a drafter (registry kind `drafter`)
+    proposes up to `num_draft_tokens` tokens after a decoding request's last token; one
+    step verifies them with the full sampler and keeps those equal to what the request
+    would have produced anyway, plus the token after them (invariant 9). `ngram`: the
+    request's own prompt and output, longest match of ngram_max..ngram_min tokens.
+    The adaptive rule: a request whose drafts were accepted below `min_acceptance` over
+    its last `window` verify steps drafts nothing for its next `cooldown` decode steps;
+    and no request drafts in a step with more than `max_batch` decoding requests."""
+
+    method: str = "none"  # none | ngram | pkg.module:Class
+    num_draft_tokens: int = 4
+    ngram_min: int = 2
+    ngram_max: int = 4
+    topk: int = 1  # candidates per drafted position (token trees: not yet built)
+    draft_model: str | None = None  # method draft (not yet built)
+    max_batch: int = 8
+    window: int = 8
+    min_acceptance: float = 0.3
+    cooldown: int = 16
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+    def validate(self) -> None:
+        _positive("speculative.num_draft_tokens", self.num_draft_tokens)
+        _positive("speculative.ngram_min", self.ngram_min)
+        _positive("speculative.ngram_max", self.ngram_max)
+        if self.ngram_max < self.ngram_min:
+            raise ConfigError(f"speculative.ngram_max ({self.ngram_max}) must be >= ngram_min ({self.ngram_min})")
+        _positive("speculative.max_batch", self.max_batch)
+        _positive("speculative.window", self.window)
+        if self.cooldown < 0:
+            raise ConfigError(f"speculative.cooldown must be >= 0, got {self.cooldown}")
+        if not 0.0 <= self.min_acceptance <= 1.0:
+            raise ConfigError(f"speculative.min_acceptance must be in [0, 1], got {self.min_acceptance}")
+        if self.topk != 1:
+            raise ConfigError("speculative.topk > 1 (token trees) is not supported yet; use 1")
+        if self.draft_model is not None or self.method == "draft":
+            raise ConfigError("speculative.method: draft (a draft model) is not supported yet; use ngram")
+        if self.method != "none":
+            try:
+                registry.lookup("drafter", self.method)
+            except registry.RegistryError as exc:
+                raise ConfigError(f"speculative.method: {exc}") from None
+
+
+@dataclass(frozen=True)
 class DebugConfig:
     check_invariants: bool = False
 
@@ -263,6 +312,7 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     graphs: GraphsConfig = field(default_factory=GraphsConfig)
     structured: StructuredConfig = field(default_factory=StructuredConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     deterministic: bool = False
@@ -270,9 +320,14 @@ class Config:
 
     def validate(self) -> None:
         sections = (self.model, self.cache, self.hicache, self.scheduler, self.server, self.graphs,
-                    self.structured, self.debug, self.logging)
+                    self.structured, self.speculative, self.debug, self.logging)
         for section in sections:
             section.validate()
+        if self.speculative.enabled and self.scheduler.overlap == "on":
+            raise ConfigError(
+                "scheduler.overlap: on cannot run with speculative decoding (a verify step's tokens decide "
+                "the next step's inputs); use overlap auto (off while speculating) or off"
+            )
         if self.scheduler.chunked_prefill_size < self.cache.page_size:
             raise ConfigError(
                 "scheduler.chunked_prefill_size must be >= cache.page_size so every chunk can "

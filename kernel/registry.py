@@ -31,6 +31,7 @@ KINDS = (
     "state_strategy",
     "storage",
     "tool_parser",
+    "drafter",
 )
 
 # Packages that hold the built-in handlers of each kind. On the first lookup of a kind
@@ -46,6 +47,7 @@ _BUILTIN_PACKAGES: dict[str, tuple[str, ...]] = {
     "state_strategy": ("handlers",),
     "storage": ("cache.storage", "plugins.storage"),
     "tool_parser": ("handlers.tool_parsers",),
+    "drafter": ("handlers",),
 }
 _imported: set[str] = set()
 

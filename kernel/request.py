@@ -80,6 +80,10 @@ class Request:
     matched_stop: str | int | None = None
     error: str | None = None
     num_retractions: int = 0
+    # Speculative decoding (kernel/speculative/): tokens drafted and accepted, verify steps.
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_steps: int = 0
     # Structured outputs (kernel/structured/grammar.py): its matcher, advanced with each output token.
     grammar: RequestGrammar | None = None
 
@@ -104,6 +108,12 @@ class Request:
     def num_generated(self) -> int:
         """Output tokens known on the host (a look-ahead placeholder is not one yet)."""
         return len(self.output_ids) - (1 if self.output_ids and self.output_ids[-1] < 0 else 0)
+
+    def cut_output(self, keep: int) -> None:
+        """Keep the first `keep` output tokens (a stop string ended the request inside a
+        verify step's tokens); KV is then valid for the tokens kept at most."""
+        del self.output_ids[keep:], self.output_logprobs[keep:], self.output_top_logprobs[keep:]
+        self.kv_len = min(self.kv_len, self.total_len)
 
     def settle(self) -> None:
         """The step it went ahead of has landed or failed: drop the placeholder."""

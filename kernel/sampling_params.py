@@ -64,6 +64,9 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # Speculative decoding (the server's `speculative` config): false opts this request
+    # out. Its output is the same either way; only its speed differs.
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))

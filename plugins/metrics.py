@@ -86,10 +86,34 @@ def counters(stats: dict[str, Any]) -> Iterable[Metric]:
         "Cached prompt tokens a hit could not use: no recurrent state at their end (hybrid models).",
         cache["prefix_truncated_tokens"],
     )
+    spec = stats["speculative"]
+    if spec is not None:
+        yield from speculative_metrics(spec)
     yield CounterMetricFamily(
         "tierserve_retractions", "Running requests sent back to the queue for lack of pages.",
         stats["num_retractions"],
     )
+
+
+def speculative_metrics(spec: dict[str, Any]) -> Iterable[Metric]:
+    """Drafted and accepted tokens and verify steps, per drafting method (accepted /
+    verify steps + 1 is the mean accepted length per verify step), and the adaptive rule."""
+    method = [spec["method"]]
+    for name, key, doc in (
+        ("tierserve_spec_drafted_tokens", "drafted_tokens", "Tokens proposed by the drafter and verified."),
+        ("tierserve_spec_accepted_tokens", "accepted_tokens", "Drafted tokens the target accepted."),
+        ("tierserve_spec_verify_steps", "verify_steps", "Request verify steps (a decode with drafts)."),
+        ("tierserve_spec_paused_requests", "paused_requests",
+         "Times the adaptive rule paused a request's drafting for low acceptance."),
+        ("tierserve_spec_skipped_batches", "skipped_batches", "Steps with too many decodes to draft (max_batch)."),
+    ):
+        family = CounterMetricFamily(name, doc, labels=["method"])
+        family.add_metric(method, spec[key])
+        yield family
+    resting = GaugeMetricFamily("tierserve_spec_resting_requests", "Requests whose drafting is paused now.",
+                                labels=["method"])
+    resting.add_metric(method, spec["resting_requests"])
+    yield resting
 
 
 def gauges(stats: dict[str, Any]) -> Iterable[Metric]:

@@ -57,6 +57,11 @@ class CpuStepRunner:
         self.inputs: StepInputs | None = None  # the model runner's (shared by the builder)
         log.info("cpu_step_ready", max_rows=self.max_rows, kernel_rows=self.decoder.max_rows)
 
+    @property
+    def decode_rows(self) -> int:
+        """The most decode rows a step may have and still run natively."""
+        return self.max_rows
+
     def bucket_for(self, batch: ForwardBatch) -> Graph | None:
         """Where the batch runs natively: decodes only, within the row limit (at its own
         size: the call pads nothing), else None (run it eagerly)."""

@@ -205,6 +205,12 @@ class GraphRunner:
                 raise StaticBufferError(f"the captured forward reads {name}, which is not a registered static buffer")
 
     # ---- replay --------------------------------------------------------------------
+    @property
+    def decode_rows(self) -> int:
+        """The most decode rows a step may have and still replay a bucket."""
+        decode = self.graphs["decode"]
+        return decode[-1].bucket.requests if decode else 0
+
     def bucket_for(self, batch: ForwardBatch) -> Graph | None:
         """The smallest bucket that holds the batch, or None (run it eagerly)."""
         num_reqs, num_tokens = len(batch.rows), len(batch.input_ids)

@@ -31,6 +31,8 @@ class OutputChunk(NamedTuple):
     cached_tokens: int
     cached_by_tier: dict[str, int]
     prompt: PromptScores | None = None  # prompt logprobs: in the request's first chunk only
+    # Speculative decoding so far: (drafted tokens, accepted tokens, verify steps).
+    speculative: tuple[int, int, int] = (0, 0, 0)
 
 
 @dataclass
@@ -49,6 +51,7 @@ class Collected:
     cached_tokens: int = 0
     cached_by_tier: dict[str, int] = field(default_factory=dict)
     prompt: PromptScores | None = None
+    speculative: tuple[int, int, int] = (0, 0, 0)
 
     def add(self, chunk: OutputChunk) -> None:
         self.text += chunk.text
@@ -61,6 +64,7 @@ class Collected:
         self.completion_tokens = chunk.completion_tokens
         self.cached_tokens = chunk.cached_tokens
         self.cached_by_tier = chunk.cached_by_tier
+        self.speculative = chunk.speculative
         if chunk.prompt is not None:
             self.prompt = chunk.prompt
 
@@ -75,6 +79,10 @@ class Collected:
             "finish_reason": self.finish_reason,
             "matched_stop": self.matched_stop,
         }
+        drafted, accepted, verify_steps = self.speculative
+        if verify_steps:  # speculative decoding ran for it (SGLang reports spec_verify_ct)
+            meta.update(spec_drafted_tokens=drafted, spec_accepted_tokens=accepted, spec_verify_ct=verify_steps,
+                        spec_accept_length=accepted / verify_steps + 1)
         if return_logprob:
             meta["output_token_logprobs"] = list(zip(self.logprobs, self.token_ids))
             if top_logprobs:
@@ -123,6 +131,7 @@ class RequestStream:
             cached_tokens=req.cached_tokens,
             cached_by_tier=dict(req.cached_by_tier),
             prompt=prompt,
+            speculative=(req.spec_drafted, req.spec_accepted, req.spec_steps),
         )
 
     def end(self) -> None:
@@ -163,23 +172,37 @@ class OutputProcessor:
 
     def _emit_one(self, st: RequestStream) -> None:
         req = st.req
-        new_ids = req.output_ids[st.emitted :]
-        start, st.emitted = st.emitted, len(req.output_ids)
-        text = ""
-        if st.detok is not None:
-            step = st.detok.push(new_ids)
-            text = step.text
-            if step.stop_hit:
-                assert step.matched_stop is not None
-                self.stop_text(req, step.matched_stop)
-            elif req.finished:
-                text += st.detok.finish()
+        start = st.emitted
+        new_ids = req.output_ids[start:]
+        text = self._detokenize(st, new_ids) if st.detok is not None else ""
+        new_ids = req.output_ids[start:]  # a stop string may have cut them
+        st.emitted = len(req.output_ids)
         self.generation_tokens += len(new_ids)
         st.put(st.chunk(text, new_ids, start))
         if self.events.active:
             self.events.emit("tokens", req.rid, count=len(new_ids), first=start == 0)
         if req.finished:
             self.publish_finished(req)
+
+    def _detokenize(self, st: RequestStream, new_ids: list[int]) -> str:
+        """The text `new_ids` release, pushed one token at a time as plain decoding does.
+        NOTE: a verify step (speculative decoding) brings several tokens at once; a stop
+        string completed by one of them ends the request there: the tokens after it are
+        dropped (`Request.cut_output`), as if they had never been sampled."""
+        assert st.detok is not None
+        req, pieces = st.req, []
+        for i, piece in enumerate([(t,) for t in new_ids] or [()]):
+            step = st.detok.push(piece)
+            pieces.append(step.text)
+            if step.stop_hit:
+                assert step.matched_stop is not None
+                if i + 1 < len(new_ids):
+                    req.cut_output(len(req.output_ids) - len(new_ids) + i + 1)
+                self.stop_text(req, step.matched_stop)
+                return "".join(pieces)
+        if req.finished:
+            pieces.append(st.detok.finish())
+        return "".join(pieces)
 
     def publish_admitted(self, reqs: Iterable[Request]) -> None:
         for req in reqs:

@@ -36,10 +36,12 @@ from kernel.scheduling import prompt_logprobs
 from kernel.scheduling.step_plan import ScheduledChunk, StepPlan
 
 
-def resolve_overlap(setting: str, device: torch.device, hybrid: bool) -> bool:
+def resolve_overlap(setting: str, device: torch.device, hybrid: bool, speculative: bool = False) -> bool:
     """auto: on for CUDA; off on CPU, where the device thread computes what the loop
-    would overlap with (benchmarks/overlap.py measures both); never for hybrid models."""
-    if hybrid:
+    would overlap with (benchmarks/overlap.py measures both); never for hybrid models,
+    nor with speculative decoding (the next step's input is the verify step's last
+    accepted token, and its drafts follow from that: nothing to plan ahead with)."""
+    if hybrid or speculative:
         return False
     if setting == "auto":
         return device.type == "cuda"

@@ -22,6 +22,7 @@ from kernel.scheduling.chunk_planner import plan_chunk
 from kernel.scheduling.policy import SchedulePolicy
 from kernel.scheduling.prefix_reuse import PrefixReuse
 from kernel.scheduling.step_plan import ScheduledChunk, StepPlan
+from kernel.speculative.speculator import Speculator
 from kernel.states.hybrid_state import HybridState
 from kernel.structured.grammar_gate import advance_grammar
 
@@ -50,6 +51,7 @@ class Scheduler:
         max_context: int,
         prefix: PrefixReuse,
         hybrid: HybridState | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         self.config = config
         self.page_size = page_size
@@ -60,6 +62,8 @@ class Scheduler:
         self.max_context = max_context
         self.prefix = prefix
         self.hybrid = hybrid
+        # Speculative decoding (kernel/speculative/): dense models only, so far.
+        self.speculator = speculator if hybrid is None else None
         # Where non-final prefill chunks may end (invariant 1): pages, and for hybrid
         # models that checkpoint also the state grid (a multiple of the page size).
         self.grid = hybrid.interval if hybrid is not None and hybrid.checkpoints else page_size
@@ -109,6 +113,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         planned: set[int] = set()
+        if self.speculator is not None:
+            self.speculator.begin_step(sum(1 for r in self.running if r.total_len - r.kv_len == 1))
         for req in list(self.running):
             if req.status is not Status.RUNNING or req.total_len - req.kv_len != 1 or budget == 0:
                 continue
@@ -116,9 +122,10 @@ class Scheduler:
                 continue  # overlap: its step in flight decides what comes next
             if not self._reserve_decode(req, planned, retracted):
                 continue
-            chunks.append(self._chunk(req, 1))
+            draft = self._draft(req, budget - 1)
+            chunks.append(self._chunk(req, 1, draft))
             planned.add(id(req))
-            budget -= 1
+            budget -= 1 + len(draft)
         for req in list(self.running):
             if req.loading is not None and self.prefix.host is not None:
                 self.prefix.host.expire(req)
@@ -151,12 +158,28 @@ class Scheduler:
             budget -= length
         return chunks
 
-    def _chunk(self, req: Request, length: int) -> ScheduledChunk:
+    def _chunk(self, req: Request, length: int, draft: tuple[int, ...] = ()) -> ScheduledChunk:
         samples = req.kv_len + length == req.total_len and req.params.max_new_tokens > 0
         if self.hybrid is None:
-            return ScheduledChunk(req, req.kv_len, length, samples=samples)
+            return ScheduledChunk(req, req.kv_len, length, samples=samples, draft=draft)
         src, dst, track = self.hybrid.plan(req, req.kv_len, length)
         return ScheduledChunk(req, req.kv_len, length, src, dst, track, samples)
+
+    def _draft(self, req: Request, budget: int) -> tuple[int, ...]:
+        """Tokens `req` verifies after its decode token this step (speculative decoding):
+        within the token budget, its max_new_tokens and the context, and the pages that
+        are free now. NOTE: a guess never evicts a cached prefix or retracts a request."""
+        spec = self.speculator
+        if spec is None or req.grammar is not None:
+            return ()
+        p = req.params
+        room = (len(req.pages) + self.allocator.num_free) * self.page_size - req.total_len
+        draft = spec.draft(req, min(budget, room, p.max_new_tokens - len(req.output_ids) - 1,
+                                    self.max_context - req.total_len - 1))
+        if draft:
+            reserved = self._reserve(req, req.total_len + len(draft), evict=False)
+            assert reserved, "free pages promised for the draft"
+        return draft
 
     def _prefix_in_flight(self, req: Request) -> bool:
         """Whether a prefilling request shares a prefix of >= share_prefix_min_tokens
@@ -223,12 +246,12 @@ class Scheduler:
                 return False
         return True
 
-    def _reserve(self, req: Request, num_tokens: int) -> bool:
+    def _reserve(self, req: Request, num_tokens: int, evict: bool = True) -> bool:
         """Make `req` own enough pages for `num_tokens` tokens; False if not free."""
         need = pages_for(num_tokens, self.page_size) - len(req.pages)
         if need <= 0:
             return True
-        if not self.allocator.can_allocate(need):
+        if evict and not self.allocator.can_allocate(need):
             self.prefix.evict(need - self.allocator.num_free)
         if not self.allocator.can_allocate(need):
             return False
@@ -284,6 +307,8 @@ class Scheduler:
         """Return a request's pages and row (on finish, abort, error or retraction);
         computed whole pages stay in the prefix cache for later requests."""
         self.prefix.release(req)
+        if self.speculator is not None and req.finished:
+            self.speculator.forget(req)
         if self.hybrid is not None:
             self.hybrid.release(req)
         if req.row is not None:
@@ -302,6 +327,11 @@ class Scheduler:
             req = chunk.req
             req.inflight -= 1
             req.settle()
+            if chunk.draft:
+                verified = [next(tokens) for _ in range(1 + len(chunk.draft))]
+                if self._verify(req, chunk, verified):
+                    produced.append(req)
+                continue
             req.kv_len = self._computed_len(req, chunk)
             token = next(tokens) if chunk.samples else None
             if req.finished:  # aborted or stopped by text while this step ran
@@ -318,6 +348,40 @@ class Scheduler:
             if req.finished:
                 self._release_landed(req)
         return produced
+
+    def _verify(self, req: Request, chunk: ScheduledChunk, sampled: list[SampledToken]) -> bool:
+        """Apply a verify step (speculative decoding): the token sampled after the input
+        token, then after each draft while the draft before it was what was sampled —
+        exactly the tokens plain decoding would have produced, stops included. Whether
+        `req` got tokens. NOTE: invariant 9: `kv_len` covers the input token and the
+        accepted drafts only; the rejected drafts' KV lies past it (never cached), and
+        pages holding nothing but theirs go back."""
+        if req.finished:  # aborted or stopped by text while this step ran
+            req.kv_len = min(chunk.start + 1, req.total_len)
+            self._release_landed(req)
+            return False
+        appended = 0
+        for token, draft in zip(sampled, (*chunk.draft, None)):
+            self._append(req, token)
+            appended += 1
+            if req.finished or token.token_id != draft:
+                break
+        req.kv_len = chunk.start + appended
+        assert self.speculator is not None
+        self.speculator.record(req, len(chunk.draft), appended - 1)
+        if req.finished:
+            self._release_landed(req)
+        else:
+            self._trim_pages(req)
+        return True
+
+    def _trim_pages(self, req: Request) -> None:
+        """Free the pages past what the next decode writes (rejected drafts' only)."""
+        keep = pages_for(req.total_len, self.page_size)
+        if len(req.pages) > keep:
+            assert keep >= req.shared_pages
+            self.allocator.free(req.pages[keep:])
+            del req.pages[keep:]
 
     @staticmethod
     def _computed_len(req: Request, chunk: ScheduledChunk) -> int:
@@ -336,7 +400,7 @@ class Scheduler:
         """Offer what the step computed to the prefix cache: every prefill chunk's whole
         pages (dense), or a checkpoint with its state slot (hybrid)."""
         if self.hybrid is None:
-            if chunk.length > 1:
+            if chunk.length > 1:  # prefill (a verify step is applied by _verify)
                 self.prefix.cache_computed(req)
             return
         for length, tracked in self.hybrid.tracked(req):

@@ -187,16 +187,35 @@ class StepLoop:
 
 def build_forward_batch(plan: StepPlan, state_copies: tuple[tuple[int, int], ...] = ()) -> ForwardBatch:
     """The device's copy of a plan: token ids, state slots and sampling settings as
-    plain values, and the state copies to make before the forward."""
-    chunks, sampling = [], []
+    plain values, and the state copies to make before the forward.
+
+    A verify step (a decode with drafts) goes to the device as one decode row per
+    position, all on the request's table row: row j feeds token j at position start + j
+    and samples as plain decoding would after the drafts before it (step, history). The
+    attention backends write a step's KV before they read it, so row j sees rows < j:
+    each row is the decode step that position would have had without speculation."""
+    chunks: list[PrefillChunk] = []
+    sampling: list[tuple[int, SamplingRow]] = []
+    moved: dict[int, int] = {}  # plan chunk index -> batch chunk index, where they differ
     for i, ch in enumerate(plan.chunks):
         req = ch.req
         assert req.row is not None
+        if i != len(chunks):
+            moved[i] = len(chunks)
         ids = tuple(req.token_slice(ch.start, ch.start + ch.length))
+        if ch.draft:
+            row = sampling_row(req)
+            for j, token in enumerate(ids + ch.draft):
+                sampling.append((len(chunks), verify_row(row, req, ch.draft[:j])))
+                chunks.append(PrefillChunk((token,), req.row, ch.start + j))
+            continue
         chunks.append(PrefillChunk(ids, req.row, ch.start, ch.state_src, ch.state_dst, ch.state_track))
         if ch.samples:
-            sampling.append((i, sampling_row(req)))
-    return ForwardBatch.build(chunks, sampling, state_copies, prompt_logprobs.plan_spans(plan))
+            sampling.append((len(chunks) - 1, sampling_row(req)))
+    spans = prompt_logprobs.plan_spans(plan)
+    if moved:
+        spans = tuple(s._replace(chunk=moved.get(s.chunk, s.chunk)) for s in spans)
+    return ForwardBatch.build(chunks, sampling, state_copies, spans)
 
 
 def sampling_row(req: Request) -> SamplingRow:
@@ -212,3 +231,14 @@ def sampling_row(req: Request) -> SamplingRow:
         return row
     # A snapshot: the loop appends to output_ids while this step may still be running.
     return dataclasses.replace(row, prompt_ids=tuple(req.prompt_ids), output_ids=tuple(req.output_ids))
+
+
+def verify_row(row: SamplingRow, req: Request, accepted: tuple[int, ...]) -> SamplingRow:
+    """How the position after `accepted` drafts samples: the draw of that step, and the
+    history with those drafts in it (the only case in which its token is used)."""
+    if not accepted:
+        return row
+    step = dataclasses.replace(row, step=row.step + len(accepted))
+    if not row.needs_history:
+        return step
+    return dataclasses.replace(step, output_ids=row.output_ids + accepted)

@@ -22,6 +22,9 @@ class ScheduledChunk(NamedTuple):
     # nothing is to be generated: a prompt scored for its logprobs only). NOTE: fixed
     # when planned: with overlap scheduling the request's length moves before it lands.
     samples: bool = False
+    # Speculative decoding: tokens drafted after the decode's input token, verified in
+    # this step (a decode of 1 + len(draft) rows: gpu sees one row per position).
+    draft: tuple[int, ...] = ()
 
 
 class StepPlan(NamedTuple):

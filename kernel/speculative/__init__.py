@@ -1,0 +1,1 @@
+"""Speculative decoding on the scheduler's side: drafters propose, one step verifies."""

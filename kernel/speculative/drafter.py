@@ -1,0 +1,26 @@
+"""The drafter contract (registry kind `drafter`): propose tokens to verify after a
+request's last token. A drafter reads tokens only; it never touches pages, slots or the
+device, so a wrong draft costs a rejected row and nothing else (invariant 9)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from kernel.request import Request
+
+
+class Drafter(ABC):
+    """Built once per engine from the `speculative` config section's values."""
+
+    def __init__(self, **options: Any) -> None:
+        self.options = options
+
+    @abstractmethod
+    def propose(self, req: Request, max_tokens: int) -> list[int]:
+        """Up to `max_tokens` guesses of the tokens after `req.prompt_ids + req.output_ids`
+        (fewer, or none, where it has no guess). May update the drafter's own index of
+        the request; changes nothing else."""
+
+    def forget(self, req: Request) -> None:
+        """`req` is finished or retracted-and-gone: drop what the drafter keeps for it."""

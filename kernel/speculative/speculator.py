@@ -1,0 +1,110 @@
+"""How many tokens each decoding request drafts this step, and what verification taught.
+
+The adaptive rule (`speculative` config): a request whose drafts were accepted below
+`min_acceptance` over its last `window` verify steps drafts nothing for its next
+`cooldown` decode steps (then tries again); and in a step with more than `max_batch`
+decoding requests nobody drafts (the rows would cost more than they save). Counters are
+per method, in tokens: drafted, accepted, and verify steps (mean accepted length per
+verify step = accepted / verify steps + 1, the bonus token).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kernel import registry
+from kernel.config import SpeculativeConfig
+from kernel.request import Request
+from kernel.speculative.drafter import Drafter
+
+
+@dataclass
+class _Track:
+    """One request's recent verify outcomes: (drafted, accepted) per step, and how many
+    decode steps it still sits out."""
+
+    recent: deque[tuple[int, int]] = field(default_factory=deque)
+    resting: int = 0
+
+
+@dataclass
+class SpecCounters:
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_steps: int = 0
+    paused_requests: int = 0  # times the adaptive rule sent a request resting
+    skipped_batches: int = 0  # steps where max_batch switched drafting off
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, drafter: Drafter | None = None,
+                 row_limit: int | None = None) -> None:
+        self.config = config
+        self.row_limit = row_limit  # decode rows a step may have (graph buckets); None: any
+        self.method = config.method
+        self.drafter = drafter or registry.lookup("drafter", config.method)(
+            ngram_min=config.ngram_min, ngram_max=config.ngram_max
+        )
+        self.counters = SpecCounters()
+        self._tracks: dict[str, _Track] = {}
+        self.batch_on = True  # the max_batch rule's verdict for the step being planned
+        self.rows_left = 0  # draft rows the step being planned may still add (row_limit)
+
+    def begin_step(self, decoding: int) -> None:
+        """Planning a step with `decoding` requests that may decode."""
+        self.batch_on = decoding <= self.config.max_batch
+        if not self.batch_on:
+            self.counters.skipped_batches += 1
+        self.rows_left = self.row_limit - decoding if self.row_limit is not None else 1 << 30
+
+    def draft(self, req: Request, limit: int) -> tuple[int, ...]:
+        """Tokens for `req` to verify this step: at most `limit` (its budget, pages and
+        length left), none where it opted out, rests, or the batch is too large."""
+        limit = min(limit, self.config.num_draft_tokens, self.rows_left)
+        if limit <= 0 or not self.batch_on or not req.params.speculative:
+            return ()
+        track = self._tracks.setdefault(req.rid, _Track())
+        if track.resting:
+            track.resting -= 1
+            return ()
+        draft = tuple(self.drafter.propose(req, limit)[:limit])
+        self.rows_left -= len(draft)
+        return draft
+
+    def record(self, req: Request, drafted: int, accepted: int) -> None:
+        """A verify step of `req` landed: `accepted` of its `drafted` tokens were kept."""
+        c = self.counters
+        c.drafted_tokens += drafted
+        c.accepted_tokens += accepted
+        c.verify_steps += 1
+        req.spec_drafted += drafted
+        req.spec_accepted += accepted
+        req.spec_steps += 1
+        track = self._tracks.setdefault(req.rid, _Track())
+        track.recent.append((drafted, accepted))
+        if len(track.recent) > self.config.window:
+            track.recent.popleft()
+        if len(track.recent) == self.config.window:
+            total = sum(d for d, _ in track.recent)
+            if sum(a for _, a in track.recent) < self.config.min_acceptance * total:
+                track.resting = self.config.cooldown
+                track.recent.clear()
+                c.paused_requests += 1
+
+    def forget(self, req: Request) -> None:
+        self._tracks.pop(req.rid, None)
+        self.drafter.forget(req)
+
+    def stats(self) -> dict[str, object]:
+        c = self.counters
+        return {
+            "method": self.method,
+            **c.as_dict(),
+            "mean_accepted_length": (c.accepted_tokens / c.verify_steps + 1) if c.verify_steps else None,
+            "resting_requests": sum(1 for t in self._tracks.values() if t.resting),
+            "batch_on": self.batch_on,
+        }

@@ -1,0 +1,300 @@
+"""Speculative decoding changes nothing (invariant 9): in deterministic mode a speculating
+engine's output equals a plain engine's, token for token and logprob for logprob, for
+greedy, seeded sampling, penalties, logit_bias, top logprobs, stops inside accepted runs,
+and prefix hits on what speculating requests cached; with graphs off and emulated.
+
+The drafter is `tests.spec_drafters:Oracle`: the reference output with known wrong
+guesses, so every verify path is taken (see that module). The planted-bug tests at the
+bottom show the guards go red.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kernel import Engine
+from kernel.config import ConfigError, SpeculativeConfig, load_config
+from kernel.request import Request
+from kernel.sampling_params import SamplingParams
+from kernel.scheduling import step_loop
+from kernel.scheduling.scheduler import Scheduler
+from kernel.speculative.speculator import Speculator
+from tests import leaks
+from tests.conftest import GRAPHS_EMULATE, TINY_OVERRIDES, graph_replays
+from tests.spec_drafters import WRONG_AT, WRONG_EVERY, Oracle
+
+ORACLE = {"speculative.method": "tests.spec_drafters:Oracle", "speculative.num_draft_tokens": 4}
+BASE = {"max_new_tokens": 25, "ignore_eos": True, "return_logprob": True}
+PARAMS: list[dict[str, Any]] = [
+    {**BASE, "temperature": 0, "top_logprobs_num": 3},
+    {**BASE, "temperature": 1.5, "top_p": 0.95, "top_k": 500, "seed": 7},
+    {**BASE, "temperature": 0.7, "repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.3,
+     "seed": 3},
+    {**BASE, "temperature": 0, "logit_bias": {"1234": 4.0, "77": -3.0}},
+    {**BASE, "temperature": 1.6, "min_p": 0.01, "seed": 5, "top_logprobs_num": 2},
+]
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randint(50, 40000) for _ in range(n)]
+
+
+PROMPTS = [tokens(i, 7 + 6 * i) for i in range(len(PARAMS))]
+
+
+def same(out: dict[str, Any], ref: dict[str, Any]) -> None:
+    """The guard: what a client reads is the plain engine's, exactly."""
+    assert out["output_ids"] == ref["output_ids"], "speculation guard: tokens differ"
+    assert out["text"] == ref["text"], "speculation guard: text differs"
+    m, r = out["meta_info"], ref["meta_info"]
+    assert m.get("output_token_logprobs") == r.get("output_token_logprobs"), "speculation guard: logprobs differ"
+    assert m.get("output_top_logprobs") == r.get("output_top_logprobs"), "speculation guard: top logprobs differ"
+    for key in ("completion_tokens", "finish_reason", "matched_stop"):
+        assert m[key] == r[key], f"speculation guard: {key} {m[key]!r} != {r[key]!r}"
+
+
+def make(folder: str, **extra: Any) -> Engine:
+    return Engine(None, {"model.path": folder, **TINY_OVERRIDES, "deterministic": True, "cache.prefix": "radix",
+                         **ORACLE, **extra})
+
+
+@pytest.fixture(scope="module")
+def refs(tiny_det_engine: Engine) -> list[dict[str, Any]]:
+    outs = tiny_det_engine.generate(PROMPTS, PARAMS)
+    assert isinstance(outs, list)
+    for prompt, out in zip(PROMPTS, outs):
+        Oracle.answers[tuple(prompt)] = out["output_ids"]
+    return outs
+
+
+@pytest.fixture(scope="module", params=["off", "emulate"])
+def spec(request: pytest.FixtureRequest, tiny_chat_folder: str) -> Iterator[Engine]:
+    graphs = GRAPHS_EMULATE if request.param == "emulate" else {"graphs.mode": "off"}
+    engine = make(tiny_chat_folder, **graphs)
+    yield engine
+    engine.shutdown()
+
+
+def spec_stats(engine: Engine) -> dict[str, Any]:
+    stats = engine.engine.stats()["speculative"]
+    assert stats is not None
+    return stats  # type: ignore[no-any-return]
+
+
+def test_batch_equals_plain_decoding(spec: Engine, refs: list[dict[str, Any]]) -> None:
+    before = spec_stats(spec)["accepted_tokens"], spec_stats(spec)["drafted_tokens"]
+    replays = graph_replays(spec)["decode"] if spec.config.graphs.mode == "emulate" else 0
+    outs = spec.generate(PROMPTS, PARAMS)
+    assert isinstance(outs, list)
+    for out, ref in zip(outs, refs):
+        same(out, ref)
+        assert out["meta_info"]["spec_verify_ct"] > 0, "no verify step ran"
+    stats = spec_stats(spec)
+    accepted, drafted = stats["accepted_tokens"] - before[0], stats["drafted_tokens"] - before[1]
+    assert 0 < accepted < drafted, f"both accepted and rejected drafts expected: {accepted} of {drafted}"
+    if spec.config.graphs.mode == "emulate":
+        assert graph_replays(spec)["decode"] > replays, "verify steps never replayed a decode bucket"
+
+
+def test_one_at_a_time_and_opt_out(spec: Engine, refs: list[dict[str, Any]]) -> None:
+    """Alone in the batch (verify rows only), and with the per-request opt-out."""
+    same(spec.generate(PROMPTS[1], PARAMS[1]), refs[1])  # type: ignore[arg-type]
+    out = spec.generate(PROMPTS[0], {**PARAMS[0], "speculative": False})
+    same(out, refs[0])  # type: ignore[arg-type]
+    assert "spec_verify_ct" not in out["meta_info"]  # type: ignore[index]
+
+
+def stop_cases(ref: dict[str, Any], tokenizer: Any) -> list[dict[str, Any]]:
+    """Stops that land inside verify steps: a stop token, max_tokens, and stop strings
+    (each the text of one reference token, so its hit is at a known token)."""
+    ids = ref["output_ids"]
+    cases: list[dict[str, Any]] = [{"stop_token_ids": [ids[i]]} for i in (5, 9, 12) if ids[i] not in ids[:i]]
+    cases += [{"max_new_tokens": n} for n in (6, 11, 17)]
+    for i in (4, 8, 10, 13, 16):
+        piece = tokenizer.decode(ids[: i + 1])[len(tokenizer.decode(ids[:i])):]
+        if piece.strip():
+            cases.append({"stop": [piece]})
+    return cases
+
+
+def test_stops_inside_accepted_runs(spec: Engine, tiny_det_engine: Engine, refs: list[dict[str, Any]],
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    cuts: list[int] = []
+    cut = Request.cut_output
+    monkeypatch.setattr(Request, "cut_output", lambda self, keep: (cuts.append(keep), cut(self, keep))[1])
+    params = {**PARAMS[1], "ignore_eos": False}  # sampled: the tiny model's greedy text repeats one token
+    cases = stop_cases(refs[1], spec.tokenizer)
+    assert len(cases) >= 6
+    for case in cases:
+        ref = tiny_det_engine.generate(PROMPTS[1], {**params, **case})
+        same(spec.generate(PROMPTS[1], {**params, **case}), ref)  # type: ignore[arg-type]
+    assert cuts, "no stop string ended a request inside a verify step's tokens"
+
+
+def test_prefix_hits_on_speculated_output(spec: Engine, tiny_det_engine: Engine, refs: list[dict[str, Any]]) -> None:
+    """A later turn hits the pages a speculating request cached (accepted KV only)."""
+    assert spec.flush_cache()
+    first = spec.generate(PROMPTS[3], PARAMS[3])
+    same(first, refs[3])  # type: ignore[arg-type]
+    turn = PROMPTS[3] + refs[3]["output_ids"][:19] + tokens(99, 5)
+    warm = spec.generate(turn, PARAMS[0])
+    assert warm["meta_info"]["cached_tokens"] > len(PROMPTS[3])  # type: ignore[index]
+    same(warm, tiny_det_engine.generate(turn, PARAMS[0]))  # type: ignore[arg-type]
+
+
+def test_ngram_drafter_exact(tiny_chat_folder: str, tiny_det_engine: Engine) -> None:
+    """The built-in drafter on a repetitive prompt: drafts are accepted, output exact."""
+    engine = make(tiny_chat_folder, **{"speculative.method": "ngram", "speculative.ngram_min": 1})
+    try:
+        motif = tokens(5, 6)
+        prompt = motif * 5
+        params = [PARAMS[0], PARAMS[1]]
+        outs = engine.generate([prompt, prompt[3:]], params)
+        assert isinstance(outs, list)
+        for out, ref in zip(outs, tiny_det_engine.generate([prompt, prompt[3:]], params)):  # type: ignore[arg-type]
+            same(out, ref)
+        assert spec_stats(engine)["accepted_tokens"] > 0
+    finally:
+        engine.shutdown()
+
+
+# ---- the drafter and the adaptive rule, alone ---------------------------------------
+_rids = itertools.count()
+
+
+def request(prompt: list[int], output: list[int] = (), **params: Any) -> Request:  # type: ignore[assignment]
+    req = Request(f"r{next(_rids)}", list(prompt), SamplingParams(**params), seed=0)
+    req.output_ids = list(output)
+    return req
+
+
+def test_ngram_proposes_the_latest_continuation() -> None:
+    from handlers.drafter_ngram import NgramDrafter
+
+    drafter = NgramDrafter(ngram_min=1, ngram_max=3)
+    req = request([1, 2, 3, 4, 9, 9, 1, 2, 3, 5, 6, 1, 2, 3])
+    assert drafter.propose(req, 2) == [5, 6]  # the latest (1, 2, 3), not the first
+    req.output_ids = [5, 6]
+    assert drafter.propose(req, 3) == [1, 2, 3]  # (3, 5, 6) was followed by 1, 2, 3; index grew
+    req.output_ids = [5, 6, 7]
+    assert drafter.propose(req, 3) == []  # 7 is new
+    assert drafter.propose(request([1, 2, 3]), 4) == []  # never seen before
+    assert drafter.propose(request([8, 8, 8, 8]), 5) == [8] * 5  # a period continues past the end
+    assert drafter.propose(request([4, 5, 4, 5, 4]), 5) == [5, 4, 5, 4, 5]
+
+
+def test_adaptive_rule_rests_a_request_and_max_batch() -> None:
+    config = SpeculativeConfig(method="ngram", ngram_min=1, window=4, min_acceptance=0.5, cooldown=3, max_batch=2)
+    spec = Speculator(config)
+    req = request([7, 8, 7, 8, 7])
+    spec.begin_step(1)
+    assert spec.draft(req, 4)
+    for _ in range(4):
+        spec.record(req, 4, 1)  # 25 % accepted
+    assert spec.counters.paused_requests == 1
+    assert [spec.draft(req, 4) for _ in range(3)] == [()] * 3
+    assert spec.draft(req, 4)  # back after the cooldown
+    spec.begin_step(3)  # more decodes than max_batch: nobody drafts
+    assert spec.draft(req, 4) == () and spec.counters.skipped_batches == 1
+    spec.row_limit = 5
+    spec.begin_step(2)  # 3 draft rows left under the graph buckets
+    assert len(spec.draft(req, 4)) == 3 and spec.draft(req, 4) == ()
+
+
+def test_config_errors() -> None:
+    for overrides, words in (
+        ({"speculative.method": "nope"}, "unknown drafter"),
+        ({"speculative.method": "ngram", "speculative.topk": 2}, "token trees"),
+        ({"speculative.method": "ngram", "scheduler.overlap": "on"}, "overlap"),
+        ({"speculative.method": "ngram", "speculative.ngram_min": 5}, "ngram_max"),
+        ({"speculative.method": "draft"}, "draft model"),
+    ):
+        with pytest.raises(ConfigError, match=words):
+            load_config(None, overrides)
+
+
+# ---- planted bugs: the guards go red ------------------------------------------------
+@pytest.fixture
+def fresh(tiny_chat_folder: str, refs: list[dict[str, Any]]) -> Iterator[Engine]:
+    engine = make(tiny_chat_folder, **{"debug.check_invariants": False})
+    yield engine
+    leaks.excuse(engine.engine)
+    engine.shutdown()
+
+
+def test_planted_draw_of_the_first_row_red(fresh: Engine, refs: list[dict[str, Any]],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every verify row drawing with the decode's own step: seeded sampling diverges."""
+    monkeypatch.setattr(step_loop, "verify_row", lambda row, req, accepted: row)
+    with pytest.raises(AssertionError, match="speculation guard"):
+        same(fresh.generate(PROMPTS[1], PARAMS[1]), refs[1])  # type: ignore[arg-type]
+
+
+def test_planted_token_past_a_stop_string_red(fresh: Engine, tiny_det_engine: Engine, refs: list[dict[str, Any]],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tokens after a stop string's token kept: the guard sees them."""
+    monkeypatch.setattr(Request, "cut_output", lambda self, keep: None)
+    params = {**PARAMS[1], "ignore_eos": False}
+    failures = 0
+    for case in stop_cases(refs[1], fresh.tokenizer):
+        if "stop" not in case:
+            continue
+        try:
+            same(fresh.generate(PROMPTS[1], {**params, **case}),
+                 tiny_det_engine.generate(PROMPTS[1], {**params, **case}))  # type: ignore[arg-type]
+        except AssertionError as exc:
+            assert "speculation guard" in str(exc)
+            failures += 1
+    assert failures, "no stop-string case went red with the cut removed"
+
+
+def test_planted_rejected_kv_cached_red(fresh: Engine, tiny_det_engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request that finished in a verify step counts every row it computed as valid KV
+    ("it is done anyway"): the rejected draft's KV under the stop token reaches the tree,
+    and a later turn that hits that page diverges from a cold run."""
+    release_landed = Scheduler._release_landed
+
+    def buggy(self: Scheduler, req: Request) -> None:
+        if req.spec_steps:  # the row after the last accepted token counted as computed
+            req.kv_len = min(req.kv_len + 1, req.total_len)
+        release_landed(self, req)
+
+    prompt, m = planted_case(tiny_det_engine)
+    params = {**PARAMS[1], "max_new_tokens": 40}
+    out = tiny_det_engine.generate(prompt, params)
+    Oracle.answers[tuple(prompt)] = out["output_ids"]  # type: ignore[index]
+    stop = {**params, "stop_token_ids": [out["output_ids"][m]]}  # type: ignore[index]
+    turn = prompt + out["output_ids"][: m + 1] + tokens(98, 3)  # type: ignore[index]
+    cold = tiny_det_engine.generate(turn, PARAMS[0])
+    for planted in (False, True):
+        if planted:
+            monkeypatch.setattr(Scheduler, "_release_landed", buggy)
+        assert fresh.flush_cache()
+        fresh.generate(prompt, stop)
+        warm = fresh.generate(turn, PARAMS[0])
+        assert warm["meta_info"]["cached_tokens"] >= len(prompt)  # type: ignore[index]
+        if not planted:
+            same(warm, cold)  # type: ignore[arg-type]
+        else:
+            with pytest.raises(AssertionError, match="speculation guard"):
+                same(warm, cold)  # type: ignore[arg-type]
+
+
+def planted_case(engine: Engine) -> tuple[list[int], int]:
+    """A prompt and an output index m where the Oracle's draft is wrong (m % WRONG_EVERY ==
+    WRONG_AT), its token is new (a stop token there stops there), and position
+    len(prompt) + m is a page's last slot (a page the bug makes whole)."""
+    page = TINY_OVERRIDES["cache.page_size"]
+    for seed in range(200, 260):
+        prompt = tokens(seed, 9 + seed % 7)
+        ids = engine.generate(prompt, {**PARAMS[1], "max_new_tokens": 40})["output_ids"]  # type: ignore[index]
+        for m in range(WRONG_AT, 38, WRONG_EVERY):
+            if m > WRONG_AT and (len(prompt) + m + 1) % page == 0 and ids[m] not in ids[:m]:
+                return prompt, m
+    raise AssertionError("no prompt with a usable stop position")
