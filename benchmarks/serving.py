@@ -110,6 +110,7 @@ class Record:
     prompt_tokens: int = 0
     from_usage: bool = False  # token counts came from the server's usage chunk
     error: str | None = None
+    text: list[str] = field(default_factory=list)  # the content pieces, as streamed
 
     @property
     def ok(self) -> bool:
@@ -171,14 +172,15 @@ def payload(target: Target, prompt: Prompt) -> dict[str, Any]:
     return body
 
 
-def has_content(obj: dict[str, Any], endpoint: str) -> bool:
+def content(obj: dict[str, Any], endpoint: str) -> str:
+    """The text an event carries ("" for none)."""
     choices = obj.get("choices") or []
     if not choices:
-        return False
+        return ""
     if endpoint == "chat":
         delta = choices[0].get("delta") or {}
-        return bool(delta.get("content") or delta.get("reasoning_content"))
-    return bool(choices[0].get("text"))
+        return str(delta.get("content") or delta.get("reasoning_content") or "")
+    return str(choices[0].get("text") or "")
 
 
 def take_event(rec: Record, data: bytes, endpoint: str, now: float) -> None:
@@ -191,7 +193,8 @@ def take_event(rec: Record, data: bytes, endpoint: str, now: float) -> None:
         rec.output_tokens = usage.get("completion_tokens", 0)
         rec.prompt_tokens = usage.get("prompt_tokens", 0)
         rec.from_usage = True
-    if has_content(obj, endpoint):
+    if piece := content(obj, endpoint):
+        rec.text.append(piece)
         rec.mark_chunk(now)
 
 

@@ -202,6 +202,11 @@ class PrefixCache(ABC):
         """One dict per entry, for inspection (the admin socket)."""
         return []
 
+    def continuation(self, tokens: Sequence[int], namespace: str | None, count: int) -> list[int]:
+        """Up to `count` tokens cached right after `tokens` ([] where none is known);
+        read-only (no split, no stats)."""
+        return []
+
     def subscribe(self, callback: Subscriber) -> Callable[[], None] | None:
         """Follow KV events; None if this cache publishes none."""
         return None

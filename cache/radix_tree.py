@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+from cache import radix_lookup
 from cache.evict_heap import EvictHeap
 from cache.evict_policy import EvictPolicy
 from cache.kv_events import (
@@ -342,6 +343,9 @@ class RadixTree(TreeShape, HostTierMixin, PrefixCache):
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
+
+    def continuation(self, tokens: Sequence[int], namespace: str | None, count: int) -> list[int]:
+        return radix_lookup.continuation(self.root, self.page_size, tokens, namespace, count)
 
     def snapshot(self) -> list[dict[str, Any]]:
         """One dict per node, root first, for the admin inspector."""

@@ -1,6 +1,8 @@
-"""`speculative.method: ngram` (prompt lookup): the longest suffix of the request's tokens,
-ngram_max down to ngram_min long, that occurred before in its prompt or output proposes
-the tokens that followed its latest earlier occurrence."""
+"""`speculative.method: ngram` (prompt lookup): first what the radix tree holds right after
+the request's tokens (the same prefix computed before: a repeated prompt, `n` > 1, a
+retry); else the longest suffix of the request's tokens, ngram_max down to ngram_min
+long, that occurred before in its prompt or output proposes the tokens that followed its
+latest earlier occurrence."""
 
 from __future__ import annotations
 
@@ -49,6 +51,8 @@ class NgramDrafter(Drafter):
         self._index: dict[str, _Index] = {}
 
     def propose(self, req: Request, max_tokens: int) -> list[int]:
+        if self.cached is not None and (known := self.cached(req, max_tokens)):
+            return known
         tokens = req.prompt_ids + req.output_ids
         index = self._index.get(req.rid)
         if index is None or index.indexed >= len(tokens):  # new, or a reused id: start over

@@ -160,7 +160,7 @@ def _build_components(config: Config, device: torch.device, backend: StorageBack
     log.info("overlap_scheduling", on=overlap, setting=config.scheduler.overlap, hybrid=states is not None)
     runner.inputs = _step_inputs(device, table.num_rows, overlap)
     runner.graphs = _graph_runner(config, model, attention, states, device)
-    speculator = _speculator(config, states is not None, runner.graphs.decode_rows if runner.graphs else None)
+    speculator = _speculator(config, states is not None, runner.graphs.decode_rows if runner.graphs else None, cache)
     if runner.graphs is not None:
         runner.graphs.inputs = runner.inputs
     return Components(
@@ -185,7 +185,7 @@ def _build_components(config: Config, device: torch.device, backend: StorageBack
     )
 
 
-def _speculator(config: Config, hybrid: bool, graph_rows: int | None) -> Speculator | None:
+def _speculator(config: Config, hybrid: bool, graph_rows: int | None, cache: PrefixCache) -> Speculator | None:
     """speculative.method resolved: its drafter, for dense models (hybrid ones: not yet).
     With a graph runner (or native CPU steps) a step's drafts stop at its largest decode
     bucket: a verify step then replays (or runs natively) as plain decode steps do."""
@@ -197,7 +197,7 @@ def _speculator(config: Config, hybrid: bool, graph_rows: int | None) -> Specula
         return None
     log.info("speculative_on", method=spec.method, num_draft_tokens=spec.num_draft_tokens,
              max_batch=spec.max_batch)
-    return Speculator(spec, row_limit=graph_rows)
+    return Speculator(spec, row_limit=graph_rows, cache=cache)
 
 
 def _step_inputs(device: torch.device, num_rows: int, overlap: bool) -> StepInputs:

@@ -11,6 +11,7 @@ bottom show the guards go red.
 from __future__ import annotations
 
 import itertools
+import json
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -27,6 +28,7 @@ from kernel.speculative.speculator import Speculator
 from tests import leaks
 from tests.conftest import GRAPHS_EMULATE, TINY_OVERRIDES, graph_replays
 from tests.spec_drafters import WRONG_AT, WRONG_EVERY, Oracle
+from tests.structured_cases import MAX_TOKENS, SMALL, TEXT, array, obj
 
 ORACLE = {"speculative.method": "tests.spec_drafters:Oracle", "speculative.num_draft_tokens": 4}
 BASE = {"max_new_tokens": 25, "ignore_eos": True, "return_logprob": True}
@@ -148,6 +150,39 @@ def test_prefix_hits_on_speculated_output(spec: Engine, tiny_det_engine: Engine,
     same(warm, tiny_det_engine.generate(turn, PARAMS[0]))  # type: ignore[arg-type]
 
 
+def test_ngram_drafts_what_the_tree_holds(tiny_chat_folder: str, tiny_det_engine: Engine) -> None:
+    """A repeated random prompt (no n-gram in it repeats): the second run drafts what the
+    first one left in the tree, and nearly every draft is accepted."""
+    engine = make(tiny_chat_folder, **{"speculative.method": "ngram"})
+    try:
+        prompt, params = tokens(42, 21), PARAMS[1]
+        ref = tiny_det_engine.generate(prompt, params)
+        same(engine.generate(prompt, params), ref)  # type: ignore[arg-type]
+        again = engine.generate(prompt, params)
+        same(again, ref)  # type: ignore[arg-type]
+        meta = again["meta_info"]  # type: ignore[index]
+        assert meta["spec_accepted_tokens"] >= 15 and meta["spec_accepted_tokens"] > 0.8 * meta["spec_drafted_tokens"]
+    finally:
+        engine.shutdown()
+
+
+def test_grammar_inside_verify_steps(spec: Engine, tiny_det_engine: Engine) -> None:
+    """Structured output: each verify row samples under its grammar's mask after the drafts
+    before it; drafts the grammar refuses are never verified."""
+    schema = json.dumps(obj({"name": TEXT, "age": SMALL, "tags": array(TEXT)}))
+    cases = [(tokens(70 + i, 9 + i), {**params, "json_schema": schema, "max_new_tokens": MAX_TOKENS})
+             for i, params in enumerate(PARAMS[:3])]
+    refs = [tiny_det_engine.generate(prompt, params) for prompt, params in cases]
+    for (prompt, _), ref in zip(cases, refs):
+        Oracle.answers[tuple(prompt)] = ref["output_ids"]  # type: ignore[index]
+    before = spec_stats(spec)["accepted_tokens"]
+    for (prompt, params), ref in zip(cases, refs):
+        out = spec.generate(prompt, params)
+        same(out, ref)  # type: ignore[arg-type]
+        json.loads(out["text"])  # type: ignore[index]
+    assert spec_stats(spec)["accepted_tokens"] > before
+
+
 def test_ngram_drafter_exact(tiny_chat_folder: str, tiny_det_engine: Engine) -> None:
     """The built-in drafter on a repetitive prompt: drafts are accepted, output exact."""
     engine = make(tiny_chat_folder, **{"speculative.method": "ngram", "speculative.ngram_min": 1})
@@ -189,22 +224,48 @@ def test_ngram_proposes_the_latest_continuation() -> None:
     assert drafter.propose(request([4, 5, 4, 5, 4]), 5) == [5, 4, 5, 4, 5]
 
 
+def test_tree_continuation_is_read_only() -> None:
+    from cache.allocator import PageAllocator
+    from cache.radix_tree import RadixTree
+    from handlers.evict_lru import LRU
+
+    alloc = PageAllocator(64)
+    tree = RadixTree(4, alloc.free, LRU())
+    a = list(range(100, 124))  # 6 pages
+    b = a[:10] + list(range(500, 514))  # branches inside page 3
+    for seq in (a, b):
+        tree.insert(seq, alloc.allocate(len(seq) // 4))
+    nodes = tree.num_nodes
+    assert tree.continuation(a[:5], None, 3) == a[5:8]  # a partial page, into the run
+    assert tree.continuation(a[:13], None, 20) == a[13:]  # past its node's end: only what is cached
+    assert tree.continuation(b[:11], None, 4) == b[11:15]  # the branch it is on
+    assert tree.continuation(a[:8], None, 4) == b[8:12]  # a branch point: the child touched last
+    assert tree.continuation(a[:6] + [1], None, 4) == []  # off the tree
+    assert tree.continuation(a[:6], "other", 4) == []  # another namespace
+    assert tree.num_nodes == nodes  # nothing split
+
+
 def test_adaptive_rule_rests_a_request_and_max_batch() -> None:
-    config = SpeculativeConfig(method="ngram", ngram_min=1, window=4, min_acceptance=0.5, cooldown=3, max_batch=2)
+    config = SpeculativeConfig(method="ngram", ngram_min=1, window=4, min_acceptance=0.5, cooldown=3, max_batch=2,
+                               num_draft_tokens=8)
     spec = Speculator(config)
-    req = request([7, 8, 7, 8, 7])
+    req = request([7, 8] * 10)
     spec.begin_step(1)
-    assert spec.draft(req, 4)
+    assert len(spec.draft(req, 16)) == 4  # the first length: min(4, num_draft_tokens)
+    spec.record(req, 4, 4)
+    assert len(spec.draft(req, 16)) == 8  # doubles after full acceptance, up to num_draft_tokens
+    assert len(spec.draft(req, 5)) == 5  # never past the caller's limit
     for _ in range(4):
-        spec.record(req, 4, 1)  # 25 % accepted
+        spec.record(req, 4, 1)  # 25 % accepted: the length halves each time, then it rests
     assert spec.counters.paused_requests == 1
     assert [spec.draft(req, 4) for _ in range(3)] == [()] * 3
-    assert spec.draft(req, 4)  # back after the cooldown
+    assert len(spec.draft(req, 4)) == 1  # back after the cooldown, at the halved length
     spec.begin_step(3)  # more decodes than max_batch: nobody drafts
     assert spec.draft(req, 4) == () and spec.counters.skipped_batches == 1
     spec.row_limit = 5
     spec.begin_step(2)  # 3 draft rows left under the graph buckets
-    assert len(spec.draft(req, 4)) == 3 and spec.draft(req, 4) == ()
+    other = request([7, 8] * 10)
+    assert len(spec.draft(other, 8)) == 3 and spec.draft(request([7, 8] * 10), 4) == ()
 
 
 def test_config_errors() -> None:

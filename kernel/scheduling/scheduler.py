@@ -170,7 +170,7 @@ class Scheduler:
         within the token budget, its max_new_tokens and the context, and the pages that
         are free now. NOTE: a guess never evicts a cached prefix or retracts a request."""
         spec = self.speculator
-        if spec is None or req.grammar is not None:
+        if spec is None:
             return ()
         p = req.params
         room = (len(req.pages) + self.allocator.num_free) * self.page_size - req.total_len

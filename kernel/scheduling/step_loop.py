@@ -234,11 +234,13 @@ def sampling_row(req: Request) -> SamplingRow:
 
 
 def verify_row(row: SamplingRow, req: Request, accepted: tuple[int, ...]) -> SamplingRow:
-    """How the position after `accepted` drafts samples: the draw of that step, and the
-    history with those drafts in it (the only case in which its token is used)."""
+    """How the position after `accepted` drafts samples: the draw of that step, the
+    history with those drafts in it and its grammar's mask after them (the only case in
+    which its token is used)."""
     if not accepted:
         return row
-    step = dataclasses.replace(row, step=row.step + len(accepted))
+    grammar = req.grammar.ahead(accepted) if req.grammar is not None else None
+    step = dataclasses.replace(row, step=row.step + len(accepted), grammar=grammar)
     if not row.needs_history:
         return step
     return dataclasses.replace(step, output_ids=row.output_ids + accepted)

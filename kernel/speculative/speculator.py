@@ -2,7 +2,10 @@
 
 The adaptive rule (`speculative` config): a request whose drafts were accepted below
 `min_acceptance` over its last `window` verify steps drafts nothing for its next
-`cooldown` decode steps (then tries again); and in a step with more than `max_batch`
+`cooldown` decode steps (then tries again); its draft length doubles after a verify
+step that accepted everything and halves after one that accepted less than half (up
+to `num_draft_tokens`; a rejected row costs a CPU step about as much as an accepted
+one saves); and in a step with more than `max_batch`
 decoding requests nobody drafts (the rows would cost more than they save). Counters are
 per method, in tokens: drafted, accepted, and verify steps (mean accepted length per
 verify step = accepted / verify steps + 1, the bonus token).
@@ -13,6 +16,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from cache.prefix_cache import PrefixCache
 from kernel import registry
 from kernel.config import SpeculativeConfig
 from kernel.request import Request
@@ -26,6 +30,7 @@ class _Track:
 
     recent: deque[tuple[int, int]] = field(default_factory=deque)
     resting: int = 0
+    length: int = 0  # how many tokens it drafts next (0: not set yet)
 
 
 @dataclass
@@ -42,13 +47,15 @@ class SpecCounters:
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, drafter: Drafter | None = None,
-                 row_limit: int | None = None) -> None:
+                 row_limit: int | None = None, cache: PrefixCache | None = None) -> None:
         self.config = config
         self.row_limit = row_limit  # decode rows a step may have (graph buckets); None: any
         self.method = config.method
         self.drafter = drafter or registry.lookup("drafter", config.method)(
             ngram_min=config.ngram_min, ngram_max=config.ngram_max
         )
+        if cache is not None and cache.reuses:
+            self.drafter.cached = lambda req, n: cache.continuation(req.prompt_ids + req.output_ids, req.namespace, n)
         self.counters = SpecCounters()
         self._tracks: dict[str, _Track] = {}
         self.batch_on = True  # the max_batch rule's verdict for the step being planned
@@ -64,16 +71,23 @@ class Speculator:
     def draft(self, req: Request, limit: int) -> tuple[int, ...]:
         """Tokens for `req` to verify this step: at most `limit` (its budget, pages and
         length left), none where it opted out, rests, or the batch is too large."""
-        limit = min(limit, self.config.num_draft_tokens, self.rows_left)
         if limit <= 0 or not self.batch_on or not req.params.speculative:
             return ()
         track = self._tracks.setdefault(req.rid, _Track())
+        limit = min(limit, track.length or self._first_length(), self.rows_left)
+        if limit <= 0:
+            return ()
         if track.resting:
             track.resting -= 1
             return ()
         draft = tuple(self.drafter.propose(req, limit)[:limit])
+        if req.grammar is not None:  # structured output: only what its grammar allows can be accepted
+            draft = draft[: req.grammar.legal_prefix(draft)]
         self.rows_left -= len(draft)
         return draft
+
+    def _first_length(self) -> int:
+        return max(1, min(4, self.config.num_draft_tokens))
 
     def record(self, req: Request, drafted: int, accepted: int) -> None:
         """A verify step of `req` landed: `accepted` of its `drafted` tokens were kept."""
@@ -85,6 +99,11 @@ class Speculator:
         req.spec_accepted += accepted
         req.spec_steps += 1
         track = self._tracks.setdefault(req.rid, _Track())
+        length = track.length or self._first_length()
+        if accepted == drafted:
+            track.length = min(2 * length, self.config.num_draft_tokens)
+        elif 2 * accepted < drafted:
+            track.length = max(1, length // 2)
         track.recent.append((drafted, accepted))
         if len(track.recent) > self.config.window:
             track.recent.popleft()

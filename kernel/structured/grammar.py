@@ -22,7 +22,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -127,6 +127,48 @@ class RequestGrammar:
     def terminated(self) -> bool:
         """The grammar has ended (it accepted a stop token): the request is done."""
         return bool(self._matcher.is_terminated())
+
+    def legal_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens` the grammar allows in a row from here, short of one that
+        terminates it (no position after that has a mask: the request ends there, and the
+        row before samples that token anyway); the matcher is left as it was."""
+        accepted, ends = 0, False
+        for token in tokens:
+            if not self._matcher.accept_token(token):
+                break
+            accepted += 1
+            if self._matcher.is_terminated():
+                ends = True
+                break
+        if accepted:
+            self._matcher.rollback(accepted)
+        return accepted - 1 if ends else accepted
+
+    def ahead(self, tokens: tuple[int, ...]) -> AheadMask:
+        """The masker of the position after `tokens` (speculative decoding: a verify row)."""
+        return AheadMask(self._matcher, tokens)
+
+
+class AheadMask:
+    """Fills the mask of the position after `tokens`: advances the matcher by them, fills,
+    rolls back. NOTE: called on the device thread while the step runs, like fill_mask; the
+    loop advances the matcher only once the step's tokens are back."""
+
+    def __init__(self, matcher: xgrammar.GrammarMatcher, tokens: tuple[int, ...]) -> None:
+        self._matcher = matcher
+        self._tokens = tokens
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        accepted = 0
+        try:
+            for token in self._tokens:
+                if not self._matcher.accept_token(token):
+                    raise RuntimeError(f"draft token {token} is not allowed by the grammar (drafts are checked first)")
+                accepted += 1
+            self._matcher.fill_next_token_bitmask(bitmask, row)
+        finally:
+            if accepted:
+                self._matcher.rollback(accepted)
 
 
 class GrammarCache:

@@ -1,0 +1,207 @@
+"""Speculative decoding, side by side in one run: tierserve without and with n-gram drafts,
+llama-server (the pinned build) without and with its n-gram speculation.
+
+    .venv/bin/python benchmarks/speculative.py                  # every system, c = 1, 4, 16
+    .venv/bin/python benchmarks/speculative.py --quick          # c = 1 only, two prompts a workload
+    .venv/bin/python benchmarks/speculative.py --no-llama       # tierserve only (no llama.cpp build)
+
+Workloads, as chat completions (each server applies the model's own chat template):
+input-grounded — `code` (rewrite a file of this repository with one name changed), `quote`
+(copy a paragraph of the README word for word), `json` (extract fields of a short text
+as JSON) — and open-ended `chat`. Greedy, `max_tokens` fixed, real stops (no ignore_eos).
+Each server is started alone on the machine, every distinct prompt is sent once untimed
+(so prefixes are cached alike and the numbers are decode), then each concurrency level
+sends max(c, prompts) requests with at most c in flight.
+
+Reported per workload and level: output tok/s (all completion tokens / wall time) and
+mean per-request decode tok/s (after the first token), tierserve's speculative/plain
+ratio, and tierserve ngram against llama-server's best n-gram mode. Exactness: tierserve's
+speculative text must equal its plain text for the same prompt (`same` column: equal /
+compared). llama-server's modes: `--spec-type ngram-simple` and `ngram-mod`, with their own
+default draft sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import random
+import statistics
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import aiohttp
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks import llamacpp_build
+from benchmarks.serving import Progress, Prompt, Record, Target, open_loop, run_loop, send
+from benchmarks.throughput import model_file, warn_if_busy
+from benchmarks.vs_llamacpp import Server, System, llama_server, served_model, tierserve
+
+OUTPUT_TOKENS = 192
+LEVELS = (1, 4, 16)
+CODE_FILES = ("handlers/fcfs.py", "handlers/evict_lru.py", "kernel/scheduling/chunk_planner.py",
+              "kernel/results/events.py")
+PEOPLE = (
+    ("Maria Lopez", 34, "Madrid", "Spain", "architect", "Casa Studio", "maria.lopez@casastudio.es"),
+    ("Kenji Watanabe", 51, "Osaka", "Japan", "chef", "Umami House", "kenji@umamihouse.jp"),
+    ("Amara Okafor", 28, "Lagos", "Nigeria", "data analyst", "Sahel Bank", "a.okafor@sahelbank.ng"),
+    ("Lars Nilsson", 45, "Uppsala", "Sweden", "teacher", "Fyris School", "lars.nilsson@fyris.se"),
+)
+CHATS = (
+    "Write a short story about a dragon who learns to bake bread.",
+    "What are three good habits for staying healthy? Explain each briefly.",
+    "Describe a walk through a forest in autumn.",
+    "Give me some ideas for a birthday party for a ten year old.",
+)
+
+
+class Run(NamedTuple):
+    records: list[Record]
+    duration: float
+
+
+def code_prompts() -> list[str]:
+    out = []
+    for path in CODE_FILES:
+        text = (REPO / path).read_text()
+        name = next(line.split()[1].split("(")[0].rstrip(":") for line in text.splitlines()
+                    if line.startswith(("def ", "class ")))
+        out.append(f"Here is a Python file:\n```python\n{text}```\nRewrite the whole file with `{name}` renamed "
+                   f"to `{name}_v2`. Output only the code.")
+    return out
+
+
+def quote_prompts() -> list[str]:
+    paragraphs = [p for p in (REPO / "README.md").read_text().split("\n\n") if 300 < len(p) < 900
+                  and not p.lstrip().startswith(("|", "```", "#"))]
+    picks = paragraphs[1:9:2][:4]
+    return [f"Document:\n{p}\n\nCopy the document above exactly, word for word." for p in picks]
+
+
+def json_prompts() -> list[str]:
+    return [f"Text: {n} is {a} years old, lives in {c}, {k}, works as a {j} at {w}, and can be reached at {e}.\n"
+            "Extract name, age, city, country, job, company and email from the text as a JSON object."
+            for n, a, c, k, j, w, e in PEOPLE]
+
+
+def workloads(quick: bool) -> dict[str, list[str]]:
+    sets = {"code": code_prompts(), "quote": quote_prompts(), "json": json_prompts(), "chat": list(CHATS)}
+    return {k: v[:2] if quick else v for k, v in sets.items()}
+
+
+def systems(args: argparse.Namespace) -> list[System]:
+    packaged = model_file()
+    k = args.num_draft_tokens
+    spec = ["speculative.method=ngram", f"speculative.num_draft_tokens={k}"]
+    out = [tierserve("tierserve", packaged, []), tierserve("tierserve ngram", packaged, spec)]
+    if args.llama:
+        tree = llamacpp_build.build(args.cache, args.jobs, not args.no_progress, targets=("llama-server",))
+        base = llama_server("llama-server", tree.binary("llama-server"), packaged, max(LEVELS), args.threads)
+        # Room for the longest prompt (a code file, ~1.5k tokens) and the output in every slot.
+        argv = tuple(a if a != str(max(LEVELS) * 512) else str(max(LEVELS) * 3072) for a in base.argv)
+        base = dataclasses.replace(base, argv=argv)
+        out.append(base)
+        for mode in ("ngram-simple", "ngram-mod"):
+            extra = ("--spec-type", mode)  # its own defaults for the draft sizes
+            out.append(dataclasses.replace(base, label=f"llama-server {mode}", argv=base.argv + extra))
+    return out
+
+
+async def run_system(system: System, sets: dict[str, list[str]], levels: tuple[int, ...],
+                     args: argparse.Namespace) -> dict[tuple[str, int], Run]:
+    server = Server(system, args.log_dir)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=900)
+    results: dict[tuple[str, int], Run] = {}
+    try:
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            await server.ready(session)
+            target = Target(f"{server.base_url}/v1", await served_model(session, server.base_url), "chat", False, {})
+            for name, prompts in sets.items():
+                for text in prompts:  # untimed: every prefix cached, every code path warm
+                    await send(session, target, Prompt(text, 8))
+                for level in levels:
+                    count = max(level, len(prompts))
+                    batch = [Prompt(prompts[i % len(prompts)], OUTPUT_TOKENS) for i in range(count)]
+                    progress = Progress(f"{system.label} {name} c={level}", count, not args.no_progress)
+                    records, duration = await open_loop(batch, lambda p: send(session, target, p), float("inf"),
+                                                        level, progress, random.Random(0))
+                    for rec in records:
+                        if rec.error:
+                            print(f"  {system.label} {name}: {rec.error}")
+                    results[(name, level)] = Run(records, duration)
+    finally:
+        server.stop()
+    return results
+
+
+def rates(run: Run) -> tuple[float, float | None]:
+    """(output tok/s, mean per-request decode tok/s)."""
+    tokens = sum(r.output_tokens for r in run.records if r.ok)
+    decode = [1 / t for r in run.records if r.ok and (t := r.tpot())]
+    return tokens / run.duration, statistics.mean(decode) if decode else None
+
+
+def report(all_results: dict[str, dict[tuple[str, int], Run]], sets: dict[str, list[str]],
+           levels: tuple[int, ...]) -> None:
+    labels = list(all_results)
+    print("\noutput tok/s (mean per-request decode tok/s)")
+    head = ["workload", "c", *labels, "ts ngram / ts", "ts ngram / best llama ngram", "same"]
+    rows = [head]
+    for name in sets:
+        for level in levels:
+            got = {lb: rates(all_results[lb][(name, level)]) for lb in labels}
+            row = [name, str(level)] + [f"{o:.1f} ({d:.1f})" if d else f"{o:.1f}" for o, d in got.values()]
+            plain, spec = got.get("tierserve"), got.get("tierserve ngram")
+            row.append(f"{spec[0] / plain[0]:.2f}x" if plain and spec else "-")
+            llama_spec = [got[lb][0] for lb in labels if lb.startswith("llama-server ngram")]
+            row.append(f"{spec[0] / max(llama_spec):.2f}x" if spec and llama_spec else "-")
+            row.append(same_text(all_results, name, level))
+            rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+
+
+def same_text(all_results: dict[str, dict[tuple[str, int], Run]], name: str, level: int) -> str:
+    plain, spec = all_results.get("tierserve"), all_results.get("tierserve ngram")
+    if plain is None or spec is None:
+        return "-"
+    pairs = list(zip(plain[(name, level)].records, spec[(name, level)].records))
+    equal = sum("".join(a.text) == "".join(b.text) for a, b in pairs if a.ok and b.ok)
+    return f"{equal}/{len(pairs)}"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="c = 1 only, two prompts a workload")
+    p.add_argument("--no-llama", dest="llama", action="store_false", help="tierserve only")
+    p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)), help="llama.cpp build jobs")
+    p.add_argument("--cache", type=Path, default=llamacpp_build.cache_root(), help="build and model cache")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    args.log_dir = args.cache / "logs"
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    levels = (1,) if args.quick else LEVELS
+    sets = workloads(args.quick)
+    all_systems = systems(args)
+    warn_if_busy()
+    results: dict[str, dict[tuple[str, int], Run]] = {}
+    for system in all_systems:
+        results[system.label] = run_loop(run_system(system, sets, levels, args))
+    report(results, sets, levels)
+
+
+if __name__ == "__main__":
+    main()
