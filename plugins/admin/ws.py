@@ -32,8 +32,9 @@ answered with `{"type": "error", "message": "..."}`; the socket stays open.
 - `{"type": "stats"}` → `engine.stats()` as it is: `pages` {usable, free, cached,
   evictable, held}, `requests` {waiting, running}, `idle`, `counters` {steps,
   prompt_tokens, generation_tokens}, `cache` (prefix query/hit tokens, cached/evictable
-  pages), `num_retractions`, `policies` {schedule, evict}, `halt_reason` (null while the
-  step loop runs).
+  pages), `num_retractions`, `speculative` (drafted / accepted tokens, verify steps, the
+  adaptive rule's state; null without speculation), `policies` {schedule, evict},
+  `halt_reason` (null while the step loop runs).
 - `{"type": "flush"}` → `{"type": "flush", "ok", "reason"}`: empties the prefix cache;
   refused (ok false) while requests are in flight.
 - `{"type": "set_policy", "kind": "evict" | "schedule", "name": "lru"}` → `{"type":

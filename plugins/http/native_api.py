@@ -156,6 +156,7 @@ async def server_info(request: web.Request) -> web.Response:
         "host": stats["host"],  # host tier capacity and traffic (None without hicache)
         "storage": stats["storage"],  # storage tier capacity and traffic (None without one)
         "counters": stats["counters"],
+        "speculative": stats["speculative"],  # drafted / accepted tokens (None without speculation)
         "config": config,
     })
 

@@ -13,11 +13,12 @@ from plugins.http.response_format import response_schema
 
 # Fields passed through under the engine's own names; top_k, min_p, repetition_penalty,
 # ignore_eos, stop_token_ids, skip_special_tokens, regex and ebnf are extensions OpenAI
-# lacks (SGLang's). A JSON schema comes in as `response_format`.
+# lacks (SGLang's); `speculative: false` (ours) opts a request out of speculative decoding.
+# A JSON schema comes in as `response_format`.
 PASSTHROUGH = (
     "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
-    "logit_bias", "regex", "ebnf",
+    "logit_bias", "regex", "ebnf", "speculative",
 )
 
 
