@@ -122,14 +122,20 @@ class ForwardBatch:
     # with any runs eagerly.
     prompt_logprobs: tuple[PromptLogprobSpan, ...] = ()
     placeholders: int = 0  # input ids that are `placeholder(row)`s, resolved on the device
+    # Per sampling row, how many tokens before its chunk's last one it samples after (a
+    # hybrid model's verify step samples every position of one chunk); () : all 0. A
+    # batch with any runs eagerly.
+    sample_back: tuple[int, ...] = ()
 
     @classmethod
     def build(
         cls, chunks: list[PrefillChunk], sampling: list[tuple[int, SamplingRow]],
         state_copies: tuple[tuple[int, int], ...] = (),
         prompt_logprobs: tuple[PromptLogprobSpan, ...] = (),
+        sample_back: tuple[int, ...] = (),
     ) -> ForwardBatch:
-        """chunks in batch order; sampling: (chunk index, how that chunk's request samples)."""
+        """chunks in batch order; sampling: (chunk index, how that chunk's request samples);
+        sample_back: per sampling row, tokens before its chunk's last one (or ())."""
         for chunk in chunks:
             if chunk.table_row == 0 and chunk.is_padding and not chunk.state_track and chunk.token_ids:
                 continue  # a padding request (capture / warm-up batches)
@@ -142,6 +148,9 @@ class ForwardBatch:
         for index, _ in sampling:
             if not 0 <= index < len(chunks):
                 raise ValueError(f"sampling row for chunk {index} of {len(chunks)}")
+        if sample_back and (len(sample_back) != len(sampling) or any(
+                not 0 <= back < len(chunks[i].token_ids) for (i, _), back in zip(sampling, sample_back))):
+            raise ValueError("sample_back: one offset per sampling row, inside its chunk")
         for span in prompt_logprobs:
             if not 0 <= span.chunk < len(chunks):
                 raise ValueError(f"prompt logprobs for chunk {span.chunk} of {len(chunks)}")
@@ -158,4 +167,5 @@ class ForwardBatch:
             state_copies=state_copies,
             prompt_logprobs=tuple(prompt_logprobs),
             placeholders=placeholders,
+            sample_back=tuple(sample_back) if any(sample_back) else (),
         )

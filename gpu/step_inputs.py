@@ -69,6 +69,8 @@ def host_inputs(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.
     offsets = torch.arange(tokens) - torch.repeat_interleave(starts, extend, output_size=tokens)
     positions = torch.repeat_interleave(prefix, extend, output_size=tokens) + offsets
     last = (starts + extend - 1)[torch.tensor(batch.sample_rows, dtype=torch.int64)]
+    if batch.sample_back:
+        last -= torch.tensor(batch.sample_back, dtype=torch.int64)
     return input_ids, positions, last
 
 

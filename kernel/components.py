@@ -186,18 +186,16 @@ def _build_components(config: Config, device: torch.device, backend: StorageBack
 
 
 def _speculator(config: Config, hybrid: bool, graph_rows: int | None, cache: PrefixCache) -> Speculator | None:
-    """speculative.method resolved: its drafter, for dense models (hybrid ones: not yet).
-    With a graph runner (or native CPU steps) a step's drafts stop at its largest decode
-    bucket: a verify step then replays (or runs natively) as plain decode steps do."""
+    """speculative.method resolved: its drafter. With a graph runner (or native CPU steps)
+    a dense model's drafts stop at its largest decode bucket: a verify step then replays
+    (or runs natively) as plain decode steps do. A hybrid model's verify step is a chunk
+    (eager either way: its positions are all sampled), so nothing caps it there."""
     spec = config.speculative
     if not spec.enabled:
         return None
-    if hybrid:
-        log.warning("speculative_off", method=spec.method, reason="hybrid models do not speculate yet")
-        return None
     log.info("speculative_on", method=spec.method, num_draft_tokens=spec.num_draft_tokens,
              max_batch=spec.max_batch)
-    return Speculator(spec, row_limit=graph_rows, cache=cache)
+    return Speculator(spec, row_limit=None if hybrid else graph_rows, cache=cache)
 
 
 def _step_inputs(device: torch.device, num_rows: int, overlap: bool) -> StepInputs:

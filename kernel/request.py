@@ -61,6 +61,9 @@ class Request:
     checkpoint_len: int = 0
     step_dst: int | None = None
     step_track: list[tuple[int, int]] = field(default_factory=list)  # checkpoints inside the chunk
+    # A verify step in flight (speculative decoding): (length, slot) of the state after
+    # each position of its chunk, the last one its end (kernel/states/hybrid_state.py).
+    verify_states: list[tuple[int, int]] = field(default_factory=list)
     # Host tier (kernel/tiers/host_tier.py): the load-back this request waits for, and its hit
     # tokens by tier (device + host + storage == cached_tokens).
     loading: object | None = None

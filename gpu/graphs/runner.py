@@ -59,8 +59,9 @@ BATCH_FIELDS: dict[str, tuple[str, ...]] = {
 }
 HYBRID_ONLY = frozenset({"state_src", "state_dst", "state_track"})
 # Fields used outside the graph: sampling reads the graph's logits, copies run before it.
-# Batches with prompt logprobs run eagerly (ModelRunner.run), never in a graph.
-HOST_SIDE = frozenset({"sampling", "state_copies", "prompt_logprobs"})
+# Batches with prompt logprobs run eagerly (ModelRunner.run), never in a graph; so do
+# batches with sample_back (bucket_for).
+HOST_SIDE = frozenset({"sampling", "state_copies", "prompt_logprobs", "sample_back"})
 
 _MODEL_INPUTS = {
     "input_ids": BufferSpec("tokens", (), torch.int64, 0),  # token 0
@@ -214,6 +215,8 @@ class GraphRunner:
     def bucket_for(self, batch: ForwardBatch) -> Graph | None:
         """The smallest bucket that holds the batch, or None (run it eagerly)."""
         num_reqs, num_tokens = len(batch.rows), len(batch.input_ids)
+        if batch.sample_back:  # more logits rows than a bucket has request slots
+            return None
         if all(n == 1 for n in batch.extend_lens):
             for graph in self.graphs["decode"]:
                 if graph.bucket.requests >= num_reqs:

@@ -62,8 +62,7 @@ class Scheduler:
         self.max_context = max_context
         self.prefix = prefix
         self.hybrid = hybrid
-        # Speculative decoding (kernel/speculative/): dense models only, so far.
-        self.speculator = speculator if hybrid is None else None
+        self.speculator = speculator  # speculative decoding (kernel/speculative/)
         # Where non-final prefill chunks may end (invariant 1): pages, and for hybrid
         # models that checkpoint also the state grid (a multiple of the page size).
         self.grid = hybrid.interval if hybrid is not None and hybrid.checkpoints else page_size
@@ -162,6 +161,9 @@ class Scheduler:
         samples = req.kv_len + length == req.total_len and req.params.max_new_tokens > 0
         if self.hybrid is None:
             return ScheduledChunk(req, req.kv_len, length, samples=samples, draft=draft)
+        if draft:
+            src, dst, track = self.hybrid.plan_verify(req, req.kv_len, length + len(draft))
+            return ScheduledChunk(req, req.kv_len, length, src, dst, track, samples, draft)
         src, dst, track = self.hybrid.plan(req, req.kv_len, length)
         return ScheduledChunk(req, req.kv_len, length, src, dst, track, samples)
 
@@ -174,6 +176,8 @@ class Scheduler:
             return ()
         p = req.params
         room = (len(req.pages) + self.allocator.num_free) * self.page_size - req.total_len
+        if self.hybrid is not None:  # a state slot per position of the verify chunk
+            room = min(room, self.hybrid.spare_slots() - 1)
         draft = spec.draft(req, min(budget, room, p.max_new_tokens - len(req.output_ids) - 1,
                                     self.max_context - req.total_len - 1))
         if draft:
@@ -369,6 +373,8 @@ class Scheduler:
         req.kv_len = chunk.start + appended
         assert self.speculator is not None
         self.speculator.record(req, len(chunk.draft), appended - 1)
+        if self.hybrid is not None:  # resume from the state after the last accepted token
+            self.hybrid.land_verify(req, lambda slot, length: self.prefix.cache_checkpoint(req, slot, length))
         if req.finished:
             self._release_landed(req)
         else:

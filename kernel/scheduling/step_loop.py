@@ -193,9 +193,14 @@ def build_forward_batch(plan: StepPlan, state_copies: tuple[tuple[int, int], ...
     position, all on the request's table row: row j feeds token j at position start + j
     and samples as plain decoding would after the drafts before it (step, history). The
     attention backends write a step's KV before they read it, so row j sees rows < j:
-    each row is the decode step that position would have had without speculation."""
+    each row is the decode step that position would have had without speculation. A
+    hybrid model's verify step is one chunk instead (the recurrent state runs through
+    its positions, each written to a slot of its own: `HybridState.plan_verify`), every
+    position sampled (`sample_back`); in deterministic mode a position's logits do not
+    depend on whether it was reached in a chunk or a decode (invariant 7)."""
     chunks: list[PrefillChunk] = []
     sampling: list[tuple[int, SamplingRow]] = []
+    back: list[int] = []  # per sampling row: tokens before its chunk's last one
     moved: dict[int, int] = {}  # plan chunk index -> batch chunk index, where they differ
     for i, ch in enumerate(plan.chunks):
         req = ch.req
@@ -203,19 +208,26 @@ def build_forward_batch(plan: StepPlan, state_copies: tuple[tuple[int, int], ...
         if i != len(chunks):
             moved[i] = len(chunks)
         ids = tuple(req.token_slice(ch.start, ch.start + ch.length))
-        if ch.draft:
+        if ch.draft and not ch.state_dst:
             row = sampling_row(req)
             for j, token in enumerate(ids + ch.draft):
                 sampling.append((len(chunks), verify_row(row, req, ch.draft[:j])))
+                back.append(0)
                 chunks.append(PrefillChunk((token,), req.row, ch.start + j))
             continue
-        chunks.append(PrefillChunk(ids, req.row, ch.start, ch.state_src, ch.state_dst, ch.state_track))
-        if ch.samples:
+        chunks.append(PrefillChunk(ids + ch.draft, req.row, ch.start, ch.state_src, ch.state_dst, ch.state_track))
+        if ch.draft:  # hybrid: one chunk (its recurrent state runs through it), every position sampled
+            row = sampling_row(req)
+            for j in range(len(ch.draft) + 1):
+                sampling.append((len(chunks) - 1, verify_row(row, req, ch.draft[:j])))
+                back.append(len(ch.draft) - j)
+        elif ch.samples:
             sampling.append((len(chunks) - 1, sampling_row(req)))
+            back.append(0)
     spans = prompt_logprobs.plan_spans(plan)
     if moved:
         spans = tuple(s._replace(chunk=moved.get(s.chunk, s.chunk)) for s in spans)
-    return ForwardBatch.build(chunks, sampling, state_copies, spans)
+    return ForwardBatch.build(chunks, sampling, state_copies, spans, tuple(back))
 
 
 def sampling_row(req: Request) -> SamplingRow:

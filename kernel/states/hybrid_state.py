@@ -94,6 +94,52 @@ class HybridState:
             track.append((point, slot))
         return track
 
+    # ---- speculative decoding: verify steps -------------------------------------
+    def spare_slots(self) -> int:
+        """Free slots a verify step may take (never by evicting cached states)."""
+        return self.pool.num_free
+
+    def plan_verify(self, req: Request, start: int, length: int) -> tuple[int, int, tuple[tuple[int, int], ...]]:
+        """(src, dst, track) of a verify chunk [start, start + length): every position's
+        state goes to a fresh slot of its own (`req.verify_states`), so the request can
+        resume from whichever position the verification ends at; its live slot is
+        written by no one. NOTE: invariant 9."""
+        assert req.state_slot is not None and not req.verify_states
+        src = req.resume_slot if req.resume_slot is not None else req.state_slot
+        for end in range(start + 1, start + length + 1):
+            slot = self.pool.allocate()
+            assert slot is not None, "spare_slots promised the verify step's slots"
+            req.verify_states.append((end, slot))
+        *track, (_, dst) = req.verify_states
+        return src, dst, tuple(track)
+
+    def land_verify(self, req: Request, offer: Callable[[int, int], bool]) -> None:
+        """A verify step landed (`req.kv_len` is where it ended): grid points up to there
+        are offered to the cache (`offer(slot, length)` -> donated), the state at kv_len
+        becomes the request's (its live slot, or read from the cache's copy next), and
+        every other slot of the step is given back."""
+        states, req.verify_states = req.verify_states, []
+        for end, slot in states:
+            if end > req.kv_len:
+                self.free(slot)  # a rejected draft's state: never cached, never read
+                continue
+            donated = self.is_checkpoint(req, end) and offer(slot, end)
+            if donated:
+                req.checkpoint_len = end
+            if end < req.kv_len:
+                if not donated:
+                    self.free(slot)
+            elif donated:
+                req.resume_slot = slot  # the cache's now: read it next, never write it
+            else:
+                self._make_live(req, slot)
+
+    def _make_live(self, req: Request, slot: int) -> None:
+        """`slot` holds the request's newest state: it becomes the live slot."""
+        old, req.state_slot, req.resume_slot = req.state_slot, slot, None
+        if old is not None:
+            self.free(old)
+
     def tracked(self, req: Request) -> list[tuple[int, int]]:
         """The step landed: the (length, slot) checkpoints it wrote inside the chunk, in
         order; the caller offers each to the cache and calls `after_tracked`."""
@@ -123,13 +169,13 @@ class HybridState:
         self.strategy.after_insert(req, slot, donated, self)
 
     def release(self, req: Request) -> None:
-        for _, slot in req.step_track:  # a step that never landed (error, abort)
+        for _, slot in req.step_track + req.verify_states:  # a step that never landed (error, abort)
             self.free(slot)
-        req.step_track = []
+        req.step_track, req.verify_states = [], []
         self.strategy.release(req, self)
         req.checkpoint_len = 0
         req.step_dst = None
 
     def own_slots(self, reqs: list[Request]) -> list[int]:
         own = [s for r in reqs for s in (r.state_slot, r.track_slot) if s is not None]
-        return own + [slot for r in reqs for _, slot in r.step_track]
+        return own + [slot for r in reqs for _, slot in r.step_track + r.verify_states]

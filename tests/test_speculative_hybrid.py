@@ -1,0 +1,120 @@
+"""Speculative decoding on hybrid models (Qwen3.5's Gated DeltaNet, LFM2's short conv), in
+deterministic mode: the verify step is one chunk whose every position's state goes to a
+slot of its own, and the request resumes from the state after its last accepted token —
+so a speculating engine's output equals a plain engine's, token for token and logprob for
+logprob, for every state strategy, graphs off and emulated, and a later turn that hits a
+checkpoint a verify step cached (a grid point inside an accepted run) equals a cold run.
+The planted rollback one position off goes red.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kernel import Engine
+from kernel.request import Request
+from kernel.states.hybrid_state import HybridState
+from tests import leaks
+from tests.conftest import GRAPHS_EMULATE, HYBRID_FAMILIES, HYBRID_OVERRIDES
+from tests.spec_drafters import Oracle
+from tests.test_speculative import ORACLE, same
+from tests.tiny_hybrid import VOCAB
+
+INTERVAL = HYBRID_OVERRIDES["cache.state_track_interval"]
+BASE = {"max_new_tokens": 3 * INTERVAL + 5, "ignore_eos": True, "return_logprob": True}
+PARAMS: list[dict[str, Any]] = [
+    {**BASE, "temperature": 0, "top_logprobs_num": 2},
+    {**BASE, "temperature": 1.3, "top_p": 0.95, "seed": 7},
+]
+STRATEGIES = ("no_buffer", "extra_buffer", "extra_buffer_lazy")
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+PROMPTS = [tokens(1, 2 * INTERVAL + 3), tokens(2, INTERVAL - 2)]
+
+
+def make(folder: str, strategy: str, **extra: Any) -> Engine:
+    return Engine(None, {**HYBRID_OVERRIDES, "model.path": folder, "deterministic": True,
+                         "cache.state_strategy": strategy, **extra})
+
+
+@pytest.fixture(scope="module", params=HYBRID_FAMILIES)
+def family(request: pytest.FixtureRequest, hybrid_folders: dict[str, str]) -> Iterator[tuple[str, Engine]]:
+    """(model folder, a plain deterministic engine: the reference)."""
+    folder = hybrid_folders[request.param]
+    ref = make(folder, "extra_buffer", **{"cache.prefix": "none"})
+    yield folder, ref
+    ref.shutdown()
+
+
+def reference(ref: Engine, prompt: list[int], params: dict[str, Any]) -> dict[str, Any]:
+    out = ref.generate(prompt, params)
+    assert isinstance(out, dict)
+    Oracle.answers[tuple(prompt)] = out["output_ids"]
+    return out
+
+
+@pytest.mark.parametrize("graphs", ["off", "emulate"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_verify_steps_equal_plain_decoding(family: tuple[str, Engine], strategy: str, graphs: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    folder, ref = family
+    offered: list[tuple[int, bool]] = []
+    land = HybridState.land_verify
+
+    def spy(self: HybridState, req: Request, offer: Any) -> None:
+        land(self, req, lambda slot, length: offered.append((length, donated := offer(slot, length))) or donated)
+
+    monkeypatch.setattr(HybridState, "land_verify", spy)
+    extra = GRAPHS_EMULATE if graphs == "emulate" else {"graphs.mode": "off"}
+    engine = make(folder, strategy, **ORACLE, **extra)
+    try:
+        refs = [reference(ref, p, q) for p, q in zip(PROMPTS, PARAMS)]
+        outs = engine.generate(PROMPTS, PARAMS)
+        assert isinstance(outs, list)
+        for out, r in zip(outs, refs):
+            same(out, r)
+            meta = out["meta_info"]
+            assert 0 < meta["spec_accepted_tokens"] < meta["spec_drafted_tokens"]
+        assert any(donated for _, donated in offered), "no verify step cached a grid point"
+        # A later turn resumes from a checkpoint inside the speculated output.
+        turn = PROMPTS[0] + refs[0]["output_ids"][: 2 * INTERVAL + 1] + tokens(9, 3)
+        warm = engine.generate(turn, PARAMS[0])
+        assert warm["meta_info"]["cached_tokens"] > len(PROMPTS[0])  # type: ignore[index]
+        same(warm, ref.generate(turn, PARAMS[0]))  # type: ignore[arg-type]
+    finally:
+        engine.shutdown()
+
+
+def test_planted_rollback_one_position_off_red(family: tuple[str, Engine], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The request resumes from the state one position past its last accepted token (the
+    first rejected draft's): the guard sees the difference."""
+    folder, ref = family
+    land = HybridState.land_verify
+
+    def off_by_one(self: HybridState, req: Request, offer: Any) -> None:
+        req.kv_len += 1
+        try:
+            land(self, req, offer)
+        finally:
+            req.kv_len -= 1
+
+    engine = make(folder, "extra_buffer", **ORACLE, **{"debug.check_invariants": False})
+    try:
+        r = reference(ref, PROMPTS[0], PARAMS[0])
+        same(engine.generate(PROMPTS[0], PARAMS[0]), r)  # type: ignore[arg-type]
+        monkeypatch.setattr(HybridState, "land_verify", off_by_one)
+        assert engine.flush_cache()
+        with pytest.raises(AssertionError, match="speculation guard"):
+            same(engine.generate(PROMPTS[0], PARAMS[0]), r)  # type: ignore[arg-type]
+    finally:
+        leaks.excuse(engine.engine)
+        engine.shutdown()
