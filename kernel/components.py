@@ -24,28 +24,20 @@ from gpu.attention.base import AttentionBackend
 from gpu.graphs import cpu_step
 from gpu.graphs.cpu_step import CpuStepRunner
 from gpu.graphs.runner import GraphRunner
-from gpu.loader import load_checkpoint
 from gpu.model_runner import ModelRunner
-from gpu.quant.dispatch import QuantSpec
 from gpu.step_inputs import NextTokens, StepInputs
 from gpu.tokenizer import Tokenizer
 from kernel import registry
 from kernel.config import Config, ConfigError
-from kernel.numerics_choice import (
-    Numerics,
-    log_numerics,
-    resolve_dtype,
-    resolve_quantization,
-    use_cpu_kernels,
-    wants_blocks,
-)
+from kernel.model_build import build_model
 from kernel.scheduling.overlap import resolve_overlap
 from kernel.scheduling.prefix_reuse import PrefixReuse
 from kernel.scheduling.scheduler import Scheduler
+from kernel.speculative.draft_build import build_draft
+from kernel.speculative.draft_model import ModelDrafter
 from kernel.speculative.speculator import Speculator
 from kernel.states.hybrid_state import HybridState
 from kernel.tiers.host_tier import HostTier
-from kernel.tiers.storage_io import weights_fingerprint
 from kernel.tiers.storage_tier import StorageTier
 from kernel.tiers.tier_policy import PrefetchPolicy
 
@@ -60,14 +52,6 @@ class Components(NamedTuple):
     context_length: int
     model_name: str
     overlap: bool = False  # scheduler.overlap resolved (kernel/scheduling/overlap.py)
-
-
-def storage_model_id(weights: dict[str, torch.Tensor], quantization: str) -> str:
-    """The weights' fingerprint, plus the quantization when there is one: quantized linears
-    compute other KV from the same file, so their pages must never be served to (or from)
-    a server without it."""
-    fingerprint = weights_fingerprint(weights)
-    return fingerprint if quantization == "none" else f"{fingerprint}+{quantization}"
 
 
 def pick_device(config: Config) -> torch.device:
@@ -89,30 +73,14 @@ def build_components(config: Config, device: torch.device) -> Components:
 
 
 def _build_components(config: Config, device: torch.device, backend: StorageBackend | None) -> Components:
-    dtype = resolve_dtype(config, device)
     if config.graphs.mode == "cuda" and (device.type != "cuda" or not torch.cuda.is_available()):
         raise ConfigError(
             f"graphs.mode: cuda needs a CUDA device, and the model runs on {device.type} "
             "(no CUDA here); use graphs.mode: emulate (static shapes on CPU) or off"
         )
-    ckpt = load_checkpoint(config.model.path, dtype, keep_blocks=wants_blocks(config))
-    arch = ckpt.arch
+    built = build_model(config, device, fingerprint=config.hicache.storage != "none")
+    model, arch, tokenizer, dtype, cpu_kernels = built.model, built.arch, built.tokenizer, built.dtype, built.cpu_kernels
     context = min(config.model.context_length or arch.max_position_embeddings, arch.max_position_embeddings)
-    model_cls = registry.lookup("model", arch.architecture)
-    quantization = resolve_quantization(config, device, model_cls, bool(ckpt.blocks))
-    log_numerics(config, Numerics(dtype, quantization))
-    cpu_kernels = use_cpu_kernels(config, device)
-    extra: dict[str, Any] = {}
-    if quantization != "none":
-        extra["quantization"] = QuantSpec(
-            quantization, ckpt.blocks, keep_dense=not config.deterministic, cpu_kernels=cpu_kernels
-        )
-    if getattr(model_cls, "accepts_cpu_kernels", False):
-        extra["cpu_kernels"] = cpu_kernels
-    model = model_cls(arch, ckpt.weights, dtype, device, deterministic=config.deterministic, **extra)
-    tokenizer = ckpt.tokenizer
-    model_id = storage_model_id(ckpt.weights, quantization) if config.hicache.storage != "none" else ""
-    del ckpt  # the model holds its own (fused) copies; drop the loader's
     page_size = config.cache.page_size
     kv_layers = getattr(model, "num_kv_layers", arch.num_layers)  # hybrids: attention layers only
     num_pages = _size_pool(config, kv_layers, arch.num_kv_heads, arch.head_dim, dtype, device)
@@ -150,7 +118,7 @@ def _build_components(config: Config, device: torch.device, backend: StorageBack
         prefix.host = _host_tier(config, cache, pool, host_pool, allocator, table, device)
         if backend is not None:
             prefix.host.storage = _storage_tier(
-                config, backend, cache, pool, host_pool, prefix.host.prefetch, model_id, states
+                config, backend, cache, pool, host_pool, prefix.host.prefetch, built.model_id, states
             )
             if hybrid is not None:
                 prefix.host.state_pending = lambda slot: any(dst == slot for _, dst in hybrid.copies)
@@ -161,6 +129,9 @@ def _build_components(config: Config, device: torch.device, backend: StorageBack
     runner.inputs = _step_inputs(device, table.num_rows, overlap)
     runner.graphs = _graph_runner(config, model, attention, states, device)
     speculator = _speculator(config, states is not None, runner.graphs.decode_rows if runner.graphs else None, cache)
+    if speculator is not None and isinstance(speculator.drafter, ModelDrafter):
+        speculator.drafter.model = build_draft(config, device, built, context, num_pages, table, attention_name,
+                                               decode_buckets=config.graphs.decode_buckets)
     if runner.graphs is not None:
         runner.graphs.inputs = runner.inputs
     return Components(

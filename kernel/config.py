@@ -248,12 +248,16 @@ class SpeculativeConfig:
     its last `window` verify steps drafts nothing for its next `cooldown` decode steps;
     and no request drafts in a step with more than `max_batch` decoding requests."""
 
-    method: str = "none"  # none | ngram | pkg.module:Class
+    method: str = "none"  # none | ngram | draft | pkg.module:Class
     num_draft_tokens: int = 4
     ngram_min: int = 2
     ngram_max: int = 4
-    topk: int = 1  # candidates per drafted position (token trees: not yet built)
-    draft_model: str | None = None  # method draft (not yet built)
+    topk: int = 1  # candidates per drafted position (token trees: not built yet)
+    # method draft: the draft model (any checkpoint tierserve loads, sharing the target's
+    # tokenizer), with its own dtype and quantization (auto: as for model.*).
+    draft_model: str | None = None
+    draft_dtype: str = "auto"
+    draft_quantization: str = "auto"
     max_batch: int = 8
     window: int = 8
     min_acceptance: float = 0.3
@@ -277,8 +281,10 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative.min_acceptance must be in [0, 1], got {self.min_acceptance}")
         if self.topk != 1:
             raise ConfigError("speculative.topk > 1 (token trees) is not supported yet; use 1")
-        if self.draft_model is not None or self.method == "draft":
-            raise ConfigError("speculative.method: draft (a draft model) is not supported yet; use ngram")
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ConfigError("speculative.draft_model is set exactly when speculative.method is draft")
+        _choice("speculative.draft_dtype", self.draft_dtype, ("auto", "float32", "bfloat16", "float16"))
+        _choice("speculative.draft_quantization", self.draft_quantization, ("auto", "none", "int8", "int4"))
         if self.method != "none":
             try:
                 registry.lookup("drafter", self.method)

@@ -47,7 +47,7 @@ _BUILTIN_PACKAGES: dict[str, tuple[str, ...]] = {
     "state_strategy": ("handlers",),
     "storage": ("cache.storage", "plugins.storage"),
     "tool_parser": ("handlers.tool_parsers",),
-    "drafter": ("handlers",),
+    "drafter": ("handlers", "kernel.speculative"),
 }
 _imported: set[str] = set()
 

@@ -10,8 +10,8 @@ import torch
 from gpu import numerics
 from gpu.models.lfm2 import Lfm2Model
 from gpu.models.llama import LlamaModel
-from kernel.components import storage_model_id
 from kernel.config import ConfigError, load_config
+from kernel.model_build import storage_model_id
 from kernel.numerics_choice import resolve_dtype, resolve_quantization
 from kernel.tiers.storage_io import weights_fingerprint
 

@@ -274,7 +274,8 @@ def test_config_errors() -> None:
         ({"speculative.method": "ngram", "speculative.topk": 2}, "token trees"),
         ({"speculative.method": "ngram", "scheduler.overlap": "on"}, "overlap"),
         ({"speculative.method": "ngram", "speculative.ngram_min": 5}, "ngram_max"),
-        ({"speculative.method": "draft"}, "draft model"),
+        ({"speculative.method": "draft"}, "draft_model is set exactly"),
+        ({"speculative.method": "ngram", "speculative.draft_model": "x"}, "draft_model is set exactly"),
     ):
         with pytest.raises(ConfigError, match=words):
             load_config(None, overrides)

@@ -311,7 +311,7 @@ class Scheduler:
         """Return a request's pages and row (on finish, abort, error or retraction);
         computed whole pages stay in the prefix cache for later requests."""
         self.prefix.release(req)
-        if self.speculator is not None and req.finished:
+        if self.speculator is not None:
             self.speculator.forget(req)
         if self.hybrid is not None:
             self.hybrid.release(req)

@@ -31,6 +31,7 @@ from kernel.scheduling import prompt_logprobs
 from kernel.scheduling.overlap import look_ahead
 from kernel.scheduling.scheduler import Scheduler
 from kernel.scheduling.step_plan import StepPlan
+from kernel.speculative.draft_model import PENDING, ModelDrafter
 
 log = structlog.get_logger("tierserve")
 
@@ -64,6 +65,8 @@ class StepLoop:
         emit_next: list[Request] = []
         while True:
             plan = self.plan()
+            if plan is not None and drafts_pending(plan):
+                plan = await self.fill_drafts(plan)  # a draft model's drafts (kernel/speculative/draft_model.py)
             step = self.submit(plan)
             self.output.emit(emit_next)  # overlaps with the step in flight
             emit_next = []
@@ -126,6 +129,26 @@ class StepLoop:
         batch = build_forward_batch(plan, hybrid.take_copies() if hybrid is not None else ())
         return self.device_thread.submit(lambda: self.runner.run(batch))
 
+    async def fill_drafts(self, plan: StepPlan) -> StepPlan:
+        """Run the draft model for the plan's PENDING drafts (device thread), then put its
+        tokens in the plan; a plan with no chunks if the draft job failed (its requests
+        are failed, like a failed step's)."""
+        spec = self.scheduler.speculator
+        assert spec is not None and isinstance(spec.drafter, ModelDrafter) and spec.drafter.model is not None
+        drafter, model = spec.drafter, spec.drafter.model
+        pending = [i for i, c in enumerate(plan.chunks) if c.draft and c.draft[0] == PENDING]
+        jobs = [drafter.job(plan.chunks[i].req, len(plan.chunks[i].draft)) for i in pending]
+        try:
+            drafts = await self.device_thread.submit(lambda: model.draft(jobs))
+        except Exception as exc:
+            log.exception("draft_failed")
+            self.fail(plan, exc)
+            return plan._replace(chunks=[])
+        chunks = list(plan.chunks)
+        for i, draft in zip(pending, drafts):
+            chunks[i] = chunks[i]._replace(draft=tuple(draft))
+        return plan._replace(chunks=chunks)
+
     async def flush_state_copies(self) -> bool:
         """No step to carry them: run queued state copies on the device thread now, so
         cached states are complete (the storage tier reads them), then let the host tier
@@ -183,6 +206,10 @@ class StepLoop:
             if not req.inflight:  # else: when the look-ahead step that has it lands
                 self.scheduler.release(req)
             self.output.fail(req, RuntimeError(f"step failed: {exc}"))
+
+
+def drafts_pending(plan: StepPlan) -> bool:
+    return any(c.draft and c.draft[0] == PENDING for c in plan.chunks)
 
 
 def build_forward_batch(plan: StepPlan, state_copies: tuple[tuple[int, int], ...] = ()) -> ForwardBatch:

@@ -14,6 +14,10 @@ from kernel.request import Request
 class Drafter(ABC):
     """Built once per engine from the `speculative` config section's values."""
 
+    # Whether its drafts come from device work (a draft model): `propose` then returns
+    # placeholders that the step loop fills in before the verify step is built.
+    deferred = False
+
     def __init__(self, **options: Any) -> None:
         self.options = options
         # What the prefix cache holds right after a request's tokens (up to n of them):
@@ -27,4 +31,5 @@ class Drafter(ABC):
         the request; changes nothing else."""
 
     def forget(self, req: Request) -> None:
-        """`req` is finished or retracted-and-gone: drop what the drafter keeps for it."""
+        """`req` finished or was retracted (its KV is gone): drop what the drafter keeps
+        for it."""

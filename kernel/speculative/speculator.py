@@ -80,6 +80,8 @@ class Speculator:
         if track.resting:
             track.resting -= 1
             return ()
+        if req.grammar is not None and self.drafter.deferred:
+            return ()  # a draft model's tokens come too late to be cut to the grammar
         draft = tuple(self.drafter.propose(req, limit)[:limit])
         if req.grammar is not None:  # structured output: only what its grammar allows can be accepted
             draft = draft[: req.grammar.legal_prefix(draft)]

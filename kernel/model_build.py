@@ -1,0 +1,63 @@
+"""Load a checkpoint and build its model under a config's numerics: the target model, and
+a draft model for speculative decoding (kernel/speculative/draft_build.py)."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from gpu.loader import load_checkpoint
+from gpu.model_config import ModelArchConfig
+from gpu.quant.dispatch import QuantSpec
+from gpu.tokenizer import Tokenizer
+from kernel import registry
+from kernel.config import Config
+from kernel.numerics_choice import (
+    Numerics,
+    log_numerics,
+    resolve_dtype,
+    resolve_quantization,
+    use_cpu_kernels,
+    wants_blocks,
+)
+from kernel.tiers.storage_io import weights_fingerprint
+
+
+class BuiltModel(NamedTuple):
+    model: Any
+    arch: ModelArchConfig
+    tokenizer: Tokenizer | None
+    dtype: torch.dtype
+    quantization: str
+    cpu_kernels: bool
+    model_id: str  # the weights' storage fingerprint ("" unless asked for)
+
+
+def storage_model_id(weights: dict[str, torch.Tensor], quantization: str) -> str:
+    """The weights' fingerprint, plus the quantization when there is one: quantized linears
+    compute other KV from the same file, so their pages must never be served to (or from)
+    a server without it."""
+    fingerprint = weights_fingerprint(weights)
+    return fingerprint if quantization == "none" else f"{fingerprint}+{quantization}"
+
+
+def build_model(config: Config, device: torch.device, fingerprint: bool = False) -> BuiltModel:
+    """`config.model`'s checkpoint as a model of its registered architecture."""
+    dtype = resolve_dtype(config, device)
+    ckpt = load_checkpoint(config.model.path, dtype, keep_blocks=wants_blocks(config))
+    arch = ckpt.arch
+    model_cls = registry.lookup("model", arch.architecture)
+    quantization = resolve_quantization(config, device, model_cls, bool(ckpt.blocks))
+    log_numerics(config, Numerics(dtype, quantization))
+    cpu_kernels = use_cpu_kernels(config, device)
+    extra: dict[str, Any] = {}
+    if quantization != "none":
+        extra["quantization"] = QuantSpec(
+            quantization, ckpt.blocks, keep_dense=not config.deterministic, cpu_kernels=cpu_kernels
+        )
+    if getattr(model_cls, "accepts_cpu_kernels", False):
+        extra["cpu_kernels"] = cpu_kernels
+    model = model_cls(arch, ckpt.weights, dtype, device, deterministic=config.deterministic, **extra)
+    model_id = storage_model_id(ckpt.weights, quantization) if fingerprint else ""
+    return BuiltModel(model, arch, ckpt.tokenizer, dtype, quantization, cpu_kernels, model_id)

@@ -1,0 +1,61 @@
+"""The draft model of `speculative.method: draft`, built beside the target: any checkpoint
+tierserve loads (its own dtype and quantization), checked at start-up to share the
+target's vocabulary, with a KV pool of the target's page count over the target's
+request-token table (kernel/speculative/draft_model.py says why)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from cache.kv_pool import KVPool
+from cache.req_table import ReqToTokenTable
+from gpu.graphs import cpu_step
+from gpu.graphs.cpu_step import CpuStepRunner
+from gpu.model_runner import ModelRunner
+from kernel import registry
+from kernel.config import Config, ConfigError
+from kernel.model_build import BuiltModel, build_model
+from kernel.speculative.draft_model import DraftModel
+
+
+def build_draft(config: Config, device: torch.device, target: BuiltModel, context: int, num_pages: int,
+                table: ReqToTokenTable, attention_name: str, decode_buckets: Sequence[int]) -> DraftModel:
+    spec = config.speculative
+    assert spec.draft_model is not None
+    section = dataclasses.replace(config.model, path=spec.draft_model, dtype=spec.draft_dtype,
+                                  quantization=spec.draft_quantization)
+    # The draft's numerics never reach an output: no batch-invariant kernels for it.
+    draft = build_model(dataclasses.replace(config, model=section, deterministic=False), device)
+    check_vocabulary(target, draft)
+    if hasattr(draft.model, "state_shapes"):
+        raise ConfigError("speculative.draft_model: hybrid draft models are not supported yet; use a dense one")
+    if draft.arch.max_position_embeddings < context:
+        raise ConfigError(
+            f"speculative.draft_model: it reaches {draft.arch.max_position_embeddings} positions, the target "
+            f"serves {context}; set model.context_length to at most that"
+        )
+    arch = draft.arch
+    pool = KVPool(arch.num_layers, num_pages, config.cache.page_size, arch.num_kv_heads, arch.head_dim, draft.dtype,
+                  device)
+    name = "torch" if attention_name == "deterministic" else attention_name
+    attention = registry.lookup("attention", name)(pool, table.table, cpu_kernels=draft.cpu_kernels)
+    runner = ModelRunner(draft.model, pool, attention)
+    if device.type == "cpu" and cpu_step.unsupported(draft.model, attention) is None:
+        runner.graphs = CpuStepRunner(draft.model, attention, decode_buckets)  # its decode steps, natively
+    return DraftModel(runner)
+
+
+def check_vocabulary(target: BuiltModel, draft: BuiltModel) -> None:
+    """A draft proposes token ids: they must mean the target's tokens."""
+    if draft.arch.vocab_size != target.arch.vocab_size:
+        raise ConfigError(
+            f"speculative.draft_model: its vocabulary has {draft.arch.vocab_size} tokens and the target's "
+            f"{target.arch.vocab_size}; a draft model must use the target's tokenizer"
+        )
+    if target.tokenizer is not None and draft.tokenizer is not None and (
+            target.tokenizer.backend.get_vocab() != draft.tokenizer.backend.get_vocab()):
+        raise ConfigError("speculative.draft_model: its tokenizer differs from the target's (same size, other "
+                          "tokens); a draft model must use the target's tokenizer")

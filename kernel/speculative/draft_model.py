@@ -1,0 +1,99 @@
+"""`speculative.method: draft`: a second model proposes the drafts (greedy, k steps).
+
+The draft model has a KV pool of its own with the target's page count and page size, and
+reads the target's request-token table: a page id names the same tokens in both pools, so
+the draft's KV lives in the pages the target's accounting already gives each request
+(invariant 3 needs nothing new), and a prefix the target finds cached has the draft's KV
+there wherever a draft job computed it. Drafts only ever cost speed when they are
+wrong (the target verifies every one), so draft KV that is missing or stale — a prefix
+loaded back from the host tier, positions of rejected drafts — makes a draft worse, never
+an output different.
+
+A draft job runs on the device thread before the step that verifies its drafts
+(kernel/scheduling/step_loop.py `fill_drafts`): per request one chunk of the tokens the
+draft has not seen yet (up to the last one), then k - 1 batched decode steps of its own
+greedy picks, written at the positions the verify step's drafted tokens take.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from gpu.forward_batch import ForwardBatch, PrefillChunk, SamplingRow
+from gpu.model_runner import ModelRunner
+from gpu.sampling import argmax_rows
+from kernel.registry import register
+from kernel.request import Request
+from kernel.speculative.drafter import Drafter
+
+PENDING = -1  # a drafted token the draft job has not produced yet (never a valid placeholder: row 0 is reserved)
+_GREEDY = SamplingRow(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, frequency_penalty=0.0, presence_penalty=0.0,
+                      repetition_penalty=1.0, top_logprobs_num=0, seed=0, step=0, logprobs=False)
+
+
+class DraftJob(NamedTuple):
+    row: int  # the request's table row (shared with the target)
+    start: int  # tokens the draft's KV covers already
+    tokens: tuple[int, ...]  # the request's tokens from `start` to its end
+    wanted: int  # drafts wanted
+
+
+class DraftModel:
+    """Owned by the device thread: the draft model's runner (its model, pool, attention)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    @torch.inference_mode()
+    def draft(self, jobs: Sequence[DraftJob]) -> list[list[int]]:
+        """The greedy drafts of every job, in order (device thread)."""
+        chunks = [PrefillChunk(job.tokens, job.row, job.start) for job in jobs]
+        picks = self._greedy(chunks)
+        drafts = [[t] for t in picks]
+        for step in range(1, max(job.wanted for job in jobs)):
+            live = [i for i, job in enumerate(jobs) if job.wanted > step]
+            chunks = [PrefillChunk((drafts[i][-1],), jobs[i].row, jobs[i].start + len(jobs[i].tokens) + step - 1)
+                      for i in live]
+            for i, token in zip(live, self._greedy(chunks)):
+                drafts[i].append(token)
+        return drafts
+
+    def _greedy(self, chunks: list[PrefillChunk]) -> list[int]:
+        batch = ForwardBatch.build(chunks, [(i, _GREEDY) for i in range(len(chunks))])
+        graphs = self.runner.graphs
+        graph = graphs.bucket_for(batch) if graphs is not None else None
+        logits = self.runner.forward(batch) if graph is None or graphs is None else graphs.replay(graph, batch)
+        return [int(t) for t in argmax_rows(logits).tolist()]
+
+
+@register("drafter", "draft")
+class ModelDrafter(Drafter):
+    """Plans PENDING drafts; the step loop has the draft model fill them in (`jobs`,
+    `fill`) before the verify step is built."""
+
+    deferred = True
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.model: DraftModel | None = None  # attached by the engine builder
+        self._seen: dict[str, int] = {}  # per request: tokens the draft's KV covers
+
+    def propose(self, req: Request, max_tokens: int) -> list[int]:
+        return [PENDING] * max_tokens
+
+    def job(self, req: Request, count: int) -> DraftJob:
+        """The draft work for `req`'s PENDING drafts: the tokens its KV lacks, then `count`
+        picks. NOTE: a request's first job starts from token 0 — a page the target found
+        cached may have been computed with no draft job (another request's prefill), so
+        the draft never trusts one it did not write for this request."""
+        assert req.row is not None
+        start = min(self._seen.get(req.rid, 0), req.kv_len)
+        total = req.total_len
+        self._seen[req.rid] = total
+        return DraftJob(req.row, start, tuple(req.token_slice(start, total)), count)
+
+    def forget(self, req: Request) -> None:
+        self._seen.pop(req.rid, None)
