@@ -4,14 +4,16 @@ llama-server (the pinned build) without and with its n-gram speculation.
     .venv/bin/python benchmarks/speculative.py                  # every system, c = 1, 4, 16
     .venv/bin/python benchmarks/speculative.py --quick          # c = 1 only, two prompts a workload
     .venv/bin/python benchmarks/speculative.py --no-llama       # tierserve only (no llama.cpp build)
+    .venv/bin/python benchmarks/speculative.py --no-exactness   # without the float32 / int4-draft pair
 
 Workloads, as chat completions (each server applies the model's own chat template):
 input-grounded — `code` (rewrite a file of this repository with one name changed), `quote`
 (copy a paragraph of the README word for word), `json` (extract fields of a short text
 as JSON) — and open-ended `chat`. Greedy, `max_tokens` fixed, real stops (no ignore_eos).
 Each server is started alone on the machine, every distinct prompt is sent once untimed
-(so prefixes are cached alike and the numbers are decode), then each concurrency level
-sends max(c, prompts) requests with at most c in flight.
+(warm-up), then each concurrency level sends max(c, prompts) requests with at most c in
+flight, its prompts led by a tag of their own ("Task 4-2. ...") so that no level reuses
+an answer an earlier one left in a cache (tierserve's ngram drafter would draft it).
 
 Reported per workload and level: output tok/s (all completion tokens / wall time) and
 mean per-request decode tok/s (after the first token), tierserve's speculative/plain
@@ -19,6 +21,11 @@ ratio, and tierserve ngram against llama-server's best n-gram mode. Exactness: t
 speculative text must equal its plain text for the same prompt (`same` column: equal /
 compared). llama-server's modes: `--spec-type ngram-simple` and `ngram-mod`, with their own
 default draft sizes.
+
+Exactness for those who need it (`--exactness`, on by default): tierserve with float32
+weights alone, and the same float32 target drafted by the packaged weights in int4
+(`speculative.method: draft`), at c = 1 on every workload: the speed ratio, and whether
+the text is the same.
 """
 
 from __future__ import annotations
@@ -127,7 +134,10 @@ async def run_system(system: System, sets: dict[str, list[str]], levels: tuple[i
                     await send(session, target, Prompt(text, 8))
                 for level in levels:
                     count = max(level, len(prompts))
-                    batch = [Prompt(prompts[i % len(prompts)], OUTPUT_TOKENS) for i in range(count)]
+                    # A level's own prompts: an earlier level's answers are in tierserve's radix
+                    # tree, and its ngram drafter would draft them (a retry), not the input.
+                    batch = [Prompt(f"Task {level}-{i % len(prompts)}. {prompts[i % len(prompts)]}", OUTPUT_TOKENS)
+                             for i in range(count)]
                     progress = Progress(f"{system.label} {name} c={level}", count, not args.no_progress)
                     records, duration = await open_loop(batch, lambda p: send(session, target, p), float("inf"),
                                                         level, progress, random.Random(0))
@@ -145,6 +155,24 @@ def rates(run: Run) -> tuple[float, float | None]:
     tokens = sum(r.output_tokens for r in run.records if r.ok)
     decode = [1 / t for r in run.records if r.ok and (t := r.tpot())]
     return tokens / run.duration, statistics.mean(decode) if decode else None
+
+
+def exactness_systems(args: argparse.Namespace) -> list[System]:
+    packaged = model_file()
+    f32 = ["model.dtype=float32", "model.quantization=none"]
+    draft = [*f32, "speculative.method=draft", f"speculative.draft_model={packaged}",
+             "speculative.draft_quantization=int4", f"speculative.num_draft_tokens={args.exact_draft_tokens}"]
+    return [tierserve("tierserve f32", packaged, f32), tierserve("tierserve f32 + int4 draft", packaged, draft)]
+
+
+def report_exactness(results: dict[str, dict[tuple[str, int], Run]], sets: dict[str, list[str]]) -> None:
+    plain, drafted = results["tierserve f32"], results["tierserve f32 + int4 draft"]
+    print("\nfloat32 target, alone and drafted by its int4 weights (c=1): output tok/s")
+    for name in sets:
+        a, b = rates(plain[(name, 1)])[0], rates(drafted[(name, 1)])[0]
+        pairs = list(zip(plain[(name, 1)].records, drafted[(name, 1)].records))
+        equal = sum("".join(x.text) == "".join(y.text) for x, y in pairs if x.ok and y.ok)
+        print(f"  {name:6s} {a:6.1f} -> {b:6.1f}  {b / a:.2f}x  same text {equal}/{len(pairs)}")
 
 
 def report(all_results: dict[str, dict[tuple[str, int], Run]], sets: dict[str, list[str]],
@@ -182,6 +210,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="c = 1 only, two prompts a workload")
     p.add_argument("--no-llama", dest="llama", action="store_false", help="tierserve only")
     p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--no-exactness", dest="exactness", action="store_false",
+                   help="skip the float32 / int4-draft pair")
+    p.add_argument("--exact-draft-tokens", type=int, default=8, help="num_draft_tokens of the int4 draft")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)), help="llama.cpp build jobs")
     p.add_argument("--cache", type=Path, default=llamacpp_build.cache_root(), help="build and model cache")
@@ -200,7 +231,13 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, dict[tuple[str, int], Run]] = {}
     for system in all_systems:
         results[system.label] = run_loop(run_system(system, sets, levels, args))
+    exact: dict[str, dict[tuple[str, int], Run]] = {}
+    if args.exactness:
+        for system in exactness_systems(args):
+            exact[system.label] = run_loop(run_system(system, sets, (1,), args))
     report(results, sets, levels)
+    if exact:
+        report_exactness(exact, sets)
 
 
 if __name__ == "__main__":

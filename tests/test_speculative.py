@@ -360,3 +360,31 @@ def planted_case(engine: Engine) -> tuple[list[int], int]:
             if m > WRONG_AT and (len(prompt) + m + 1) % page == 0 and ids[m] not in ids[:m]:
                 return prompt, m
     raise AssertionError("no prompt with a usable stop position")
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["reset", "no-reset"])
+def test_planted_stale_verify_rows_after_a_smaller_replay_red(
+    tiny_chat_folder: str, refs: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch, planted: bool
+) -> None:
+    """Verify steps replay one decode bucket of 16 rows with fewer live rows each time
+    (the drafts stop at the bucket): without the registry's tail reset a smaller replay
+    keeps a larger one's rows, whose KV writes land in live requests' slots."""
+    from gpu.graphs.static_buffers import StaticBuffers
+
+    engine = make(tiny_chat_folder, **{**GRAPHS_EMULATE, "graphs.decode_buckets": [16], "debug.check_invariants": False})
+    if planted:  # after the warm-up replays, which start from clean buffers
+        monkeypatch.setattr(StaticBuffers, "reset_tail", lambda self, name, live, rows: None)
+    try:
+        outs = engine.generate(PROMPTS, PARAMS)
+        assert isinstance(outs, list)
+        assert graph_replays(engine)["decode"] > 0
+        if not planted:
+            for out, ref in zip(outs, refs):
+                same(out, ref)
+            return
+        with pytest.raises(AssertionError, match="speculation guard"):
+            for out, ref in zip(outs, refs):
+                same(out, ref)
+    finally:
+        leaks.excuse(engine.engine)
+        engine.shutdown()
