@@ -31,7 +31,7 @@ for name in OPTIONAL_MODULES:
 {plant}
 import torch
 from kernel import Engine, registry
-from kernel import components
+from kernel import components, model_build
 
 def emit(check, **fields):
     print("PROBE " + json.dumps({{"check": check, **fields}}), flush=True)
@@ -43,8 +43,8 @@ except ImportError as exc:
     sys.exit(0)
 
 loads = []
-real_load = components.load_checkpoint
-components.load_checkpoint = lambda *a, **k: loads.append(1) or real_load(*a, **k)
+real_load = model_build.load_checkpoint
+model_build.load_checkpoint = lambda *a, **k: loads.append(1) or real_load(*a, **k)
 small = {{"cache.num_pages": 256, "model.num_threads": 1}}
 tiered = {{**small, "hicache.host_pages": 256}}
 greedy = {{"max_new_tokens": 4, "temperature": 0.0}}
