@@ -51,9 +51,9 @@ class NgramDrafter(Drafter):
         self._index: dict[str, _Index] = {}
 
     def propose(self, req: Request, max_tokens: int) -> list[int]:
-        if self.cached is not None and (known := self.cached(req, max_tokens)):
-            return known
         tokens = req.prompt_ids + req.output_ids
+        if self.cached is not None and (known := self.cached(tokens, req.namespace, max_tokens)):
+            return known
         index = self._index.get(req.rid)
         if index is None or index.indexed >= len(tokens):  # new, or a reused id: start over
             index = self._index[req.rid] = _Index(self.lengths)

@@ -94,6 +94,8 @@ class Scheduler:
         retracted: list[Request] = []
         if self.prefix.host is not None:
             self.prefix.host.before_plan()  # deferred copies, write-back victims
+        if self.speculator is not None:
+            self.speculator.begin_step(sum(1 for r in self.running if r.total_len - r.kv_len == 1))
         while True:
             chunks = self._plan(retracted)
             # A request waiting for its prefix to load is not blocked: do not retract it.
@@ -112,8 +114,6 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         planned: set[int] = set()
-        if self.speculator is not None:
-            self.speculator.begin_step(sum(1 for r in self.running if r.total_len - r.kv_len == 1))
         for req in list(self.running):
             if req.status is not Status.RUNNING or req.total_len - req.kv_len != 1 or budget == 0:
                 continue

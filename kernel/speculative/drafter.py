@@ -5,7 +5,7 @@ device, so a wrong draft costs a rejected row and nothing else (invariant 9)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kernel.request import Request
@@ -20,9 +20,9 @@ class Drafter(ABC):
 
     def __init__(self, **options: Any) -> None:
         self.options = options
-        # What the prefix cache holds right after a request's tokens (up to n of them):
-        # set by the Speculator; a drafter may use it.
-        self.cached: Callable[[Request, int], list[int]] | None = None
+        # What the prefix cache holds right after a token sequence of a namespace (up to n
+        # tokens): set by the Speculator; a drafter may use it.
+        self.cached: Callable[[Sequence[int], str | None, int], list[int]] | None = None
 
     @abstractmethod
     def propose(self, req: Request, max_tokens: int) -> list[int]:

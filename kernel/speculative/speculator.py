@@ -55,7 +55,7 @@ class Speculator:
             ngram_min=config.ngram_min, ngram_max=config.ngram_max
         )
         if cache is not None and cache.reuses:
-            self.drafter.cached = lambda req, n: cache.continuation(req.prompt_ids + req.output_ids, req.namespace, n)
+            self.drafter.cached = cache.continuation
         self.counters = SpecCounters()
         self._tracks: dict[str, _Track] = {}
         self.batch_on = True  # the max_batch rule's verdict for the step being planned

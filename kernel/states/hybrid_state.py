@@ -71,14 +71,20 @@ class HybridState:
         """(src, dst, track) of the request's chunk [start, start + length): the slots it
         reads and writes, and (length, slot) for each checkpoint inside the chunk."""
         assert req.state_slot is not None
-        src = req.resume_slot if req.resume_slot is not None else req.state_slot
-        dst = req.state_slot
+        src, dst = self._read_slot(req), req.state_slot
         end = start + length
         if self.is_checkpoint(req, end):
             dst = self.strategy.checkpoint_dst(req, self)
         req.step_dst = dst
         req.step_track = self._track_inside(req, start, end)
         return src, dst, tuple(req.step_track)
+
+    @staticmethod
+    def _read_slot(req: Request) -> int:
+        """Where the request's next chunk reads its starting state."""
+        slot = req.resume_slot if req.resume_slot is not None else req.state_slot
+        assert slot is not None
+        return slot
 
     def _track_inside(self, req: Request, start: int, end: int) -> list[tuple[int, int]]:
         """Slots for the grid points strictly inside a prefill chunk, for strategies whose
@@ -105,7 +111,7 @@ class HybridState:
         resume from whichever position the verification ends at; its live slot is
         written by no one. NOTE: invariant 9."""
         assert req.state_slot is not None and not req.verify_states
-        src = req.resume_slot if req.resume_slot is not None else req.state_slot
+        src = self._read_slot(req)
         for end in range(start + 1, start + length + 1):
             slot = self.pool.allocate()
             assert slot is not None, "spare_slots promised the verify step's slots"
