@@ -2,7 +2,7 @@
 
 Each `<name>.cpp` in this folder (with the headers of this folder it includes) is one
 extension, compiled by torch's JIT extension loader (`torch.utils.cpp_extension.load`)
-with `-O3 -march=native` (AMX off: it traps on some VMs) and OpenMP, and cached under
+with `-O3 -march=native -ffp-contract=off` (AMX off: it traps on some VMs) and OpenMP, and cached under
 `~/.cache/tierserve/cpu_kernels` (or `$TIERSERVE_CACHE/cpu_kernels`), keyed by the
 sources, the flags, the CPU, torch's and Python's versions; a later start loads the cached
 library in well under a second.
@@ -53,8 +53,15 @@ def cache_dir() -> Path:
 
 @functools.cache
 def cflags() -> tuple[str, ...]:
-    """Native code for this CPU, without AMX where the compiler knows the switches."""
-    flags = ["-O3", "-march=native", "-fopenmp"]
+    """Native code for this CPU, without AMX where the compiler knows the switches.
+
+    NOTE: `-ffp-contract=off`: the compiler never fuses a * b + c into one FMA on its own.
+    Every FMA the kernels rely on is written out (`std::fma`, intrinsics); left to the
+    compiler, fusing depends on how each translation unit inlines and vectorizes the shared
+    `*_core.h` code, so the native decode step (decode_step.cpp) and the per-op kernels it
+    must equal bit for bit rounded differently on AVX-512 (a Xeon, float32 attention),
+    though they agreed on AVX2."""
+    flags = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
     if _compiler_accepts(list(_NO_AMX)):
         flags += _NO_AMX
     return tuple(flags)
