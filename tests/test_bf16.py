@@ -10,10 +10,13 @@ Measured (mean / p99 |Δ logprob|; top-1 agreement past the gap (positions)):
 |---|---|---|
 | AMD EPYC AVX2 (bf16 emulated), auto | 0.029 / 0.154; 1.0 (187) | 0.026 / 0.127; 1.0 (123) |
 | AMD EPYC AVX2 (bf16 emulated), off | 0.027 / 0.154; 1.0 (187) | 0.023 / 0.113; 1.0 (124) |
+| Intel Xeon AVX-512 + AVX512-BF16 + AMX, auto | 0.027 / 0.137; 1.0 (187) | 0.022 / 0.108; 1.0 (122) |
+| Intel Xeon AVX-512 + AVX512-BF16 + AMX, off | 0.029 / 0.130; 1.0 (187) | 0.020 / 0.118; 1.0 (122) |
 
 (With 8 prompts x 32 tokens, on the same EPYC: forward 0.027-0.029 / 0.168, reverse
 0.021-0.024 / 0.113-0.123.) Free-running (printed only) on that EPYC: first divergences
-[17, 6, 2, 24, 24, 24] (auto), [17, 6, 32, 6, 8, 32, 24, 21] (off, 8 x 32).
+[17, 6, 2, 24, 24, 24] (auto), [17, 6, 32, 6, 8, 32, 24, 21] (off, 8 x 32); on the Xeon
+[24, 6, 17, 24, 24, 24] (auto and off).
 The earlier free-running test measured [24, 6, 32, 32, 8, 32, 24, 21] and a max chosen-token
 error of 0.140 before the first divergence on an AVX-512 BF16 Xeon, and [32, 6, 2, 6, 3, 32,
 24, 21], 0.118 on an AVX-512 BF16 EPYC: the same size of error, with divergences anywhere.

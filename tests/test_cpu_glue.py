@@ -11,8 +11,8 @@ Tolerances (measured on random and extreme inputs, then given ~4x headroom):
   roundings of exact products);
 - engine, float32, auto vs off, teacher-forced (tests/numerics_compare.py): mean |Δ logprob|
   < 1e-5, p99 < 1e-4, every top-1 equal where the margin exceeds 1e-3 (measured on an AMD EPYC
-  AVX2: max 4.8e-7 on all three, forward and reverse; free-running, the same max was measured
-  on an AVX-512 Xeon). The planted RoPE swap measures mean 7e-4 to 8e-4, the planted norm eps
+  AVX2: max 4.8e-7 on all three, forward and reverse; the same, teacher-forced, on
+  an Intel Xeon AVX-512/BF16/AMX). The planted RoPE swap measures mean 7e-4 to 8e-4, the planted norm eps
   0.08: red on the mean bound.
 """
 

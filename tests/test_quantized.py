@@ -14,10 +14,23 @@ float32's top-2 margin exceeds GAP (positions):
 | setting | forward | reverse | bounds |
 |---|---|---|---|
 | float32 + int4 | 0.037 / 0.253; 1.0 (187) | 0.035 / 0.230; 1.0 (125) | < 0.1 / < 0.6; >= 0.95 |
-| bfloat16 + int4 | 0.044 / 0.220; 1.0 (187) | 0.039 / 0.262; 0.992 (129) | < 0.1 / < 0.5; >= 0.95 |
-| bfloat16 + int4, kernels off | 0.027 / 0.154; 1.0 (187) | 0.028 / 0.110; 1.0 (123) | < 0.1 / < 0.5; >= 0.95 |
-| bfloat16 + int8 | 0.029 / 0.154; 1.0 (187) | 0.046 / 0.242; 0.992 (126) | < 0.1 / < 0.5; >= 0.95 |
-| bfloat16 + int8, kernels off | 0.027 / 0.154; 1.0 (187) | 0.036 / 0.179; 1.0 (122) | < 0.1 / < 0.5; >= 0.95 |
+| bfloat16 + int4 | 0.044 / 0.220; 1.0 (187) | 0.039 / 0.262; 0.992 (129) | < 0.1 / < 0.6; >= 0.92 |
+| bfloat16 + int4, kernels off | 0.027 / 0.154; 1.0 (187) | 0.028 / 0.110; 1.0 (123) | < 0.1 / < 0.6; >= 0.92 |
+| bfloat16 + int8 | 0.029 / 0.154; 1.0 (187) | 0.046 / 0.242; 0.992 (126) | < 0.1 / < 0.6; >= 0.92 |
+| bfloat16 + int8, kernels off | 0.027 / 0.154; 1.0 (187) | 0.036 / 0.179; 1.0 (122) | < 0.1 / < 0.6; >= 0.92 |
+
+The same on an Intel Xeon with AVX-512, AVX512-BF16 and AMX (granted; bf16 native):
+
+| setting | forward | reverse |
+|---|---|---|
+| float32 + int4 | 0.036 / 0.215; 1.0 (187) | 0.039 / 0.280; 0.992 (129) |
+| bfloat16 + int4 | 0.043 / 0.256; 1.0 (187) | 0.045 / 0.311; 0.976 (125) |
+| bfloat16 + int4, kernels off | 0.029 / 0.130; 1.0 (187) | 0.031 / 0.157; 1.0 (123) |
+| bfloat16 + int8 | 0.027 / 0.137; 1.0 (187) | 0.045 / 0.236; 1.0 (122) |
+| bfloat16 + int8, kernels off | 0.029 / 0.130; 1.0 (187) | 0.033 / 0.179; 1.0 (122) |
+
+The bf16 bounds were p99 < 0.5 and agreement >= 0.95 until that Xeon's bfloat16 + int4 decode
+(p99 0.311, 3 of 125 confident positions flipped) left 1.6x and 2x: now 0.6 and 0.92.
 
 (6 prompts x 24 tokens. With 8 x 32, two runs on the same EPYC, the figures were within
 0.015 of these in the mean and 0.04 in p99.) Free-running (printed only), bf16 + int8 in
@@ -59,7 +72,7 @@ GAP = 0.3
 # six prompts run in two full waves.
 FEW_ROWS = {"scheduler.max_running_requests": 3}
 FLOAT32_INT4 = Bounds(mean=0.1, p99=0.6, agreement=0.95, gap=GAP)
-BF16_QUANT = Bounds(mean=0.1, p99=0.5, agreement=0.95, gap=GAP)
+BF16_QUANT = Bounds(mean=0.1, p99=0.6, agreement=0.92, gap=GAP)
 BOUNDS = {  # setting (dtype, quantization, model.cpu_kernels) -> bounds
     ("float32", "int4", "auto"): FLOAT32_INT4,
     ("bfloat16", "int4", "auto"): BF16_QUANT,
