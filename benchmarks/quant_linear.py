@@ -25,6 +25,13 @@ with each kernel's effective bandwidth (weight bytes / time) and its speedup ove
 
     .venv/bin/python benchmarks/quant_linear.py --kernels --m 1 4 8
 
+`--isas` compares the C++ kernels' code paths (torch.ops.tierserve_cpu.quant_gemv_isas():
+AVX512-VNNI where the CPU has it, AVX2, scalar unless `--no-scalar`) per SmolLM2 shape, 4-bit and
+int8, bfloat16 x, interleaved; each path's time and the AVX2 path's time over it (every
+path gives the same bits):
+
+    .venv/bin/python benchmarks/quant_linear.py --isas --m 1 8 64 512
+
 `--int8-float32` compares, per SmolLM2 shape, the int8 layer's two ways with float32
 activations (model.dtype float32 with int8 weights, the C++ kernels off or in deterministic
 mode): torch's op, which has no vectorized float32 path, and the blocked dequantize-and-GEMM
@@ -39,6 +46,7 @@ import argparse
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +56,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.quant_kernels import bench_kernels
+from gpu.quant import gemv
 from gpu.quant.linears import Int4Linear, Int8Linear, int8_matmul_float32
 
 SHAPES = ((576, 576), (576, 1536), (1536, 576), (576, 49152))  # (K, N) of SmolLM2's linears
@@ -171,6 +180,36 @@ def bench_int8_float32(ms: list[int], rounds: int) -> None:
                   f" {t['op'] / t['blocked']:10.2f}")
 
 
+def isa_calls(m: int, k: int, n: int) -> dict[str, Callable[[str], torch.Tensor]]:
+    """kind -> call(code path) on one random bfloat16 x and weight of the shape."""
+    torch.manual_seed(0)
+    w = torch.randn(n, k) * 0.02
+    x = torch.randn(m, k).bfloat16()
+    k4, k8 = Int4Linear.quantize(w, torch.bfloat16, kernels=True), Int8Linear.quantize(w, torch.bfloat16, kernels=True)
+    ops = torch.ops.tierserve_cpu
+    return {"q4": lambda isa: ops.quant_gemv_q4(x, k4.packed, n, isa),
+            "int8": lambda isa: ops.quant_gemv_int8(x, k8.packed, k8.kernel_scales, isa)}
+
+
+def bench_isas(ms: list[int], rounds: int, scalar: bool) -> None:
+    if not gemv.available(torch.bfloat16):
+        raise SystemExit("the quant_gemv C++ kernels do not build here (or TIERSERVE_CPU_KERNELS=off)")
+    isas = [i for i in torch.ops.tierserve_cpu.quant_gemv_isas() if scalar or i != "scalar"]
+    print(f"code paths {isas}, threads {torch.get_num_threads()}; ms (median), then avx2 / path")
+    print(f"{'M':>4} {'K':>5} {'N':>6} {'kind':>4} | " + " ".join(f"{i:>9}" for i in isas) + " | "
+          + " ".join(f"{'/' + i:>8}" for i in isas))
+    for m in ms:
+        for k, n in SHAPES:
+            for kind, call in isa_calls(m, k, n).items():
+                times: dict[str, list[float]] = {isa: [] for isa in isas}
+                for _ in range(rounds):  # round robin: machine noise hits all alike
+                    for isa in isas:
+                        time_ms(partial(call, isa), times[isa])
+                t = {isa: sorted(v)[len(v) // 2] for isa, v in times.items()}
+                print(f"{m:>4} {k:>5} {n:>6} {kind:>4} | " + " ".join(f"{t[i]:9.3f}" for i in isas) + " | "
+                      + " ".join(f"{t['avx2'] / t[i]:8.2f}" for i in isas))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--m", type=int, nargs="+", default=[1, 4, 16, 32, 256])
@@ -180,7 +219,12 @@ def main() -> None:
     ap.add_argument("--kernels", action="store_true", help="torch's ops vs tierserve's C++ kernels, warm and cold")
     ap.add_argument("--int8-float32", action="store_true",
                     help="int8 weights with float32 activations: torch's op vs the blocked GEMM")
+    ap.add_argument("--isas", action="store_true", help="the C++ kernels' code paths side by side")
+    ap.add_argument("--no-scalar", action="store_true", help="--isas: leave out the scalar path")
     args = ap.parse_args()
+    if args.isas:
+        bench_isas(args.m, args.rounds, not args.no_scalar)
+        return
     if args.int8_float32:
         bench_int8_float32(args.m, args.rounds)
         return

@@ -203,7 +203,7 @@ VARIANT_RUN = """
 import functools, sys
 import pytest
 import gpu.kernels.cpu as cpu
-cpu.cflags = functools.cache(lambda: ("-O3", "-march={march}", "-fopenmp"))
+cpu.cflags = functools.cache(lambda: ("-O3", "-march={march}", "-ffp-contract=off", "-fopenmp"))
 sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", {test!r}, "-k", "not engine and not other_cpus"]))
 """
 

@@ -1,5 +1,5 @@
 """tierserve's C++ quantized matmuls (gpu/kernels/cpu/quant_gemv.cpp) against
-independent references, in every instruction set compiled here (AVX2, scalar).
+independent references, in every code path compiled here (AVX512-VNNI where the CPU has it, AVX2, scalar).
 
 - 4-bit: GGUF Q4_0 / Q4_1 blocks made by the `gguf` package's quantizer, dequantized by its
   reference code, against Int4Linear built on those blocks with the kernel

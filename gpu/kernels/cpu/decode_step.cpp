@@ -238,9 +238,9 @@ template <class Out>
 void matmul_items(const Linear& l, const Input& in, Out* out, int64_t rows, int64_t i0, int64_t i1) {
   const gemv::Problem<Out> p{l.w, l.s, out, l.k, l.n, l.stride};
   if (l.kind == kQ4) {
-    gemv::tiles<true>(p, in.q.input(), rows, i0, i1, true);
+    gemv::tiles<true>(p, in.q.input(), rows, i0, i1, gemv::best_isa());
   } else {
-    gemv::tiles<false>(p, in.q.input(), rows, i0, i1, true);
+    gemv::tiles<false>(p, in.q.input(), rows, i0, i1, gemv::best_isa());
   }
 }
 

@@ -27,6 +27,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const float* scal
   const std::vector<std::string> isas = compiled_isas();
   TORCH_CHECK(isa == "auto" || std::find(isas.begin(), isas.end(), isa) != isas.end(),
               "quant_gemv: instruction set '", isa, "' is not compiled in");
+  const Isa path = isa_named(isa);
   const at::Tensor input = x.contiguous();
   const int64_t rows = x.size(0), k = x.size(1);
   at::Tensor out = at::empty({rows, n}, x.options());
@@ -51,7 +52,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const float* scal
   auto run = [&](auto* o) {
     using Out = std::remove_pointer_t<decltype(o)>;
     const Problem<Out> p{static_cast<const uint8_t*>(weight.data_ptr()), scales, o, k, n, stride};
-    at::parallel_for(0, tile_count, grain, [&](int64_t i0, int64_t i1) { tiles<Q4>(p, in, rows, i0, i1, isa != "scalar"); });
+    at::parallel_for(0, tile_count, grain, [&](int64_t i0, int64_t i1) { tiles<Q4>(p, in, rows, i0, i1, path); });
   };
   if (x.scalar_type() == at::kFloat) {
     run(out.data_ptr<float>());

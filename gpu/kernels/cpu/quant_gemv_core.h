@@ -18,7 +18,9 @@
 //   (GGUF Q4_1; Q4_0 is m = -8 d).
 //
 // The vector code (AVX2 + FMA + F16C) is compiled when -march=native offers it (AVX-512
-// builds run it too); the scalar path is always there. `vector` picks one, for tests.
+// builds run it too); with AVX512-VNNI (+VL) a second copy of it sums the integer dot products
+// with vpdpbusd / vpdpwssd (one instruction where AVX2 needs a multiply-add and an add: the
+// same exact integers). The scalar path is always there. An `Isa` picks one, for tests.
 
 #pragma once
 
@@ -52,6 +54,40 @@ inline float half_at(const uint8_t* p) {
 }
 
 inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
+
+#if defined(QG_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define QG_VNNI 1
+#endif
+
+// The code paths of the kernels, best last; every one gives the same bits (NOTE above).
+enum class Isa { kScalar, kAvx2, kVnni };
+
+inline std::vector<std::string> compiled_isas() {  // names, best first
+  std::vector<std::string> names;
+#if defined(QG_VNNI)
+  names.push_back("vnni");
+#endif
+#if defined(QG_AVX2)
+  names.push_back("avx2");
+#endif
+  names.push_back("scalar");
+  return names;
+}
+
+inline Isa best_isa() {
+#if defined(QG_VNNI)
+  return Isa::kVnni;
+#elif defined(QG_AVX2)
+  return Isa::kAvx2;
+#else
+  return Isa::kScalar;
+#endif
+}
+
+// "auto" is the best; other names as compiled_isas() lists them.
+inline Isa isa_named(const std::string& name) {
+  return name == "auto" ? best_isa() : name == "vnni" ? Isa::kVnni : name == "avx2" ? Isa::kAvx2 : Isa::kScalar;
+}
 
 // Everything a pass needs besides x: the weight, its per-row scales (int8) and the output.
 template <class Out>
@@ -107,15 +143,90 @@ void q4_scalar(const Problem<Out>& p, const QInput& in, int64_t rows, int64_t n0
 }
 
 #if defined(QG_AVX2)
-// R rows of x from row m0 against tile t: per row two 16-lane int16 sums of a group (the
-// quads' low and high pairs; each at most 8 * 2 * 15 * 127 = 30480, so no overflow), then
-// widened to int32 per output row and accumulated in float32. `unpacked`: the tile's quads
-// already split into their low and high vectors (q4_unpack), else they are split here.
-template <int R, class Out>
+// A quad's 32 bytes split into its vectors: AVX2, the low and the high nibbles (each byte
+// pair a row's q[4u], q[4u + 1], resp. q[4u + 2], q[4u + 3]); VNNI, those interleaved per
+// row into 4-byte lanes (rows [0-3 | 8-11], then [4-7 | 12-15]: madd's order).
+template <bool Vnni>
+inline void q4_split(const uint8_t* quad, __m256i& a, __m256i& b) {
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quad));
+  const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+  if constexpr (Vnni) {
+    a = _mm256_unpacklo_epi16(lo, hi), b = _mm256_unpackhi_epi16(lo, hi);
+  } else {
+    a = lo, b = hi;
+  }
+}
+
+// Quad u of group g: from the tile's split copy (q4_unpack) where there is one, else split here.
+template <bool Vnni>
+inline void q4_quad(const uint8_t* base, const uint8_t* split, int64_t g, int u, __m256i& a, __m256i& b) {
+  if (split) {
+    a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(split + (g * 8 + u) * 64));
+    b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(split + (g * 8 + u) * 64 + 32));
+  } else {
+    q4_split<Vnni>(base + kTile * 4 + u * 32, a, b);
+  }
+}
+
+// Group g's integer dot products of R rows of x with tile `base`, one int32 lane an output
+// row in madd's order (i0: rows [0-3 | 8-11], i1: [4-7 | 12-15]): two 16-lane int16 sums a
+// row (the quads' low and high pairs; each at most 8 * 2 * 15 * 127 = 30480, so no
+// overflow), widened at the end.
+template <int R>
+inline void q4_group_dots(const QInput& in, int64_t k, const uint8_t* base, const uint8_t* split, int64_t g,
+                          int64_t m0, __m256i* i0, __m256i* i1) {
+  __m256i lo_sum[R], hi_sum[R];
+  for (int m = 0; m < R; ++m) lo_sum[m] = hi_sum[m] = _mm256_setzero_si256();
+  for (int u = 0; u < kGroup / 4; ++u) {
+    __m256i lo, hi;
+    q4_quad<false>(base, split, g, u, lo, hi);
+    for (int m = 0; m < R; ++m) {
+      const int32_t* xp = in.pairs + (m0 + m) * k / 2 + g * kGroup / 2 + 2 * u;
+      lo_sum[m] = _mm256_add_epi16(lo_sum[m], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xp[0])));
+      hi_sum[m] = _mm256_add_epi16(hi_sum[m], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xp[1])));
+    }
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int m = 0; m < R; ++m) {
+    i0[m] = _mm256_madd_epi16(_mm256_unpacklo_epi16(lo_sum[m], hi_sum[m]), ones);
+    i1[m] = _mm256_madd_epi16(_mm256_unpackhi_epi16(lo_sum[m], hi_sum[m]), ones);
+  }
+}
+
+#if defined(QG_VNNI)
+// The same integers with vpdpbusd (a row's four weights against x's quad), quads u and u + 1
+// into sums of their own (two dependency chains a row: one would be bound by vpdpbusd's
+// latency), added at the end.
+template <int R>
+inline void q4_group_dots_vnni(const QInput& in, int64_t k, const uint8_t* base, const uint8_t* split, int64_t g,
+                               int64_t m0, __m256i* i0, __m256i* i1) {
+  __m256i e0[R], e1[R], o0[R], o1[R];
+  for (int m = 0; m < R; ++m) e0[m] = e1[m] = o0[m] = o1[m] = _mm256_setzero_si256();
+  for (int u = 0; u < kGroup / 4; u += 2) {
+    __m256i a0, b0, a1, b1;
+    q4_quad<true>(base, split, g, u, a0, b0);
+    q4_quad<true>(base, split, g, u + 1, a1, b1);
+    for (int m = 0; m < R; ++m) {
+      const int32_t* xq = in.quads + (m0 + m) * k / 4 + g * kGroup / 4 + u;
+      const __m256i x0 = _mm256_set1_epi32(xq[0]), x1 = _mm256_set1_epi32(xq[1]);
+      e0[m] = _mm256_dpbusd_epi32(e0[m], a0, x0);
+      e1[m] = _mm256_dpbusd_epi32(e1[m], b0, x0);
+      o0[m] = _mm256_dpbusd_epi32(o0[m], a1, x1);
+      o1[m] = _mm256_dpbusd_epi32(o1[m], b1, x1);
+    }
+  }
+  for (int m = 0; m < R; ++m) i0[m] = _mm256_add_epi32(e0[m], o0[m]), i1[m] = _mm256_add_epi32(e1[m], o1[m]);
+}
+#endif
+
+// R rows of x from row m0 against tile t: per group the integer dot products
+// (q4_group_dots), accumulated in float32. `unpacked`: the tile's quads already split
+// (q4_unpack), else they are split here.
+template <int R, bool Vnni, class Out>
 void q4_tile_rows(const Problem<Out>& p, const QInput& in, int64_t t, int64_t m0, const uint8_t* unpacked) {
   const int64_t groups = p.K / kGroup;
   const uint8_t* tile = p.w + t * p.stride;
-  const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 acc[R][2];  // rows [0-3 | 8-11] and [4-7 | 12-15] (madd's order)
   for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -123,23 +234,16 @@ void q4_tile_rows(const Problem<Out>& p, const QInput& in, int64_t t, int64_t m0
     if (m0 == 0) {
       for (int64_t line = 0; line < kTileGroupBytes; line += 64) prefetch(base + kPrefetchBytes + line);
     }
-    __m256i lo_sum[R], hi_sum[R];
-    for (int m = 0; m < R; ++m) lo_sum[m] = hi_sum[m] = _mm256_setzero_si256();
-    for (int u = 0; u < kGroup / 4; ++u) {
-      __m256i lo, hi;
-      if (unpacked) {
-        lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unpacked + (g * 8 + u) * 64));
-        hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unpacked + (g * 8 + u) * 64 + 32));
-      } else {
-        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + kTile * 4 + u * 32));
-        lo = _mm256_and_si256(b, mask), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
-      }
-      for (int m = 0; m < R; ++m) {
-        const int32_t* xp = in.pairs + (m0 + m) * p.K / 2 + g * kGroup / 2 + 2 * u;
-        lo_sum[m] = _mm256_add_epi16(lo_sum[m], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xp[0])));
-        hi_sum[m] = _mm256_add_epi16(hi_sum[m], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xp[1])));
-      }
+    __m256i i0[R], i1[R];
+#if defined(QG_VNNI)
+    if constexpr (Vnni) {
+      q4_group_dots_vnni<R>(in, p.K, base, unpacked, g, m0, i0, i1);
+    } else {
+      q4_group_dots<R>(in, p.K, base, unpacked, g, m0, i0, i1);
     }
+#else
+    q4_group_dots<R>(in, p.K, base, unpacked, g, m0, i0, i1);
+#endif
     const __m256 da = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base)));
     const __m256 db = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + 16)));
     const __m256 ma = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + 32)));
@@ -149,10 +253,8 @@ void q4_tile_rows(const Problem<Out>& p, const QInput& in, int64_t t, int64_t m0
     for (int m = 0; m < R; ++m) {
       const __m256 s = _mm256_set1_ps(in.scale[(m0 + m) * groups + g]);
       const __m256 ssum = _mm256_set1_ps(in.sum[(m0 + m) * groups + g]);
-      const __m256i i0 = _mm256_madd_epi16(_mm256_unpacklo_epi16(lo_sum[m], hi_sum[m]), ones);
-      const __m256i i1 = _mm256_madd_epi16(_mm256_unpackhi_epi16(lo_sum[m], hi_sum[m]), ones);
-      acc[m][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(d0, s), acc[m][0]);
-      acc[m][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(d1, s), acc[m][1]);
+      acc[m][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0[m]), _mm256_mul_ps(d0, s), acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1[m]), _mm256_mul_ps(d1, s), acc[m][1]);
       acc[m][0] = _mm256_fmadd_ps(o0, ssum, acc[m][0]);
       acc[m][1] = _mm256_fmadd_ps(o1, ssum, acc[m][1]);
     }
@@ -166,33 +268,33 @@ void q4_tile_rows(const Problem<Out>& p, const QInput& in, int64_t t, int64_t m0
   }
 }
 
-// Tile t's quads split into low and high vectors: 512 bytes a group, read by every chunk.
+// Tile t's quads split (q4_split): 512 bytes a group, read by every chunk.
+template <bool Vnni>
 inline void q4_unpack(const uint8_t* tile, int64_t groups, uint8_t* out) {
-  const __m256i mask = _mm256_set1_epi8(0x0F);
   for (int64_t g = 0; g < groups; ++g) {
     for (int u = 0; u < kGroup / 4; ++u) {
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + g * kTileGroupBytes + kTile * 4 + u * 32));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (g * 8 + u) * 64), _mm256_and_si256(b, mask));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (g * 8 + u) * 64 + 32),
-                          _mm256_and_si256(_mm256_srli_epi16(b, 4), mask));
+      __m256i a, b;
+      q4_split<Vnni>(tile + g * kTileGroupBytes + kTile * 4 + u * 32, a, b);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (g * 8 + u) * 64), a);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (g * 8 + u) * 64 + 32), b);
     }
   }
 }
 
-template <class Out>
+template <bool Vnni, class Out>
 void q4_chunk(const Problem<Out>& p, const QInput& in, int64_t t, int64_t m, int64_t rows, const uint8_t* unpacked) {
   switch (rows) {
-    case 1: return q4_tile_rows<1>(p, in, t, m, unpacked);
-    case 2: return q4_tile_rows<2>(p, in, t, m, unpacked);
-    case 3: return q4_tile_rows<3>(p, in, t, m, unpacked);
-    default: return q4_tile_rows<kChunkRows>(p, in, t, m, unpacked);
+    case 1: return q4_tile_rows<1, Vnni>(p, in, t, m, unpacked);
+    case 2: return q4_tile_rows<2, Vnni>(p, in, t, m, unpacked);
+    case 3: return q4_tile_rows<3, Vnni>(p, in, t, m, unpacked);
+    default: return q4_tile_rows<kChunkRows, Vnni>(p, in, t, m, unpacked);
   }
 }
 
-template <class Out>
+template <bool Vnni, class Out>
 void q4_avx2(const Problem<Out>& p, const QInput& in, int64_t rows, int64_t t0, int64_t t1) {
   if (rows <= kChunkRows) {
-    for (int64_t t = t0; t < t1; ++t) q4_chunk(p, in, t, 0, rows, nullptr);
+    for (int64_t t = t0; t < t1; ++t) q4_chunk<Vnni>(p, in, t, 0, rows, nullptr);
     return;
   }
   const int64_t groups = p.K / kGroup;
@@ -201,8 +303,10 @@ void q4_avx2(const Problem<Out>& p, const QInput& in, int64_t rows, int64_t t0, 
   for (int64_t b0 = 0; b0 < rows; b0 += kBlockRows) {
     const int64_t b1 = std::min(rows, b0 + kBlockRows);
     for (int64_t t = t0; t < t1; ++t) {
-      q4_unpack(p.w + t * p.stride, groups, scratch.data());
-      for (int64_t m = b0; m < b1; m += kChunkRows) q4_chunk(p, in, t, m, std::min<int64_t>(kChunkRows, b1 - m), scratch.data());
+      q4_unpack<Vnni>(p.w + t * p.stride, groups, scratch.data());
+      for (int64_t m = b0; m < b1; m += kChunkRows) {
+        q4_chunk<Vnni>(p, in, t, m, std::min<int64_t>(kChunkRows, b1 - m), scratch.data());
+      }
     }
   }
 }
@@ -240,9 +344,35 @@ void int8_scalar(const Problem<Out>& p, const QInput& in, int64_t rows, int64_t 
 }
 
 #if defined(QG_AVX2)
+// Group g's int32 dot products of R rows of x with the tile's 32 bytes a pair of k at `base`
+// (sum[m][0]: rows 0-7, sum[m][1]: rows 8-15).
+// `Vnni`: vpdpwssd instead of vpmaddwd and an add (the same integers; one dependency chain
+// per sum measured faster here than two, unlike q4's).
+template <int R, bool Vnni>
+inline void int8_group_dots(const QInput& in, int64_t k, const uint8_t* base, int64_t g, int64_t m0, __m256i (*sum)[2]) {
+  for (int m = 0; m < R; ++m) sum[m][0] = sum[m][1] = _mm256_setzero_si256();
+  const int32_t* words = in.words + g * kGroup / 2;
+  for (int j = 0; j < kGroup / 2; ++j) {
+    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + j * 32)));
+    const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + j * 32 + 16)));
+    for (int m = 0; m < R; ++m) {
+      const __m256i xw = _mm256_set1_epi32(words[(m0 + m) * k / 2 + j]);
+#if defined(QG_VNNI)
+      if constexpr (Vnni) {
+        sum[m][0] = _mm256_dpwssd_epi32(sum[m][0], w0, xw);
+        sum[m][1] = _mm256_dpwssd_epi32(sum[m][1], w1, xw);
+        continue;
+      }
+#endif
+      sum[m][0] = _mm256_add_epi32(sum[m][0], _mm256_madd_epi16(w0, xw));
+      sum[m][1] = _mm256_add_epi32(sum[m][1], _mm256_madd_epi16(w1, xw));
+    }
+  }
+}
+
 // R rows of x from row m0 against tile t (R <= kChunkRows: 2R int32 sums and 2R float
 // accumulators, the latter touched once a group).
-template <int R, class Out>
+template <int R, bool Vnni, class Out>
 void int8_tile_rows(const Problem<Out>& p, const QInput& in, int64_t t, int64_t m0) {
   const int64_t groups = p.K / kGroup;
   const uint8_t* tile = p.w + t * p.stride;
@@ -254,17 +384,7 @@ void int8_tile_rows(const Problem<Out>& p, const QInput& in, int64_t t, int64_t 
       for (int64_t line = 0; line < kInt8GroupBytes; line += 64) prefetch(base + kPrefetchBytes + line);
     }
     __m256i sum[R][2];
-    for (int m = 0; m < R; ++m) sum[m][0] = sum[m][1] = _mm256_setzero_si256();
-    const int32_t* words = in.words + g * kGroup / 2;
-    for (int j = 0; j < kGroup / 2; ++j) {
-      const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + j * 32)));
-      const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + j * 32 + 16)));
-      for (int m = 0; m < R; ++m) {
-        const __m256i xw = _mm256_set1_epi32(words[(m0 + m) * p.K / 2 + j]);
-        sum[m][0] = _mm256_add_epi32(sum[m][0], _mm256_madd_epi16(w0, xw));
-        sum[m][1] = _mm256_add_epi32(sum[m][1], _mm256_madd_epi16(w1, xw));
-      }
-    }
+    int8_group_dots<R, Vnni>(in, p.K, base, g, m0, sum);
     for (int m = 0; m < R; ++m) {
       const __m256 s = _mm256_set1_ps(in.scale[(m0 + m) * groups + g]);
       acc[m][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[m][0]), s, acc[m][0]);
@@ -280,17 +400,17 @@ void int8_tile_rows(const Problem<Out>& p, const QInput& in, int64_t t, int64_t 
   }
 }
 
-template <class Out>
+template <bool Vnni, class Out>
 void int8_avx2(const Problem<Out>& p, const QInput& in, int64_t rows, int64_t t0, int64_t t1) {
   for (int64_t b0 = 0; b0 < rows; b0 += kBlockRows) {
     const int64_t b1 = std::min(rows, b0 + kBlockRows);
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t m = b0; m < b1; m += kChunkRows) {
         switch (std::min<int64_t>(kChunkRows, b1 - m)) {
-          case 1: int8_tile_rows<1>(p, in, t, m); break;
-          case 2: int8_tile_rows<2>(p, in, t, m); break;
-          case 3: int8_tile_rows<3>(p, in, t, m); break;
-          default: int8_tile_rows<kChunkRows>(p, in, t, m);
+          case 1: int8_tile_rows<1, Vnni>(p, in, t, m); break;
+          case 2: int8_tile_rows<2, Vnni>(p, in, t, m); break;
+          case 3: int8_tile_rows<3, Vnni>(p, in, t, m); break;
+          default: int8_tile_rows<kChunkRows, Vnni>(p, in, t, m);
         }
       }
     }
@@ -299,27 +419,22 @@ void int8_avx2(const Problem<Out>& p, const QInput& in, int64_t rows, int64_t t0
 #endif
 
 // What one thread runs: output tiles [i0, i1) of a weight of format `Q4` (else int8) for
-// all `rows` rows of x, `vector` the AVX2 code where it is compiled (the same bits as the
-// scalar code). quant_gemv.cpp's ops give each thread a range of tiles, decode_step.cpp too.
+// all `rows` rows of x, on the code path `isa` (one compiled here: isa_named; every path
+// gives the same bits). quant_gemv.cpp's ops give each thread a range of tiles, decode_step.cpp too.
 template <bool Q4, class Out>
-void tiles(const Problem<Out>& p, const QInput& in, int64_t rows, int64_t i0, int64_t i1, bool vector) {
+void tiles(const Problem<Out>& p, const QInput& in, int64_t rows, int64_t i0, int64_t i1, Isa isa) {
   if (i0 >= i1) return;
   // the stream's head (the loops prefetch kPrefetchBytes ahead; this covers what comes before)
   for (int64_t line = 0; line < std::min(kPrefetchBytes, (i1 - i0) * p.stride); line += 64) prefetch(p.w + i0 * p.stride + line);
-#if defined(QG_AVX2)
-  if (vector) return Q4 ? q4_avx2(p, in, rows, i0, i1) : int8_avx2(p, in, rows, i0, i1);
+#if defined(QG_VNNI)
+  if (isa == Isa::kVnni) return Q4 ? q4_avx2<true>(p, in, rows, i0, i1) : int8_avx2<true>(p, in, rows, i0, i1);
 #endif
-  (void)vector;
+#if defined(QG_AVX2)
+  if (isa != Isa::kScalar) return Q4 ? q4_avx2<false>(p, in, rows, i0, i1) : int8_avx2<false>(p, in, rows, i0, i1);
+#endif
+  (void)isa;
   const int64_t n0 = i0 * kTile, n1 = std::min(p.N, i1 * kTile);
   return Q4 ? q4_scalar(p, in, rows, n0, n1) : int8_scalar(p, in, rows, n0, n1);
-}
-
-inline std::vector<std::string> compiled_isas() {
-#if defined(QG_AVX2)
-  return {"avx2", "scalar"};
-#else
-  return {"scalar"};
-#endif
 }
 
 }  // namespace tierserve_gemv

@@ -28,6 +28,7 @@ constexpr int64_t kGroup = 32;  // x values per scale along K (= a 4-bit weight 
 struct QInput {
   const int32_t* pairs;  // [rows, K / 2]: xq[2j], xq[2j + 1] as bytes, repeated in both halves (q4's vpmaddubsw)
   const int32_t* words;  // [rows, K / 2]: xq[2j], xq[2j + 1] as int16 halves (int8's vpmaddwd)
+  const int32_t* quads;  // [rows, K / 4]: xq[4j .. 4j + 3] as bytes (q4's vpdpbusd)
   const float* scale;    // [rows, K / 32]: s
   const float* sum;      // [rows, K / 32]: s * the group's sum of xq (q4's offsets)
 };
@@ -35,19 +36,22 @@ struct QInput {
 // x's rows quantized in both layouts (a 32-bit broadcast of either gives every lane of a
 // vector the pair it multiplies).
 struct Quantized {
-  std::vector<int32_t> pairs, words;
+  std::vector<int32_t> pairs, words, quads;
   std::vector<float> scale, sum;
 
   void resize(int64_t rows, int64_t k) {
     const int64_t groups = rows * (k / kGroup);
-    if (static_cast<int64_t>(pairs.size()) < rows * k / 2) pairs.resize(rows * k / 2), words.resize(rows * k / 2);
+    if (static_cast<int64_t>(pairs.size()) < rows * k / 2) {
+      pairs.resize(rows * k / 2), words.resize(rows * k / 2), quads.resize(rows * k / 4);
+    }
     if (static_cast<int64_t>(scale.size()) < groups) scale.resize(groups), sum.resize(groups);
   }
 
   // Rows [r0, r1) of x [rows, k] (resize first); callers may split rows among threads.
   void quantize_rows(const float* x, int64_t k, int64_t r0, int64_t r1) {
     for (int64_t g = r0 * (k / kGroup); g < r1 * (k / kGroup); ++g) {
-      quantize_group(x + g * kGroup, pairs.data() + g * kGroup / 2, words.data() + g * kGroup / 2, scale[g], sum[g]);
+      quantize_group(x + g * kGroup, pairs.data() + g * kGroup / 2, words.data() + g * kGroup / 2,
+                     quads.data() + g * kGroup / 4, scale[g], sum[g]);
     }
   }
 
@@ -56,9 +60,9 @@ struct Quantized {
     quantize_rows(x, k, 0, rows);
   }
 
-  QInput input() const { return {pairs.data(), words.data(), scale.data(), sum.data()}; }
+  QInput input() const { return {pairs.data(), words.data(), quads.data(), scale.data(), sum.data()}; }
 
-  static void quantize_group(const float* x, int32_t* pair, int32_t* word, float& s, float& ssum) {
+  static void quantize_group(const float* x, int32_t* pair, int32_t* word, int32_t* quad, float& s, float& ssum) {
 #if defined(QG_AVX2)
     const __m256 sign = _mm256_set1_ps(-0.0f), big = _mm256_set1_ps(std::numeric_limits<float>::max());
     __m256 v[4], amax8 = _mm256_setzero_ps(), ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
@@ -84,6 +88,7 @@ struct Quantized {
     if (!finite || amax == 0.0f) {  // all zeros: exact zeros; inf or NaN: NaN outputs, as a float matmul gives
       std::fill(pair, pair + kGroup / 2, 0);
       std::fill(word, word + kGroup / 2, 0);
+      std::fill(quad, quad + kGroup / 4, 0);
       s = ssum = finite ? 0.0f : std::numeric_limits<float>::quiet_NaN();
       return;
     }
@@ -105,6 +110,7 @@ struct Quantized {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(word), w16);  // int16 in k order: the words
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(word + 8), w16b);
     const __m256i b8 = _mm256_permute4x64_epi64(_mm256_packs_epi16(w16, w16b), 0xD8);  // 32 int8, k order
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(quad), b8);  // the quads: the bytes themselves
     // each 16-bit pair repeated in both halves of its int32
     const __m256i lo = _mm256_unpacklo_epi16(b8, b8), hi = _mm256_unpackhi_epi16(b8, b8);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(pair), _mm256_permute2x128_si256(lo, hi, 0x20));
@@ -117,6 +123,9 @@ struct Quantized {
       const uint32_t p16 = (static_cast<uint32_t>(a) & 0xFF) | ((static_cast<uint32_t>(b) & 0xFF) << 8);
       pair[j] = static_cast<int32_t>(p16 | (p16 << 16));
       word[j] = static_cast<int32_t>((static_cast<uint32_t>(a) & 0xFFFF) | (static_cast<uint32_t>(b) << 16));
+      const int shift = 16 * (j % 2);  // pair j is half of quad j / 2
+      if (shift == 0) quad[j / 2] = 0;
+      quad[j / 2] = static_cast<int32_t>(static_cast<uint32_t>(quad[j / 2]) | (p16 << shift));
     }
 #endif
     s = amax / 127.0f;
