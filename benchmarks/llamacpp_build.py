@@ -3,10 +3,15 @@ pinned `llama-cpp-python` sdist and cached (`$TIERSERVE_BENCH_CACHE`, default
 ~/.cache/tierserve-bench); later runs reuse the binaries and the requantized models.
 
 Built with the machine's native flags (so AVX-512/BF16 here, AVX2 on an AVX2-only AMD
-machine) but never AMX: these VMs advertise AMX in cpuid and trap on its first tile
+machine) but without AMX: some VMs advertise AMX in cpuid and trap on its first tile
 instruction. `-march=native` alone would enable it, so the AMX ISA flags are switched off
 explicitly and the linked binary is disassembled to prove that no tile instruction is in
 it (the result is cached beside the binary).
+
+Where the CPU advertises AMX, `build_amx` builds a second tree (`build-amx/`) with it, the
+peer an AMX machine deserves (ggml's AMX int8 kernels for Q4_0 / Q4_1 / Q8_0 weights), once
+a probe has run tile instructions in a child process (`amx_runs`: it traps there, not in a
+server); it returns None with the reason where the CPU does not grant AMX.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ NINJA_STEP = re.compile(r"^\[(\d+)/(\d+)\]")
 @dataclass(frozen=True)
 class LlamaCpp:
     root: Path  # the extracted sdist
+    amx: bool = False  # built with AMX (build-amx/), else with the AMX flags switched off
 
     @property
     def source(self) -> Path:
@@ -39,7 +45,7 @@ class LlamaCpp:
 
     @property
     def build_dir(self) -> Path:
-        return self.root / "build"
+        return self.root / ("build-amx" if self.amx else "build")
 
     def binary(self, name: str) -> Path:
         return self.build_dir / "bin" / name
@@ -85,12 +91,12 @@ def compiler_accepts(flags: tuple[str, ...]) -> bool:
 
 
 def cmake_args(tree: LlamaCpp) -> list[str]:
-    no_amx = " ".join(NO_AMX) if compiler_accepts(NO_AMX) else ""
+    no_amx = " ".join(NO_AMX) if compiler_accepts(NO_AMX) and not tree.amx else ""
     return [
         "cmake", "-S", str(tree.source), "-B", str(tree.build_dir), "-G", "Ninja",
         "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON",
         # The GGML_AMX_* switches only matter without GGML_NATIVE; the ISA flags stop -march=native.
-        "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
+        *(f"-DGGML_AMX_{part}={'ON' if tree.amx else 'OFF'}" for part in ("TILE", "INT8", "BF16")),
         f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}",
         "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
         "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",  # no downloads
@@ -115,24 +121,30 @@ def compile_targets(tree: LlamaCpp, jobs: int, show: bool, targets: tuple[str, .
         raise SystemExit("llama.cpp build failed:\n" + "".join(tail))
 
 
+def tile_mnemonics(binary: Path) -> list[str] | None:
+    """The AMX instructions in `binary` (None where objdump fails)."""
+    dump = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(binary)], check=False, capture_output=True)
+    return sorted({m.decode() for m in AMX_MNEMONIC.findall(dump.stdout)}) if dump.returncode == 0 else None
+
+
 def check_no_amx(binary: Path) -> None:
     """Disassemble once; a binary with a tile instruction would trap on these VMs."""
     stamp = binary.with_name(binary.name + ".no-amx")
     if stamp.exists() and stamp.stat().st_mtime >= binary.stat().st_mtime:
         return
-    dump = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(binary)], check=False, capture_output=True)
-    if dump.returncode != 0:
+    found = tile_mnemonics(binary)
+    if found is None:
         print(f"warning: objdump failed on {binary.name}; AMX-free build not verified")
         return
-    if found := sorted({m.decode() for m in AMX_MNEMONIC.findall(dump.stdout)}):
+    if found:
         raise SystemExit(f"{binary} contains AMX instructions {found}; it would trap here")
     stamp.touch()
 
 
-def build(cache: Path, jobs: int, show_progress: bool, targets: tuple[str, ...] = TARGETS) -> LlamaCpp:
+def build(cache: Path, jobs: int, show_progress: bool, targets: tuple[str, ...] = TARGETS, amx: bool = False) -> LlamaCpp:
     """The pinned tree with `targets` built (only those: one configure serves every caller);
     the first target is the one smoke-checked with `--version`."""
-    tree = fetch_source(cache)
+    tree = LlamaCpp(fetch_source(cache).root, amx)
     if not (tree.build_dir / "build.ninja").exists():
         print(f"configuring llama.cpp (llama-cpp-python {LLAMA_CPP_PYTHON}) in {tree.build_dir}")
         run_checked(cmake_args(tree))
@@ -141,7 +153,7 @@ def build(cache: Path, jobs: int, show_progress: bool, targets: tuple[str, ...] 
     if not all(tree.binary(t).exists() for t in targets):
         print(f"building {', '.join(targets)} with {jobs} jobs (once; cached in {tree.root})")
         compile_targets(tree, jobs, show_progress, targets)
-    for target in targets:
+    for target in targets if not amx else ():
         check_no_amx(tree.binary(target))
     smoke = [str(tree.binary(targets[0])), "--version"]
     version = subprocess.run(smoke, check=False, capture_output=True, text=True)
@@ -160,3 +172,57 @@ def requantize(tree: LlamaCpp, source: Path, ftype: str) -> Path:
     run_checked([str(tree.binary("llama-quantize")), "--allow-requantize", str(source), str(partial), ftype])
     partial.rename(out)  # a killed run never leaves a half-written model that looks finished
     return out
+
+
+# ldtilecfg of one 16 x 64-byte tile, tilezero, tilerelease, after asking Linux for the tile
+# state (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), as ggml does.
+AMX_PROBE = r"""
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+int main(void) {
+  if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return 3;
+  uint8_t cfg[64];
+  memset(cfg, 0, sizeof cfg);
+  cfg[0] = 1;          /* palette 1 */
+  cfg[16] = 64;        /* tile 0: 64 bytes a row */
+  cfg[48] = 16;        /* tile 0: 16 rows */
+  __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
+  __asm__ volatile("tilezero %%tmm0" ::);
+  __asm__ volatile("tilerelease" ::);
+  return 0;
+}
+"""
+
+
+def amx_runs(work: Path) -> str | None:
+    """None where this CPU runs tile instructions (a compiled probe, in a child process),
+    else why not."""
+    flags = Path("/proc/cpuinfo").read_text(encoding="utf-8") if Path("/proc/cpuinfo").exists() else ""
+    if not {"amx_tile", "amx_int8"} <= set(flags.split()):
+        return "the CPU does not advertise AMX"
+    work.mkdir(parents=True, exist_ok=True)
+    source, probe = work / "amx_probe.c", work / "amx_probe"
+    source.write_text(AMX_PROBE)
+    built = subprocess.run(["cc", "-O1", "-mamx-tile", str(source), "-o", str(probe)], check=False, capture_output=True, text=True)
+    if built.returncode != 0:
+        return f"the compiler cannot build the AMX probe: {built.stderr.strip()[-200:]}"
+    ran = subprocess.run([str(probe)], check=False, capture_output=True)
+    if ran.returncode == 3:
+        return "Linux refused the tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
+    if ran.returncode != 0:
+        return f"a tile instruction trapped (probe exit {ran.returncode})"
+    return None
+
+
+def build_amx(cache: Path, jobs: int, show_progress: bool, targets: tuple[str, ...] = TARGETS) -> LlamaCpp | None:
+    """The tree built with AMX where the CPU runs it, else None (the reason is printed)."""
+    if why := amx_runs(cache / "amx_probe"):
+        print(f"no AMX llama.cpp build: {why}")
+        return None
+    tree = build(cache, jobs, show_progress, targets, amx=True)
+    if not tile_mnemonics(tree.binary(targets[0])):
+        print("no AMX llama.cpp build: the compiler emitted no tile instruction with -march=native")
+        return None
+    return tree

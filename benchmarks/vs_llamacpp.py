@@ -12,7 +12,10 @@ server alone on the machine, sends one untimed warm-up request, measures batch-1
 (one request alone, tok/s after its first token, best of `--batch1-repeats`) and then the
 workload: every request at once, streamed over `/v1/completions` by benchmarks/serving.py's
 client (`temperature: 0`, `ignore_eos`, `max_tokens` fixed per request). `--rounds` repeats
-the whole cycle, interleaved, and reports medians.
+the whole cycle, interleaved, and reports medians. Where the CPU runs AMX, a second
+llama.cpp build with AMX (llamacpp_build.build_amx) also serves the packaged file (ggml's AMX
+int8 kernels take its Q4_1 weights), so the best peer is the one an AMX machine would run;
+`--no-amx` leaves it out.
 
 Fairness: every system gets the same seeded prompts (100-300 random common words, distinct,
 so no request shares a prefix page with another) and a freshly started server, so both
@@ -290,6 +293,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plot", type=Path, default=Path("vs_llamacpp.png"))
     p.add_argument("--json", type=Path, help="also write every number here")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-amx", action="store_true", help="no AMX llama.cpp build, even where the CPU runs AMX")
     args = p.parse_args(argv)
     if args.quick:
         args.requests, args.batch1_repeats = 8, 1
@@ -298,7 +302,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def systems(args: argparse.Namespace, tree: llamacpp_build.LlamaCpp, packaged: Path) -> list[System]:
+def systems(args: argparse.Namespace, tree: llamacpp_build.LlamaCpp, packaged: Path,
+            amx_tree: llamacpp_build.LlamaCpp | None = None) -> list[System]:
     threads, slots = len(os.sched_getaffinity(0)), args.requests
     _, _, packaged_kind = gguf_sizes(packaged)
     binary = tree.binary("llama-server")
@@ -307,6 +312,9 @@ def systems(args: argparse.Namespace, tree: llamacpp_build.LlamaCpp, packaged: P
         model = llamacpp_build.requantize(tree, packaged, ftype)
         out.append(llama_server(f"llama-server {ftype}", binary, model, slots, threads))
     out.append(llama_server(f"llama-server {packaged_kind} (packaged)", binary, packaged, slots, threads))
+    if amx_tree is not None:
+        amx_binary = amx_tree.binary("llama-server")
+        out.append(llama_server(f"llama-server {packaged_kind} (packaged, AMX)", amx_binary, packaged, slots, threads))
     out.append(tierserve("tierserve default", packaged, []))
     out += [tierserve(f"tierserve {label}", packaged, overrides) for label, overrides in args.tierserve_variant]
     return out
@@ -315,8 +323,9 @@ def systems(args: argparse.Namespace, tree: llamacpp_build.LlamaCpp, packaged: P
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     tree = llamacpp_build.build(args.cache, args.jobs, not args.no_progress)
+    amx_tree = None if args.no_amx else llamacpp_build.build_amx(args.cache, args.jobs, not args.no_progress)
     packaged = model_file()
-    all_systems = systems(args, tree, packaged)
+    all_systems = systems(args, tree, packaged, amx_tree)
     args.log_dir = args.cache / "logs"
     args.log_dir.mkdir(parents=True, exist_ok=True)
     warn_if_busy()

@@ -123,3 +123,29 @@ def test_ninja_progress_lines_are_parsed() -> None:
     m = llamacpp_build.NINJA_STEP.match("[17/210] Building CXX object x.o")
     assert m is not None and (m[1], m[2]) == ("17", "210")
     assert llamacpp_build.NINJA_STEP.match("FAILED: x.o") is None
+
+
+def test_the_amx_build_is_a_tree_of_its_own_with_amx_on() -> None:
+    plain, amx = llamacpp_build.LlamaCpp(Path("/x")), llamacpp_build.LlamaCpp(Path("/x"), amx=True)
+    assert plain.build_dir != amx.build_dir and amx.binary("llama-server").parent.parent == amx.build_dir
+    plain_args, amx_args = llamacpp_build.cmake_args(plain), llamacpp_build.cmake_args(amx)
+    assert "-DGGML_AMX_INT8=OFF" in plain_args and "-DGGML_AMX_INT8=ON" in amx_args
+    assert not any("-mno-amx" in a for a in amx_args)
+
+
+def test_no_amx_where_the_cpu_does_not_advertise_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    real = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: "flags : avx2 fma" if str(self) == "/proc/cpuinfo"
+                        else real(self, *a, **k))
+    assert llamacpp_build.amx_runs(tmp_path) == "the CPU does not advertise AMX"
+    assert llamacpp_build.build_amx(tmp_path, 1, False) is None  # nothing built
+
+
+def test_the_amx_peer_serves_the_packaged_file(tmp_path: Path) -> None:
+    packaged = bench.model_file()
+    args = bench.parse_args(["--llama-types", ""])
+    plain, amx = llamacpp_build.LlamaCpp(tmp_path), llamacpp_build.LlamaCpp(tmp_path, amx=True)
+    labels = [(s.label, s.argv[0]) for s in bench.systems(args, plain, packaged, amx)]
+    assert ("llama-server Q4_1 (packaged, AMX)", str(amx.binary("llama-server"))) in labels
+    assert [label for label, _ in labels].count("llama-server Q4_1 (packaged)") == 1
+    assert not any("AMX" in s.label for s in bench.systems(args, plain, packaged))
