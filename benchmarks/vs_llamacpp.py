@@ -81,6 +81,7 @@ class System:
     weight_bytes: int  # weight bytes one decode step reads (the bandwidth bound)
     argv: tuple[str, ...]  # the server command, `{port}` where the port goes
     env: tuple[tuple[str, str], ...] = ()
+    optional: bool = False  # a server that fails (the AMX peer) is dropped from the table, not fatal
 
 
 # ---- workload ----------------------------------------------------------------------------
@@ -124,14 +125,14 @@ def gguf_sizes(path: Path) -> tuple[int, int, str]:
     return params, read, kind
 
 
-def llama_server(label: str, binary: Path, model: Path, slots: int, threads: int) -> System:
+def llama_server(label: str, binary: Path, model: Path, slots: int, threads: int, optional: bool = False) -> System:
     _, read, kind = gguf_sizes(model)
     argv = (str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", "{port}",
             "--parallel", str(slots), "-c", str(slots * SLOT_CONTEXT), "--cont-batching",
             "-t", str(threads), "-tb", str(threads), "--no-webui",
             # No host-RAM prompt cache: with distinct prompts it can't hit, only copy slot states.
             "--cache-ram", "0")
-    return System(label, "llama-server", kind, read, argv)
+    return System(label, "llama-server", kind, read, argv, optional=optional)
 
 
 def tierserve(label: str, packaged: Path, overrides: list[str]) -> System:
@@ -314,7 +315,8 @@ def systems(args: argparse.Namespace, tree: llamacpp_build.LlamaCpp, packaged: P
     out.append(llama_server(f"llama-server {packaged_kind} (packaged)", binary, packaged, slots, threads))
     if amx_tree is not None:
         amx_binary = amx_tree.binary("llama-server")
-        out.append(llama_server(f"llama-server {packaged_kind} (packaged, AMX)", amx_binary, packaged, slots, threads))
+        out.append(llama_server(f"llama-server {packaged_kind} (packaged, AMX)", amx_binary, packaged, slots, threads,
+                                optional=True))
     out.append(tierserve("tierserve default", packaged, []))
     out += [tierserve(f"tierserve {label}", packaged, overrides) for label, overrides in args.tierserve_variant]
     return out
@@ -336,10 +338,18 @@ def main(argv: list[str] | None = None) -> None:
     rounds: dict[str, list[dict[str, Any]]] = {s.label: [] for s in all_systems}
     for _ in range(args.rounds):
         for system in all_systems:
+            if system.label not in rounds:
+                continue  # dropped in an earlier round
             try:
                 result = run_loop(measure_stoppable(system, workload, args))
             except asyncio.CancelledError:
                 raise SystemExit(f"stopped during {system.label}; its server is stopped") from None
+            except SystemExit as failed:
+                if not system.optional:
+                    raise
+                print(f"  {system.label}: dropped, it failed ({failed}); the table goes on without it", flush=True)
+                del rounds[system.label]
+                continue
             rounds[system.label].append(result)
             print(f"  {system.label}: {result['output_tok_per_s']:.1f} out tok/s, TTFT mean "
                   f"{result['ttft_mean_s'] or 0:.2f} s, batch-1 {result['decode_tok_s'] or 0:.1f} tok/s, "
