@@ -13,10 +13,7 @@ rounded once), bf16 torch path vs float64 8.2e-3.
 from __future__ import annotations
 
 import math
-import os
 import random
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +24,7 @@ import torch
 from gpu.attention import paged_decode
 from gpu.attention.torch_backend import TorchAttention
 from gpu.kernels import cpu
+from tests import kernel_variants
 from tests.paged_layout import Case, Layout, Shape, lay_out
 
 if not cpu.load(paged_decode.KERNEL):
@@ -199,23 +197,12 @@ def test_build_key_covers_the_kernels_headers(tmp_path: Path) -> None:
     assert cpu._digest(source) != before
 
 
-VARIANT_RUN = """
-import functools, sys
-import pytest
-import gpu.kernels.cpu as cpu
-cpu.cflags = functools.cache(lambda: ("-O3", "-march={march}", "-ffp-contract=off", "-fopenmp"))
-sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", {test!r}, "-k", "not engine and not other_cpus"]))
-"""
-
-
-@pytest.mark.skipif(os.environ.get("TIERSERVE_KERNEL_VARIANTS") != "1", reason="set TIERSERVE_KERNEL_VARIANTS=1")
-@pytest.mark.parametrize("march", ["haswell", "x86-64"], ids=["avx2", "scalar"])
-def test_vector_paths_of_other_cpus(march: str, tmp_path: Path) -> None:
-    """This file's kernel tests again with the kernel built for an AVX2-only CPU and for
-    plain x86-64 (the scalar path): ~30 s of build each, hence opt-in."""
-    code = VARIANT_RUN.format(march=march, test=__file__)
-    env = {**os.environ, "TIERSERVE_CACHE": str(tmp_path)}
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=Path(__file__).resolve().parent.parent)
+@kernel_variants.opt_in
+@pytest.mark.parametrize("target", list(kernel_variants.TARGETS))
+def test_vector_paths_of_other_cpus(target: str, tmp_path: Path) -> None:
+    """This file's kernel tests again with the kernel built for other CPUs (an AVX2-only
+    one, plain x86-64: the scalar path, an AVX-512 one without AMX): opt-in, tests/kernel_variants.py."""
+    kernel_variants.run_for(target, __file__, tmp_path)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

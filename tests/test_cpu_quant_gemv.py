@@ -21,6 +21,8 @@ independent references, in every code path compiled here (AVX512-VNNI where the 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -30,6 +32,7 @@ from gguf.quants import dequantize, quantize
 from gpu.quant import gemv
 from gpu.quant.gguf_blocks import Q4Blocks, cat_blocks
 from gpu.quant.linears import Int4Linear, Int8Linear
+from tests import kernel_variants
 
 if not gemv.available(torch.float32):
     pytest.skip("the quant_gemv C++ kernels do not build here", allow_module_level=True)
@@ -220,3 +223,11 @@ def test_red_planted_int8_packing_bug(monkeypatch: pytest.MonkeyPatch) -> None:
     layer = Int8Linear.quantize(w, torch.float32, kernels=True)
     x = torch.randn(3, 576, generator=torch.Generator().manual_seed(6))
     assert relative_error(int8_outputs(layer, x)[0], (quantized_x(x) @ expected_weight.t()).float()) > 100 * BOUND[torch.float32]
+
+
+@kernel_variants.opt_in
+@pytest.mark.parametrize("target", list(kernel_variants.TARGETS))
+def test_code_paths_of_other_cpus(target: str, tmp_path: Path) -> None:
+    """This file's tests again with the kernels built for other CPUs (AVX2-only, plain
+    x86-64, AVX-512 with VNNI but no AMX): opt-in, tests/kernel_variants.py."""
+    kernel_variants.run_for(target, __file__, tmp_path)
