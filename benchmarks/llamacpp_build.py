@@ -199,8 +199,9 @@ int main(void) {
 def amx_runs(work: Path) -> str | None:
     """None where this CPU runs tile instructions (a compiled probe, in a child process),
     else why not."""
-    flags = Path("/proc/cpuinfo").read_text(encoding="utf-8") if Path("/proc/cpuinfo").exists() else ""
-    if not {"amx_tile", "amx_int8"} <= set(flags.split()):
+    from gpu.numerics import cpu_flags  # the repo is on sys.path for every benchmark
+
+    if not {"amx_tile", "amx_int8"} <= cpu_flags():
         return "the CPU does not advertise AMX"
     work.mkdir(parents=True, exist_ok=True)
     source, probe = work / "amx_probe.c", work / "amx_probe"

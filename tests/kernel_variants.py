@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from gpu.numerics import cpu_flags
+
 # id -> the -march flags of the build (the rest of cpu.cflags() stays)
 TARGETS = {
     "avx2": ("-march=haswell",),
@@ -32,14 +34,6 @@ sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", {test!r}, "-k", "not engin
 """
 
 opt_in = pytest.mark.skipif(os.environ.get("TIERSERVE_KERNEL_VARIANTS") != "1", reason="set TIERSERVE_KERNEL_VARIANTS=1")
-
-
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8")
-    except OSError:
-        return set()
-    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
 
 
 def run_for(target: str, test_file: str, cache: Path) -> None:
