@@ -121,6 +121,16 @@ class ModelRunner:
         for src, dst in copies:
             self.states.copy(src, dst)
 
+    def move_kv(self, moves: Sequence[tuple[int, int]]) -> None:
+        """Copy each (src, dst) slot's K and V in every layer: a token tree's accepted side
+        nodes to the request's own slots (kernel/speculative/tree.py). Sources and
+        destinations are distinct slots, so the order does not matter."""
+        src = torch.tensor([m[0] for m in moves], dtype=torch.int64).to(self.pool.k[0].device)
+        dst = torch.tensor([m[1] for m in moves], dtype=torch.int64).to(self.pool.k[0].device)
+        for k, v in zip(self.pool.k, self.pool.v):
+            k.index_copy_(0, dst, k.index_select(0, src))
+            v.index_copy_(0, dst, v.index_select(0, src))
+
     def hybrid_step(self, batch: ForwardBatch) -> HybridStep:
         """Copy the states the batch asks for, then say where each request reads and writes."""
         assert self.states is not None

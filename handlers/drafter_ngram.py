@@ -2,7 +2,9 @@
 the request's tokens (the same prefix computed before: a repeated prompt, `n` > 1, a
 retry); else the longest suffix of the request's tokens, ngram_max down to ngram_min
 long, that occurred before in its prompt or output proposes the tokens that followed its
-latest earlier occurrence."""
+latest earlier occurrence. With topk > 1 (a token tree), the other tokens that followed
+the same suffix at earlier occurrences (most recent first, longest suffix first) start
+side branches beside it, each continued like the main one for half its length."""
 
 from __future__ import annotations
 
@@ -11,16 +13,18 @@ from typing import Any
 from kernel.registry import register
 from kernel.request import Request
 from kernel.speculative.drafter import Drafter
+from kernel.speculative.tree import DraftTree
 
 
 class _Index:
-    """Per request: for each n-gram length, the n-gram -> the position right after its
-    latest occurrence that has a token after it. Grows as tokens are appended (tokens
-    never change once known; a retracted request keeps its tokens)."""
+    """Per request: for each n-gram length, the n-gram -> per token that followed it, the
+    position right after its latest occurrence followed by that token, latest last. Grows
+    as tokens are appended (tokens never change once known; a retracted request keeps its
+    tokens)."""
 
     def __init__(self, lengths: range) -> None:
         self.lengths = lengths
-        self.after: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in lengths}
+        self.after: dict[int, dict[tuple[int, ...], dict[int, int]]] = {n: {} for n in lengths}
         self.indexed = 0  # n-grams ending before this position are in `after`
 
     def extend(self, tokens: list[int]) -> None:
@@ -28,8 +32,24 @@ class _Index:
         for end in range(self.indexed + 1, len(tokens)):
             for n in self.lengths:
                 if end >= n:
-                    self.after[n][tuple(tokens[end - n : end])] = end
+                    ends = self.after[n].setdefault(tuple(tokens[end - n : end]), {})
+                    ends.pop(tokens[end], None)
+                    ends[tokens[end]] = end  # latest last
         self.indexed = max(self.indexed, len(tokens) - 1)
+
+    def starts(self, tokens: list[int]) -> list[int]:
+        """Where continuations of the request's last tokens start: the latest occurrence of
+        its longest indexed suffix first, then earlier ones with other next tokens."""
+        out: list[int] = []
+        seen: set[int] = set()
+        for n in self.lengths:
+            if len(tokens) <= n:
+                continue
+            for token, end in reversed(self.after[n].get(tuple(tokens[-n:]), {}).items()):
+                if token not in seen:
+                    seen.add(token)
+                    out.append(end)
+        return out
 
 
 def _continue(tokens: list[int], start: int, count: int) -> list[int]:
@@ -54,17 +74,34 @@ class NgramDrafter(Drafter):
         tokens = req.prompt_ids + req.output_ids
         if self.cached is not None and (known := self.cached(tokens, req.namespace, max_tokens)):
             return known
+        starts = self._indexed(req, tokens).starts(tokens)
+        return _continue(tokens, starts[0], max_tokens) if starts else []
+
+    def propose_tree(self, req: Request, depth: int, topk: int, rows: int) -> DraftTree:
+        tokens = req.prompt_ids + req.output_ids
+        main = self.propose(req, depth)
+        if not main:
+            return DraftTree(())
+        draft, parents = list(main), list(range(-1, len(main) - 1))
+        side = max(1, depth // 2)
+        branches = 0
+        for start in self._indexed(req, tokens).starts(tokens):
+            if branches == topk - 1 or len(draft) >= rows:
+                break
+            if tokens[start] == main[0]:
+                continue  # the main branch's first token (siblings differ)
+            branch = _continue(tokens, start, min(side, rows - len(draft)))
+            parents += [-1] + list(range(len(draft), len(draft) + len(branch) - 1))
+            draft += branch
+            branches += 1
+        return DraftTree(tuple(draft), tuple(parents))
+
+    def _indexed(self, req: Request, tokens: list[int]) -> _Index:
         index = self._index.get(req.rid)
         if index is None or index.indexed >= len(tokens):  # new, or a reused id: start over
             index = self._index[req.rid] = _Index(self.lengths)
         index.extend(tokens)
-        for n in self.lengths:
-            if len(tokens) <= n:
-                continue
-            start = index.after[n].get(tuple(tokens[-n:]))
-            if start is not None:
-                return _continue(tokens, start, max_tokens)
-        return []
+        return index
 
     def forget(self, req: Request) -> None:
         self._index.pop(req.rid, None)

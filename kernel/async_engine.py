@@ -232,7 +232,9 @@ class AsyncEngine:
                 # Pages requests own outright (not shared through the tree).
                 "held": alloc.num_usable - alloc.num_free - cache["cached_pages"],
             },
-            "rows": {"usable": sched.req_table.num_rows - 1, "free": sched.req_table.num_free},
+            "rows": {"usable": sched.req_table.num_rows - 1, "free": sched.req_table.num_free,
+                     # token trees' side rows (kernel/speculative/tree.py), lent one step at a time
+                     "scratch": sched.req_table.num_scratch, "scratch_free": sched.req_table.num_scratch_free},
             "states": self._state_stats(),
             "host": self.host.stats() if self.host is not None else None,
             "storage": self.storage.stats() if self.storage is not None else None,

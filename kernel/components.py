@@ -86,7 +86,8 @@ def _build_components(config: Config, device: torch.device, backend: StorageBack
     num_pages = _size_pool(config, kv_layers, arch.num_kv_heads, arch.head_dim, dtype, device)
     pool = KVPool(kv_layers, num_pages, page_size, arch.num_kv_heads, arch.head_dim, dtype, device)
     max_ctx_padded = pages_for(context, page_size) * page_size
-    table = ReqToTokenTable(config.scheduler.max_running_requests + 1, max_ctx_padded, device)
+    table = ReqToTokenTable(config.scheduler.max_running_requests + 1, max_ctx_padded, device,
+                            scratch_rows=_tree_rows(config, hybrid=getattr(model, "num_kv_layers", None) is not None))
     # Deterministic mode needs batch-invariant attention too, whatever backend is named.
     attention_name = "deterministic" if config.deterministic else attention_backend(config.model.attention, device)
     attention = registry.lookup("attention", attention_name)(pool, table.table, cpu_kernels=cpu_kernels)
@@ -126,7 +127,7 @@ def _build_components(config: Config, device: torch.device, backend: StorageBack
     overlap = resolve_overlap(config.scheduler.overlap, device, hybrid=states is not None,
                               speculative=config.speculative.enabled)
     log.info("overlap_scheduling", on=overlap, setting=config.scheduler.overlap, hybrid=states is not None)
-    runner.inputs = _step_inputs(device, table.num_rows, overlap)
+    runner.inputs = _step_inputs(device, table.table.shape[0], overlap)
     runner.graphs = _graph_runner(config, model, attention, states, device)
     speculator = _speculator(config, states is not None, runner.graphs.decode_rows if runner.graphs else None, cache)
     if speculator is not None and isinstance(speculator.drafter, ModelDrafter):
@@ -167,6 +168,18 @@ def _speculator(config: Config, hybrid: bool, graph_rows: int | None, cache: Pre
     log.info("speculative_on", method=spec.method, num_draft_tokens=spec.num_draft_tokens,
              max_batch=spec.max_batch)
     return Speculator(spec, row_limit=None if hybrid else graph_rows, cache=cache)
+
+
+def _tree_rows(config: Config, hybrid: bool) -> int:
+    """Scratch table rows for token trees' side nodes (kernel/speculative/tree.py): at most
+    (topk - 1) per drafted position of each request drafting in a step."""
+    spec = config.speculative
+    if not spec.enabled or spec.topk == 1:
+        return 0
+    if hybrid:
+        raise ConfigError("speculative.topk > 1 (token trees) needs a dense model: a hybrid model's verify "
+                          "step is one chunk through its recurrent state; use topk: 1")
+    return (spec.topk - 1) * spec.num_draft_tokens * min(spec.max_batch, config.scheduler.max_running_requests)
 
 
 def _step_inputs(device: torch.device, num_rows: int, overlap: bool) -> StepInputs:

@@ -252,7 +252,10 @@ class SpeculativeConfig:
     num_draft_tokens: int = 4
     ngram_min: int = 2
     ngram_max: int = 4
-    topk: int = 1  # candidates per drafted position (token trees: not built yet)
+    # Token trees: up to topk - 1 alternatives beside the main draft's tokens (ngram: other
+    # continuations of the matched n-gram; draft: the draft model's next-best tokens at
+    # each position), all verified in one step; dense models only.
+    topk: int = 1
     # method draft: the draft model (any checkpoint tierserve loads, sharing the target's
     # tokenizer), with its own dtype and quantization (auto: as for model.*).
     draft_model: str | None = None
@@ -279,8 +282,8 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative.cooldown must be >= 0, got {self.cooldown}")
         if not 0.0 <= self.min_acceptance <= 1.0:
             raise ConfigError(f"speculative.min_acceptance must be in [0, 1], got {self.min_acceptance}")
-        if self.topk != 1:
-            raise ConfigError("speculative.topk > 1 (token trees) is not supported yet; use 1")
+        if not 1 <= self.topk <= 8:
+            raise ConfigError(f"speculative.topk must be in 1..8, got {self.topk}")
         if (self.method == "draft") != (self.draft_model is not None):
             raise ConfigError("speculative.draft_model is set exactly when speculative.method is draft")
         _choice("speculative.draft_dtype", self.draft_dtype, ("auto", "float32", "bfloat16", "float16"))

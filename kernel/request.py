@@ -87,6 +87,10 @@ class Request:
     spec_drafted: int = 0
     spec_accepted: int = 0
     spec_steps: int = 0
+    # A token tree's scratch (kernel/speculative/tree.py) while its verify step runs: pages
+    # holding its side nodes' KV and the table rows they run on.
+    spec_scratch_pages: list[int] = field(default_factory=list)
+    spec_scratch_rows: list[int] = field(default_factory=list)
     # Structured outputs (kernel/structured/grammar.py): its matcher, advanced with each output token.
     grammar: RequestGrammar | None = None
 

@@ -106,6 +106,10 @@ def speculative_metrics(spec: dict[str, Any]) -> Iterable[Metric]:
         ("tierserve_spec_paused_requests", "paused_requests",
          "Times the adaptive rule paused a request's drafting for low acceptance."),
         ("tierserve_spec_skipped_batches", "skipped_batches", "Steps with too many decodes to draft (max_batch)."),
+        ("tierserve_spec_side_drafted_tokens", "side_drafted_tokens",
+         "Token trees (speculative.topk > 1): drafted tokens off the main chain."),
+        ("tierserve_spec_side_accepted_tokens", "side_accepted_tokens",
+         "Token trees: accepted tokens off the main chain."),
     ):
         family = CounterMetricFamily(name, doc, labels=["method"])
         family.add_metric(method, spec[key])

@@ -57,7 +57,7 @@ def accounting_errors(engine: AsyncEngine) -> list[str]:
         errors.append(f"{pages['held']} pages leaked (held by no live request, not cached): {pages}")
     if pages["free"] + pages["cached"] != pages["usable"]:
         errors.append(f"free + cached != usable: {pages}")
-    if rows["free"] != rows["usable"]:
+    if rows["free"] != rows["usable"] or rows["scratch_free"] != rows["scratch"]:
         errors.append(f"request rows leaked: {rows}")
     host = stats["host"]
     if host is not None:

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 from kernel.request import Request
 from kernel.speculative.drafter import Drafter
+from kernel.speculative.tree import DraftTree
 
 WRONG_EVERY = 7
 WRONG_AT = 3
@@ -36,3 +37,37 @@ class Oracle(Drafter):
                  for j, t in enumerate(answer[done : done + max_tokens])]
         type(self).proposed += len(draft)
         return draft
+
+
+class TreeOracle(Oracle):
+    """Token trees (speculative.topk > 1): the Oracle's chain as the main branch; where a
+    main token is wrong, a side branch from its parent with the right token and the
+    reference after it (its 4th token wrong, so side branches reject too); and a decoy
+    sibling of the first token, never right, while topk and the rows allow."""
+
+    side_proposed: ClassVar[int] = 0
+
+    def propose_tree(self, req: Request, depth: int, topk: int, rows: int) -> DraftTree:
+        main = self.propose(req, depth)
+        if not main:
+            return DraftTree(())
+        answer, done = self.answers[tuple(req.prompt_ids)], len(req.output_ids)
+        draft, parents = list(main), list(range(-1, len(main) - 1))
+        branches = 0
+        for d, token in enumerate(main):
+            if branches == topk - 1 or len(draft) >= rows:
+                break
+            if token == answer[done + d]:
+                continue
+            branch = answer[done + d : done + depth][: rows - len(draft)]
+            branch = [t if j != 3 else (t + 2) % 1000 + 5 for j, t in enumerate(branch)]
+            parents += [d - 1] + list(range(len(draft), len(draft) + len(branch) - 1))
+            draft += branch
+            branches += 1
+        decoy = (main[0] + 11) % 1000 + 5
+        roots = {t for t, p in zip(draft, parents) if p == -1}
+        if branches < topk - 1 and len(draft) < rows and decoy not in roots and decoy != answer[done]:
+            draft.append(decoy)
+            parents.append(-1)
+        type(self).side_proposed += len(draft) - len(main)
+        return DraftTree(tuple(draft), tuple(parents))

@@ -251,27 +251,32 @@ def test_adaptive_rule_rests_a_request_and_max_batch() -> None:
     spec = Speculator(config)
     req = request([7, 8] * 10)
     spec.begin_step(1)
-    assert len(spec.draft(req, 16)) == 4  # the first length: min(4, num_draft_tokens)
+
+    def draft(r: object, limit: int) -> tuple[int, ...]:
+        return spec.draft(r, limit, 1 << 20).tokens  # type: ignore[arg-type]
+
+    assert len(draft(req, 16)) == 4  # the first length: min(4, num_draft_tokens)
     spec.record(req, 4, 4)
-    assert len(spec.draft(req, 16)) == 8  # doubles after full acceptance, up to num_draft_tokens
-    assert len(spec.draft(req, 5)) == 5  # never past the caller's limit
+    assert len(draft(req, 16)) == 8  # doubles after full acceptance, up to num_draft_tokens
+    assert len(draft(req, 5)) == 5  # never past the caller's limit
+    assert len(spec.draft(req, 16, 3).tokens) == 3  # nor past the step's token budget
     for _ in range(4):
         spec.record(req, 4, 1)  # 25 % accepted: the length halves each time, then it rests
     assert spec.counters.paused_requests == 1
-    assert [spec.draft(req, 4) for _ in range(3)] == [()] * 3
-    assert len(spec.draft(req, 4)) == 1  # back after the cooldown, at the halved length
+    assert [draft(req, 4) for _ in range(3)] == [()] * 3
+    assert len(draft(req, 4)) == 1  # back after the cooldown, at the halved length
     spec.begin_step(3)  # more decodes than max_batch: nobody drafts
-    assert spec.draft(req, 4) == () and spec.counters.skipped_batches == 1
+    assert draft(req, 4) == () and spec.counters.skipped_batches == 1
     spec.row_limit = 5
     spec.begin_step(2)  # 3 draft rows left under the graph buckets
     other = request([7, 8] * 10)
-    assert len(spec.draft(other, 8)) == 3 and spec.draft(request([7, 8] * 10), 4) == ()
+    assert len(draft(other, 8)) == 3 and draft(request([7, 8] * 10), 4) == ()
 
 
 def test_config_errors() -> None:
     for overrides, words in (
         ({"speculative.method": "nope"}, "unknown drafter"),
-        ({"speculative.method": "ngram", "speculative.topk": 2}, "token trees"),
+        ({"speculative.method": "ngram", "speculative.topk": 9}, "topk"),
         ({"speculative.method": "ngram", "scheduler.overlap": "on"}, "overlap"),
         ({"speculative.method": "ngram", "speculative.ngram_min": 5}, "ngram_max"),
         ({"speculative.method": "draft"}, "draft_model is set exactly"),

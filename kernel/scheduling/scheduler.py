@@ -23,6 +23,8 @@ from kernel.scheduling.policy import SchedulePolicy
 from kernel.scheduling.prefix_reuse import PrefixReuse
 from kernel.scheduling.step_plan import ScheduledChunk, StepPlan
 from kernel.speculative.speculator import Speculator
+from kernel.speculative.tree import VerifyTree, free_scratch, plan_scratch, walk
+from kernel.speculative.tree import depths as tree_depths
 from kernel.states.hybrid_state import HybridState
 from kernel.structured.grammar_gate import advance_grammar
 
@@ -121,8 +123,8 @@ class Scheduler:
                 continue  # overlap: its step in flight decides what comes next
             if not self._reserve_decode(req, planned, retracted):
                 continue
-            draft = self._draft(req, budget - 1)
-            chunks.append(self._chunk(req, 1, draft))
+            draft, tree = self._draft(req, budget - 1)
+            chunks.append(self._chunk(req, 1, draft)._replace(tree=tree))
             planned.add(id(req))
             budget -= 1 + len(draft)
         for req in list(self.running):
@@ -167,23 +169,27 @@ class Scheduler:
         src, dst, track = self.hybrid.plan(req, req.kv_len, length)
         return ScheduledChunk(req, req.kv_len, length, src, dst, track, samples)
 
-    def _draft(self, req: Request, budget: int) -> tuple[int, ...]:
-        """Tokens `req` verifies after its decode token this step (speculative decoding):
-        within the token budget, its max_new_tokens and the context, and the pages that
-        are free now. NOTE: a guess never evicts a cached prefix or retracts a request."""
+    def _draft(self, req: Request, budget: int) -> tuple[tuple[int, ...], VerifyTree | None]:
+        """Tokens `req` verifies after its decode token this step (speculative decoding),
+        and their tree (None: a chain): within the token budget, its max_new_tokens and
+        the context, and the pages that are free now. NOTE: a guess never evicts a cached
+        prefix or retracts a request."""
         spec = self.speculator
         if spec is None:
-            return ()
+            return (), None
         p = req.params
         room = (len(req.pages) + self.allocator.num_free) * self.page_size - req.total_len
         if self.hybrid is not None:  # a state slot per position of the verify chunk
             room = min(room, self.hybrid.spare_slots() - 1)
-        draft = spec.draft(req, min(budget, room, p.max_new_tokens - len(req.output_ids) - 1,
-                                    self.max_context - req.total_len - 1))
-        if draft:
-            reserved = self._reserve(req, req.total_len + len(draft), evict=False)
-            assert reserved, "free pages promised for the draft"
-        return draft
+        depth = min(room, p.max_new_tokens - len(req.output_ids) - 1, self.max_context - req.total_len - 1)
+        tree = spec.draft(req, depth, budget)
+        if not tree.tokens:
+            return (), None
+        reserved = self._reserve(req, req.total_len + max(tree_depths(tree.parent_list())), evict=False)
+        assert reserved, "free pages promised for the draft"
+        if not tree.parents:
+            return tree.tokens, None
+        return plan_scratch(req, tree, self.allocator, self.req_table, self.page_size)
 
     def _prefix_in_flight(self, req: Request) -> bool:
         """Whether a prefilling request shares a prefix of >= share_prefix_min_tokens
@@ -313,6 +319,7 @@ class Scheduler:
         self.prefix.release(req)
         if self.speculator is not None:
             self.speculator.forget(req)
+            free_scratch(req, self.allocator, self.req_table)
         if self.hybrid is not None:
             self.hybrid.release(req)
         if req.row is not None:
@@ -355,8 +362,9 @@ class Scheduler:
 
     def _verify(self, req: Request, chunk: ScheduledChunk, sampled: list[SampledToken]) -> bool:
         """Apply a verify step (speculative decoding): the token sampled after the input
-        token, then after each draft while the draft before it was what was sampled —
-        exactly the tokens plain decoding would have produced, stops included. Whether
+        token, then after each drafted token that is what was sampled before it (a tree's
+        walk: kernel/speculative/tree.py) — exactly the tokens plain decoding would have
+        produced, stops included. Whether
         `req` got tokens. NOTE: invariant 9: `kv_len` covers the input token and the
         accepted drafts only; the rejected drafts' KV lies past it (never cached), and
         pages holding nothing but theirs go back."""
@@ -364,15 +372,20 @@ class Scheduler:
             req.kv_len = min(chunk.start + 1, req.total_len)
             self._release_landed(req)
             return False
+        parents = chunk.tree.parents if chunk.tree is not None else tuple(range(-1, len(chunk.draft) - 1))
+        rows = walk(chunk.draft, parents, [t.token_id for t in sampled])
         appended = 0
-        for token, draft in zip(sampled, (*chunk.draft, None)):
-            self._append(req, token)
+        for row in rows:
+            self._append(req, sampled[row])
             appended += 1
-            if req.finished or token.token_id != draft:
+            if req.finished:
                 break
         req.kv_len = chunk.start + appended
         assert self.speculator is not None
-        self.speculator.record(req, len(chunk.draft), appended - 1)
+        main = chunk.tree.main if chunk.tree is not None else len(chunk.draft)
+        side = (len(chunk.draft) - main, sum(1 for r in rows[1:appended] if r - 1 >= main))
+        self.speculator.record(req, len(chunk.draft), appended - 1, max(tree_depths(parents)), side)
+        free_scratch(req, self.allocator, self.req_table)
         if self.hybrid is not None:  # resume from the state after the last accepted token
             self.hybrid.land_verify(req, lambda slot, length: self.prefix.cache_checkpoint(req, slot, length))
         if req.finished:
@@ -433,7 +446,7 @@ class Scheduler:
     # ---- invariants -------------------------------------------------------------
     def check_integrity(self) -> None:
         """Invariants 1 and 3: aligned chunk cuts and exact page accounting."""
-        held: list[int] = [p for r in self.running for p in r.pages[r.shared_pages :]]
+        held: list[int] = [p for r in self.running for p in r.pages[r.shared_pages :] + r.spec_scratch_pages]
         held += self.prefix.deferred  # duplicates a step in flight may still read
         host = self.prefix.host
         if host is not None:

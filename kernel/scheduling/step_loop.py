@@ -30,7 +30,8 @@ from kernel.results.output import OutputProcessor
 from kernel.scheduling import prompt_logprobs
 from kernel.scheduling.overlap import look_ahead
 from kernel.scheduling.scheduler import Scheduler
-from kernel.scheduling.step_plan import StepPlan
+from kernel.scheduling.step_plan import ScheduledChunk, StepPlan
+from kernel.speculative import tree
 from kernel.speculative.draft_model import PENDING, ModelDrafter
 
 log = structlog.get_logger("tierserve")
@@ -108,6 +109,9 @@ class StepLoop:
         sampled = await self.await_step(plan, step)
         if sampled is None:
             return []
+        moves = tree_moves(plan, sampled, self.scheduler.page_size)
+        if moves:  # before anything reads the accepted path's KV (kernel/speculative/tree.py)
+            await self.device_thread.submit(lambda: self.runner.move_kv(moves))
         produced = self.apply(plan, sampled)
         self.check()
         return produced
@@ -137,7 +141,7 @@ class StepLoop:
         assert spec is not None and isinstance(spec.drafter, ModelDrafter) and spec.drafter.model is not None
         drafter, model = spec.drafter, spec.drafter.model
         pending = [i for i, c in enumerate(plan.chunks) if c.draft and c.draft[0] == PENDING]
-        jobs = [drafter.job(plan.chunks[i].req, len(plan.chunks[i].draft)) for i in pending]
+        jobs = [drafter.job(plan.chunks[i].req, *tree_shape(plan.chunks[i])) for i in pending]
         try:
             drafts = await self.device_thread.submit(lambda: model.draft(jobs))
         except Exception as exc:
@@ -208,6 +212,27 @@ class StepLoop:
             self.output.fail(req, RuntimeError(f"step failed: {exc}"))
 
 
+def tree_moves(plan: StepPlan, sampled: StepOutput, page_size: int) -> list[tuple[int, int]]:
+    """The KV copies that put each token tree's accepted side nodes at their own slots."""
+    moves: list[tuple[int, int]] = []
+    row = 0
+    for ch in plan.chunks:
+        rows = 1 + len(ch.draft) if ch.draft else int(ch.samples)
+        if ch.tree is not None and not ch.req.finished:
+            ids = [t.token_id for t in sampled.tokens[row : row + rows]]
+            moves += tree.kv_moves(ch.req, ch.start, ch.draft, ch.tree, ids, page_size)
+        row += rows
+    return moves
+
+
+def tree_shape(ch: ScheduledChunk) -> tuple[int, int]:
+    """A draft model's chain length and next-best tokens a position (ModelDrafter.propose_tree)."""
+    if ch.tree is None:
+        return len(ch.draft), 0
+    main = ch.tree.main
+    return main, (len(ch.draft) - main) // main
+
+
 def drafts_pending(plan: StepPlan) -> bool:
     return any(c.draft and c.draft[0] == PENDING for c in plan.chunks)
 
@@ -236,11 +261,10 @@ def build_forward_batch(plan: StepPlan, state_copies: tuple[tuple[int, int], ...
             moved[i] = len(chunks)
         ids = tuple(req.token_slice(ch.start, ch.start + ch.length))
         if ch.draft and not ch.state_dst:
-            row = sampling_row(req)
-            for j, token in enumerate(ids + ch.draft):
-                sampling.append((len(chunks), verify_row(row, req, ch.draft[:j])))
+            for token, table_row, position, before in verify_rows(req, ch):
+                sampling.append((len(chunks), before))
                 back.append(0)
-                chunks.append(PrefillChunk((token,), req.row, ch.start + j))
+                chunks.append(PrefillChunk((token,), table_row, position))
             continue
         chunks.append(PrefillChunk(ids + ch.draft, req.row, ch.start, ch.state_src, ch.state_dst, ch.state_track))
         if ch.draft:  # hybrid: one chunk (its recurrent state runs through it), every position sampled
@@ -255,6 +279,24 @@ def build_forward_batch(plan: StepPlan, state_copies: tuple[tuple[int, int], ...
     if moved:
         spans = tuple(s._replace(chunk=moved.get(s.chunk, s.chunk)) for s in spans)
     return ForwardBatch.build(chunks, sampling, state_copies, spans, tuple(back))
+
+
+def verify_rows(req: Request, ch: ScheduledChunk) -> list[tuple[int, int, int, SamplingRow]]:
+    """A dense verify step's decode rows: (token, table row, position, how it samples) for
+    the input token, then each drafted token — a chain's on the request's row, a tree's
+    side nodes on their scratch rows, each after the drafts on its path."""
+    assert req.row is not None
+    row = sampling_row(req)
+    out = [(req.token_slice(ch.start, ch.start + 1)[0], req.row, ch.start, row)]
+    if ch.tree is None:
+        for j, token in enumerate(ch.draft):
+            out.append((token, req.row, ch.start + 1 + j, verify_row(row, req, ch.draft[: j + 1])))
+        return out
+    depth = tree.depths(ch.tree.parents)
+    for i, token in enumerate(ch.draft):
+        on_path = tuple(ch.draft[n] for n in tree.path(ch.tree.parents, i))
+        out.append((token, ch.tree.rows[i], ch.start + depth[i], verify_row(row, req, on_path)))
+    return out
 
 
 def sampling_row(req: Request) -> SamplingRow:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from kernel.request import Request
+from kernel.speculative.tree import VerifyTree
 
 
 class ScheduledChunk(NamedTuple):
@@ -25,6 +26,8 @@ class ScheduledChunk(NamedTuple):
     # Speculative decoding: tokens drafted after the decode's input token, verified in
     # this step (a decode of 1 + len(draft) rows: gpu sees one row per position).
     draft: tuple[int, ...] = ()
+    # A token tree (speculative.topk > 1): `draft` is its nodes, main chain first; None: a chain.
+    tree: VerifyTree | None = None
 
 
 class StepPlan(NamedTuple):

@@ -28,6 +28,7 @@ from gpu.sampling import argmax_rows
 from kernel.registry import register
 from kernel.request import Request
 from kernel.speculative.drafter import Drafter
+from kernel.speculative.tree import DraftTree
 
 PENDING = -1  # a drafted token the draft job has not produced yet (never a valid placeholder: row 0 is reserved)
 _GREEDY = SamplingRow(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, frequency_penalty=0.0, presence_penalty=0.0,
@@ -39,6 +40,7 @@ class DraftJob(NamedTuple):
     start: int  # tokens the draft's KV covers already
     tokens: tuple[int, ...]  # the request's tokens from `start` to its end
     wanted: int  # drafts wanted
+    others: int = 0  # token trees: next-best tokens wanted beside each draft
 
 
 class DraftModel:
@@ -49,24 +51,35 @@ class DraftModel:
 
     @torch.inference_mode()
     def draft(self, jobs: Sequence[DraftJob]) -> list[list[int]]:
-        """The greedy drafts of every job, in order (device thread)."""
+        """The greedy drafts of every job, in order (device thread); a job with `others`
+        also gets, after its drafts, the next-best tokens at each of their positions
+        (`others` a position, best first: the side nodes of `ModelDrafter.propose_tree`)."""
         chunks = [PrefillChunk(job.tokens, job.row, job.start) for job in jobs]
-        picks = self._greedy(chunks)
+        others = max(job.others for job in jobs)
+        picks, alts = self._greedy(chunks, others)
         drafts = [[t] for t in picks]
+        beside = [[a] for a in alts]
         for step in range(1, max(job.wanted for job in jobs)):
             live = [i for i, job in enumerate(jobs) if job.wanted > step]
             chunks = [PrefillChunk((drafts[i][-1],), jobs[i].row, jobs[i].start + len(jobs[i].tokens) + step - 1)
                       for i in live]
-            for i, token in zip(live, self._greedy(chunks)):
+            picks, alts = self._greedy(chunks, others)
+            for i, token, alt in zip(live, picks, alts):
                 drafts[i].append(token)
-        return drafts
+                beside[i].append(alt)
+        return [d + [t for alt in b for t in alt[: job.others]] for d, b, job in zip(drafts, beside, jobs)]
 
-    def _greedy(self, chunks: list[PrefillChunk]) -> list[int]:
+    def _greedy(self, chunks: list[PrefillChunk], others: int = 0) -> tuple[list[int], list[list[int]]]:
+        """Each row's greedy pick, and its `others` next-best tokens (best first)."""
         batch = ForwardBatch.build(chunks, [(i, _GREEDY) for i in range(len(chunks))])
         graphs = self.runner.graphs
         graph = graphs.bucket_for(batch) if graphs is not None else None
         logits = self.runner.forward(batch) if graph is None or graphs is None else graphs.replay(graph, batch)
-        return [int(t) for t in argmax_rows(logits).tolist()]
+        picks = [int(t) for t in argmax_rows(logits).tolist()]
+        if not others:
+            return picks, [[] for _ in picks]
+        ranked = torch.topk(logits.float(), others + 1, dim=-1).indices.tolist()
+        return picks, [[t for t in row if t != pick][:others] for row, pick in zip(ranked, picks)]
 
 
 @register("drafter", "draft")
@@ -84,7 +97,18 @@ class ModelDrafter(Drafter):
     def propose(self, req: Request, max_tokens: int) -> list[int]:
         return [PENDING] * max_tokens
 
-    def job(self, req: Request, count: int) -> DraftJob:
+    def propose_tree(self, req: Request, depth: int, topk: int, rows: int) -> DraftTree:
+        """A chain and, beside each of its tokens, the draft's topk - 1 next-best tokens
+        (leaves): as deep as `rows` allows with every position's leaves."""
+        length = min(depth, rows // topk)
+        if length == 0:
+            return DraftTree.chain([PENDING] * min(depth, rows))
+        parents = list(range(-1, length - 1))
+        for d in range(length):
+            parents += [d - 1] * (topk - 1)
+        return DraftTree((PENDING,) * len(parents), tuple(parents))
+
+    def job(self, req: Request, count: int, others: int = 0) -> DraftJob:
         """The draft work for `req`'s PENDING drafts: the tokens its KV lacks, then `count`
         picks. NOTE: a request's first job starts from token 0 — a page the target found
         cached may have been computed with no draft job (another request's prefill), so
@@ -93,7 +117,7 @@ class ModelDrafter(Drafter):
         start = min(self._seen.get(req.rid, 0), req.kv_len)
         total = req.total_len
         self._seen[req.rid] = total
-        return DraftJob(req.row, start, tuple(req.token_slice(start, total)), count)
+        return DraftJob(req.row, start, tuple(req.token_slice(start, total)), count, others)
 
     def forget(self, req: Request) -> None:
         self._seen.pop(req.rid, None)

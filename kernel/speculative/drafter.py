@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kernel.request import Request
+from kernel.speculative.tree import DraftTree
 
 
 class Drafter(ABC):
@@ -29,6 +30,12 @@ class Drafter(ABC):
         """Up to `max_tokens` guesses of the tokens after `req.prompt_ids + req.output_ids`
         (fewer, or none, where it has no guess). May update the drafter's own index of
         the request; changes nothing else."""
+
+    def propose_tree(self, req: Request, depth: int, topk: int, rows: int) -> DraftTree:
+        """A token tree (speculative.topk > 1): at most `depth` deep, `rows` tokens, and
+        `topk` children a node, siblings distinct, main chain first (kernel/speculative/tree.py).
+        By default the chain `propose` gives."""
+        return DraftTree.chain(self.propose(req, depth)[:depth])
 
     def forget(self, req: Request) -> None:
         """`req` finished or was retracted (its KV is gone): drop what the drafter keeps

@@ -21,6 +21,7 @@ from kernel import registry
 from kernel.config import SpeculativeConfig
 from kernel.request import Request
 from kernel.speculative.drafter import Drafter
+from kernel.speculative.tree import DraftTree, legal_tree
 
 
 @dataclass
@@ -40,6 +41,8 @@ class SpecCounters:
     verify_steps: int = 0
     paused_requests: int = 0  # times the adaptive rule sent a request resting
     skipped_batches: int = 0  # steps where max_batch switched drafting off
+    side_drafted_tokens: int = 0  # token trees: drafted and accepted off the main chain
+    side_accepted_tokens: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -68,43 +71,52 @@ class Speculator:
             self.counters.skipped_batches += 1
         self.rows_left = self.row_limit - decoding if self.row_limit is not None else 1 << 30
 
-    def draft(self, req: Request, limit: int) -> tuple[int, ...]:
-        """Tokens for `req` to verify this step: at most `limit` (its budget, pages and
-        length left), none where it opted out, rests, or the batch is too large."""
-        if limit <= 0 or not self.batch_on or not req.params.speculative:
-            return ()
+    def draft(self, req: Request, depth: int, rows: int) -> DraftTree:
+        """What `req` verifies this step: a chain (or, with topk > 1, a tree) at most
+        `depth` tokens deep (its pages and length left) and of at most `rows` tokens (the
+        step's budget); nothing where it opted out, rests, or the batch is too large."""
+        rows = min(rows, self.rows_left)
+        if min(depth, rows) <= 0 or not self.batch_on or not req.params.speculative:
+            return DraftTree(())
         track = self._tracks.setdefault(req.rid, _Track())
-        limit = min(limit, track.length or self._first_length(), self.rows_left)
-        if limit <= 0:
-            return ()
+        length = min(depth, rows, track.length or self._first_length())
         if track.resting:
             track.resting -= 1
-            return ()
+            return DraftTree(())
         if req.grammar is not None and self.drafter.deferred:
-            return ()  # a draft model's tokens come too late to be cut to the grammar
-        draft = tuple(self.drafter.propose(req, limit)[:limit])
+            return DraftTree(())  # a draft model's tokens come too late to be cut to the grammar
+        if self.config.topk > 1:
+            tree = self.drafter.propose_tree(req, length, self.config.topk, rows)
+        else:
+            tree = DraftTree.chain(self.drafter.propose(req, length)[:length])
         if req.grammar is not None:  # structured output: only what its grammar allows can be accepted
-            draft = draft[: req.grammar.legal_prefix(draft)]
-        self.rows_left -= len(draft)
-        return draft
+            tree = legal_tree(tree, req.grammar.legal_prefix)
+        self.rows_left -= len(tree.tokens)
+        return tree
 
     def _first_length(self) -> int:
         return max(1, min(4, self.config.num_draft_tokens))
 
-    def record(self, req: Request, drafted: int, accepted: int) -> None:
-        """A verify step of `req` landed: `accepted` of its `drafted` tokens were kept."""
+    def record(self, req: Request, drafted: int, accepted: int, depth: int | None = None,
+               side: tuple[int, int] = (0, 0)) -> None:
+        """A verify step of `req` landed: `accepted` of its `drafted` tokens were kept, of a
+        tree `depth` deep (a chain's depth is its length), `side` = (drafted, accepted) of
+        them off the tree's main chain. The draft length follows depth."""
         c = self.counters
         c.drafted_tokens += drafted
         c.accepted_tokens += accepted
+        c.side_drafted_tokens += side[0]
+        c.side_accepted_tokens += side[1]
         c.verify_steps += 1
         req.spec_drafted += drafted
         req.spec_accepted += accepted
         req.spec_steps += 1
         track = self._tracks.setdefault(req.rid, _Track())
         length = track.length or self._first_length()
-        if accepted == drafted:
+        depth = drafted if depth is None else depth
+        if accepted == depth:
             track.length = min(2 * length, self.config.num_draft_tokens)
-        elif 2 * accepted < drafted:
+        elif 2 * accepted < depth:
             track.length = max(1, length // 2)
         track.recent.append((drafted, accepted))
         if len(track.recent) > self.config.window:
