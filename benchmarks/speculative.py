@@ -5,6 +5,7 @@ llama-server (the pinned build) without and with its n-gram speculation.
     .venv/bin/python benchmarks/speculative.py --quick          # c = 1 only, two prompts a workload
     .venv/bin/python benchmarks/speculative.py --no-llama       # tierserve only (no llama.cpp build)
     .venv/bin/python benchmarks/speculative.py --no-exactness   # without the float32 / int4-draft pair
+    .venv/bin/python benchmarks/speculative.py --topk 3         # also ngram token trees (speculative.topk)
 
 Workloads, as chat completions (each server applies the model's own chat template):
 input-grounded — `code` (rewrite a file of this repository with one name changed), `quote`
@@ -101,11 +102,16 @@ def workloads(quick: bool) -> dict[str, list[str]]:
     return {k: v[:2] if quick else v for k, v in sets.items()}
 
 
+TREE = "tierserve ngram tree"
+
+
 def systems(args: argparse.Namespace) -> list[System]:
     packaged = model_file()
     k = args.num_draft_tokens
     spec = ["speculative.method=ngram", f"speculative.num_draft_tokens={k}"]
     out = [tierserve("tierserve", packaged, []), tierserve("tierserve ngram", packaged, spec)]
+    if args.topk > 1:
+        out.append(tierserve(TREE, packaged, [*spec, f"speculative.topk={args.topk}"]))
     if args.llama:
         tree = llamacpp_build.build(args.cache, args.jobs, not args.no_progress, targets=("llama-server",))
         base = llama_server("llama-server", tree.binary("llama-server"), packaged, max(LEVELS), args.threads)
@@ -179,7 +185,9 @@ def report(all_results: dict[str, dict[tuple[str, int], Run]], sets: dict[str, l
            levels: tuple[int, ...]) -> None:
     labels = list(all_results)
     print("\noutput tok/s (mean per-request decode tok/s)")
-    head = ["workload", "c", *labels, "ts ngram / ts", "ts ngram / best llama ngram", "same"]
+    tree = TREE in all_results
+    head = ["workload", "c", *labels, "ts ngram / ts", *(["tree / ts"] if tree else []), "ts ngram / best llama ngram",
+            "same", *(["same (tree)"] if tree else [])]
     rows = [head]
     for name in sets:
         for level in levels:
@@ -187,17 +195,22 @@ def report(all_results: dict[str, dict[tuple[str, int], Run]], sets: dict[str, l
             row = [name, str(level)] + [f"{o:.1f} ({d:.1f})" if d else f"{o:.1f}" for o, d in got.values()]
             plain, spec = got.get("tierserve"), got.get("tierserve ngram")
             row.append(f"{spec[0] / plain[0]:.2f}x" if plain and spec else "-")
+            if tree:
+                row.append(f"{got[TREE][0] / plain[0]:.2f}x" if plain else "-")
             llama_spec = [got[lb][0] for lb in labels if lb.startswith("llama-server ngram")]
             row.append(f"{spec[0] / max(llama_spec):.2f}x" if spec and llama_spec else "-")
             row.append(same_text(all_results, name, level))
+            if tree:
+                row.append(same_text(all_results, name, level, TREE))
             rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
 
 
-def same_text(all_results: dict[str, dict[tuple[str, int], Run]], name: str, level: int) -> str:
-    plain, spec = all_results.get("tierserve"), all_results.get("tierserve ngram")
+def same_text(all_results: dict[str, dict[tuple[str, int], Run]], name: str, level: int,
+              label: str = "tierserve ngram") -> str:
+    plain, spec = all_results.get("tierserve"), all_results.get(label)
     if plain is None or spec is None:
         return "-"
     pairs = list(zip(plain[(name, level)].records, spec[(name, level)].records))
@@ -210,6 +223,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="c = 1 only, two prompts a workload")
     p.add_argument("--no-llama", dest="llama", action="store_false", help="tierserve only")
     p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--topk", type=int, default=1,
+                   help="> 1: also tierserve ngram with token trees of this topk (speculative.topk)")
     p.add_argument("--no-exactness", dest="exactness", action="store_false",
                    help="skip the float32 / int4-draft pair")
     p.add_argument("--exact-draft-tokens", type=int, default=8, help="num_draft_tokens of the int4 draft")

@@ -131,8 +131,8 @@ def _build_components(config: Config, device: torch.device, backend: StorageBack
     runner.graphs = _graph_runner(config, model, attention, states, device)
     speculator = _speculator(config, states is not None, runner.graphs.decode_rows if runner.graphs else None, cache)
     if speculator is not None and isinstance(speculator.drafter, ModelDrafter):
-        speculator.drafter.model = build_draft(config, device, built, context, num_pages, table, attention_name,
-                                               decode_buckets=config.graphs.decode_buckets)
+        speculator.drafter.attach(build_draft(config, device, built, context, num_pages, table, attention_name,
+                                              decode_buckets=config.graphs.decode_buckets), page_size)
     if runner.graphs is not None:
         runner.graphs.inputs = runner.inputs
     return Components(

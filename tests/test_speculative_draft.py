@@ -14,7 +14,7 @@ import pytest
 from kernel import Engine
 from kernel.config import ConfigError
 from tests.conftest import TINY_OVERRIDES
-from tests.test_speculative import PARAMS, PROMPTS, same
+from tests.test_speculative import PARAMS, PROMPTS, same, tokens
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +69,63 @@ def test_stops_and_later_requests(spec: Engine, tiny_det_engine: Engine, refs: l
 def test_a_draft_with_another_vocabulary_is_refused(tiny_chat_folder: str, hybrid_folders: dict[str, str]) -> None:
     with pytest.raises(ConfigError, match="vocabulary"):
         make(tiny_chat_folder, hybrid_folders["lfm2"])
+
+
+# ---- prefix hits for the draft (kernel/speculative/draft_pages.py) ----------------------
+def first_starts(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Per request id, where its first draft job starts (recorded from now on)."""
+    from kernel.speculative.draft_model import ModelDrafter
+
+    starts: dict[str, int] = {}
+    job = ModelDrafter.job
+
+    def recorded(self: ModelDrafter, req: Any, count: int, others: int = 0) -> Any:
+        out = job(self, req, count, others)
+        starts.setdefault(req.rid, out.start)
+        return out
+
+    monkeypatch.setattr(ModelDrafter, "job", recorded)
+    return starts
+
+
+def draft_hits(engine: Engine, det: Engine, starts: dict[str, int]) -> tuple[int, int, int]:
+    """First-job starts of: a cold prompt, a later turn over its pages (the draft's KV of
+    them is its own), and a turn over pages a request without draft jobs computed."""
+    page = TINY_OVERRIDES["cache.page_size"]
+    prompt = tokens(60, 10 * page + 1)
+    assert engine.flush_cache()
+    first = engine.generate(prompt, PARAMS[0])
+    turn = prompt + first["output_ids"][:8] + tokens(61, 3)  # type: ignore[index,call-overload]
+    same(engine.generate(turn, PARAMS[0]), det.generate(turn, PARAMS[0]))  # type: ignore[arg-type]
+    other = tokens(62, 10 * page + 1)
+    engine.generate(other, {**PARAMS[0], "speculative": False})  # the target's KV only
+    again = other + tokens(63, 5)
+    same(engine.generate(again, PARAMS[0]), det.generate(again, PARAMS[0]))  # type: ignore[arg-type]
+    values = list(starts.values())
+    assert len(values) == 3, starts
+    return values[0], values[1], values[2]
+
+
+def test_draft_prefix_hits(tiny_chat_folder: str, tiny_det_engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = make(tiny_chat_folder, tiny_chat_folder)
+    try:
+        cold, warm, foreign = draft_hits(engine, tiny_det_engine, first_starts(engine, monkeypatch))
+        assert cold == 0
+        assert warm >= 10 * TINY_OVERRIDES["cache.page_size"], "the draft recomputed pages it had written"
+        assert foreign == 0, "the draft trusted pages whose draft KV is not of their tokens"
+    finally:
+        engine.shutdown()
+
+
+def test_planted_draft_trusts_every_cached_page_red(tiny_chat_folder: str, tiny_det_engine: Engine,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The marks' keys not compared: pages the target computed alone are trusted."""
+    from kernel.speculative.draft_pages import DraftPages
+
+    monkeypatch.setattr(DraftPages, "trusted", lambda self, req: req.shared_pages * self.page_size)
+    engine = make(tiny_chat_folder, tiny_chat_folder)
+    try:
+        _, _, foreign = draft_hits(engine, tiny_det_engine, first_starts(engine, monkeypatch))
+        assert foreign > 0  # the guard above (foreign == 0) goes red
+    finally:
+        engine.shutdown()

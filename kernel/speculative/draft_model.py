@@ -27,6 +27,7 @@ from gpu.model_runner import ModelRunner
 from gpu.sampling import argmax_rows
 from kernel.registry import register
 from kernel.request import Request
+from kernel.speculative.draft_pages import DraftPages
 from kernel.speculative.drafter import Drafter
 from kernel.speculative.tree import DraftTree
 
@@ -91,8 +92,13 @@ class ModelDrafter(Drafter):
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
-        self.model: DraftModel | None = None  # attached by the engine builder
+        self.model: DraftModel | None = None  # attached by the engine builder (`attach`)
+        self.pages: DraftPages | None = None
         self._seen: dict[str, int] = {}  # per request: tokens the draft's KV covers
+
+    def attach(self, model: DraftModel, page_size: int) -> None:
+        self.model = model
+        self.pages = DraftPages(page_size)
 
     def propose(self, req: Request, max_tokens: int) -> list[int]:
         return [PENDING] * max_tokens
@@ -110,14 +116,18 @@ class ModelDrafter(Drafter):
 
     def job(self, req: Request, count: int, others: int = 0) -> DraftJob:
         """The draft work for `req`'s PENDING drafts: the tokens its KV lacks, then `count`
-        picks. NOTE: a request's first job starts from token 0 — a page the target found
-        cached may have been computed with no draft job (another request's prefill), so
-        the draft never trusts one it did not write for this request."""
-        assert req.row is not None
-        start = min(self._seen.get(req.rid, 0), req.kv_len)
+        picks. A request's first job starts after the leading pages whose draft KV is of
+        its own tokens (kernel/speculative/draft_pages.py), later ones after what the
+        previous job read (its drafts' positions are redone: they may have been rejected)."""
+        assert req.row is not None and self.pages is not None
         total = req.total_len
+        seen = self._seen.get(req.rid)
+        start = min(self.pages.trusted(req) if seen is None else seen, req.kv_len, total - 1)
         self._seen[req.rid] = total
+        self.pages.written(req, start, total, total + count - 1)
         return DraftJob(req.row, start, tuple(req.token_slice(start, total)), count, others)
 
     def forget(self, req: Request) -> None:
         self._seen.pop(req.rid, None)
+        if self.pages is not None:
+            self.pages.forget(req)
