@@ -207,6 +207,15 @@ class PrefixCache(ABC):
         read-only (no split, no stats)."""
         return []
 
+    def index_ngrams(self, lengths: Sequence[int]) -> None:
+        """From now on, keep what follows each cached n-gram of these lengths (for
+        `ngram_continuation`); a cache that keeps nothing ignores it."""
+
+    def ngram_continuation(self, gram: Sequence[int], namespace: str | None, count: int) -> list[int]:
+        """Up to `count` tokens that followed `gram` in the latest cached sequence holding it
+        ([] where none is known); read-only."""
+        return []
+
     def subscribe(self, callback: Subscriber) -> Callable[[], None] | None:
         """Follow KV events; None if this cache publishes none."""
         return None

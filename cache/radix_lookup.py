@@ -28,18 +28,19 @@ def continuation(root: TreeNode, page_size: int, tokens: Sequence[int], namespac
         if len(child.key) >= len(rest):  # the sequence ends inside this node
             if tuple(rest) != child.key[: len(rest)]:
                 return []
-            return _follow(child, len(rest), count)
+            return follow(child, len(rest), count)
         if child.key != tuple(tokens[pos : pos + len(child.key)]):
             return []
         node, pos = child, pos + len(child.key)
     tail = tuple(tokens[pos:])
     for child in _ordered(node, root, namespace):
         if child.key[: len(tail)] == tail:
-            return _follow(child, len(tail), count)
+            return follow(child, len(tail), count)
     return []
 
 
-def _follow(node: TreeNode, offset: int, count: int) -> list[int]:
+def follow(node: TreeNode, offset: int, count: int) -> list[int]:
+    """Up to `count` tokens from offset `offset` of `node` on, into the children touched last."""
     out = list(node.key[offset : offset + count])
     while len(out) < count:
         children = _ordered(node, None, None)

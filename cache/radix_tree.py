@@ -48,6 +48,7 @@ from cache.kv_events import (
 from cache.prefix_cache import PrefixCache
 from cache.radix_check import TreeIntegrityError, check_tree
 from cache.radix_host import FreeHostPages, HostTierMixin, TreeHost, removed_events
+from cache.radix_ngrams import NgramIndex
 from cache.radix_node import InsertResult, MatchResult, PageKey, TreeNode
 from cache.radix_shape import TreeShape
 from cache.radix_states import FreeStates, TreeStates
@@ -92,6 +93,7 @@ class RadixTree(TreeShape, HostTierMixin, PrefixCache):
         self._num_nodes = 0
         self._states = TreeStates(free_states, policy, self._events) if free_states is not None else None
         self._host = TreeHost(free_host_pages, policy, self._events) if free_host_pages is not None else None
+        self._ngrams: NgramIndex | None = None  # `index_ngrams` (speculative decoding's n-gram drafter)
 
     # -- counters ------------------------------------------------------------------
     @property
@@ -204,8 +206,11 @@ class RadixTree(TreeShape, HostTierMixin, PrefixCache):
         end = path[-1] if path else self.root
         if len(found) * self.page_size < len(toks):
             rest = list(pages[len(found) :])
-            end = self._add_leaf(end, toks[len(found) * self.page_size :], rest, namespace, priority)
+            start = len(found) * self.page_size
+            end = self._add_leaf(end, toks[start:], rest, namespace, priority)
             found += end.pages
+            if self._ngrams is not None:
+                self._ngrams.add(namespace, toks, start, end)
         duplicate = None
         if self._states is not None and state_slot is not None:
             duplicate = self._states.take(end, state_slot, len(toks))
@@ -308,6 +313,8 @@ class RadixTree(TreeShape, HostTierMixin, PrefixCache):
         host_pages = self._host.clear(nodes) if self._host is not None else []
         for node in nodes:
             node.parent = None  # detached: a stale reference can no longer be locked
+        if self._ngrams is not None:
+            self._ngrams.clear()
         self.root.children = {}
         self._heap.clear()
         self._total = self._evictable = self._num_nodes = 0
@@ -346,6 +353,13 @@ class RadixTree(TreeShape, HostTierMixin, PrefixCache):
 
     def continuation(self, tokens: Sequence[int], namespace: str | None, count: int) -> list[int]:
         return radix_lookup.continuation(self.root, self.page_size, tokens, namespace, count)
+
+    def index_ngrams(self, lengths: Sequence[int]) -> None:
+        """From now on, index what follows each n-gram of these lengths (cache/radix_ngrams.py)."""
+        self._ngrams = NgramIndex(lengths)
+
+    def ngram_continuation(self, gram: Sequence[int], namespace: str | None, count: int) -> list[int]:
+        return self._ngrams.lookup(namespace, gram, count) if self._ngrams is not None else []
 
     def snapshot(self) -> list[dict[str, Any]]:
         """One dict per node, root first, for the admin inspector."""

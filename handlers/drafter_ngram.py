@@ -2,7 +2,8 @@
 the request's tokens (the same prefix computed before: a repeated prompt, `n` > 1, a
 retry); else the longest suffix of the request's tokens, ngram_max down to ngram_min
 long, that occurred before in its prompt or output proposes the tokens that followed its
-latest earlier occurrence. With topk > 1 (a token tree), the other tokens that followed
+latest earlier occurrence; else what followed that suffix in other sequences the radix tree
+holds (cache/radix_ngrams.py: the latest one inserted, same namespace). With topk > 1 (a token tree), the other tokens that followed
 the same suffix at earlier occurrences (most recent first, longest suffix first) start
 side branches beside it, each continued like the main one for half its length."""
 
@@ -69,13 +70,26 @@ class NgramDrafter(Drafter):
         super().__init__(**options)
         self.lengths = range(ngram_max, ngram_min - 1, -1)  # longest first
         self._index: dict[str, _Index] = {}
+        self.elsewhere_drafts = 0  # drafts taken from other cached sequences
 
     def propose(self, req: Request, max_tokens: int) -> list[int]:
         tokens = req.prompt_ids + req.output_ids
         if self.cached is not None and (known := self.cached(tokens, req.namespace, max_tokens)):
             return known
         starts = self._indexed(req, tokens).starts(tokens)
-        return _continue(tokens, starts[0], max_tokens) if starts else []
+        if starts:
+            return _continue(tokens, starts[0], max_tokens)
+        return self._elsewhere(req, tokens, max_tokens)
+
+    def _elsewhere(self, req: Request, tokens: list[int], max_tokens: int) -> list[int]:
+        """What followed the request's last n-gram in other cached sequences, longest first."""
+        if self.anywhere is None:
+            return []
+        for n in self.lengths:
+            if len(tokens) >= n and (found := self.anywhere(tokens[-n:], req.namespace, max_tokens)):
+                self.elsewhere_drafts += 1
+                return found
+        return []
 
     def propose_tree(self, req: Request, depth: int, topk: int, rows: int) -> DraftTree:
         tokens = req.prompt_ids + req.output_ids

@@ -24,6 +24,9 @@ class Drafter(ABC):
         # What the prefix cache holds right after a token sequence of a namespace (up to n
         # tokens): set by the Speculator; a drafter may use it.
         self.cached: Callable[[Sequence[int], str | None, int], list[int]] | None = None
+        # What followed an n-gram (tokens) in any cached sequence of a namespace (up to n
+        # tokens): set by the Speculator where the cache indexes n-grams.
+        self.anywhere: Callable[[Sequence[int], str | None, int], list[int]] | None = None
 
     @abstractmethod
     def propose(self, req: Request, max_tokens: int) -> list[int]:
