@@ -8,7 +8,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class ModelArchConfig:
-    architecture: str  # registry name of kind "model": "llama", "qwen2", "qwen3", "qwen3_5_text", "lfm2"
+    architecture: str  # registry name of kind "model": "llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_text", "lfm2"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -34,6 +34,13 @@ class ModelArchConfig:
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
+    # Mixture of experts (gpu/moe/): routed experts per sparse layer, each an MLP of
+    # moe_intermediate_size; `sparse_layers` lists the layers whose MLP is the MoE block.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalize the top-k routing weights to sum to 1
+    sparse_layers: tuple[int, ...] = ()
 
     @property
     def num_attention_layers(self) -> int:

@@ -206,6 +206,9 @@ def _graph_runner(
     if mode in ("cuda", "emulate") and not attention.supports_static:
         raise ConfigError(f"graphs.mode: {mode} needs an attention backend with static-shape metadata "
                           f"(deterministic, triton); {name} has none")
+    if mode in ("cuda", "emulate") and not getattr(model, "static_shapes", True):
+        raise ConfigError(f"graphs.mode: {mode} needs static shapes, and this model's MoE implementation reads "
+                          "routing results on the host; use graphs.mode: off")
     decode_buckets = [b for b in graphs.decode_buckets if b <= sched.max_running_requests]
     if mode in ("auto", "cpu") and device.type == "cpu":
         why = cpu_step.unsupported(model, attention)
@@ -217,7 +220,8 @@ def _graph_runner(
     if mode == "cpu":
         raise ConfigError(f"graphs.mode: cpu runs on a CPU device, and the model runs on {device.type}")
     if mode == "auto":  # hybrid models too: they capture their decode buckets only
-        mode = "cuda" if device.type == "cuda" and attention.supports_static else "off"
+        static = attention.supports_static and getattr(model, "static_shapes", True)
+        mode = "cuda" if device.type == "cuda" and static else "off"
     if mode == "off":
         return None
     runner = GraphRunner(

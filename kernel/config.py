@@ -41,9 +41,16 @@ class ModelConfig:
     # auto: tierserve's C++ CPU kernels (gpu/kernels/cpu/, built on first use) on CPU
     # outside deterministic mode; off: plain torch ops only.
     cpu_kernels: str = "auto"
+    # Mixture-of-experts models: how their sparse layers run the experts (registry kind `moe`,
+    # gpu/moe/); dense models ignore it.
+    moe: str = "torch"
 
     def validate(self) -> None:
         _choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+        try:
+            registry.lookup("moe", self.moe)
+        except registry.RegistryError as exc:
+            raise ConfigError(f"model.moe: {exc}") from None
         _choice("model.cpu_kernels", self.cpu_kernels, ("auto", "off"))
         _choice("model.quantization", self.quantization, ("auto", "none", "int8", "int4"))
         _choice("model.device", self.device, ("auto", "cpu", "cuda"))

@@ -58,6 +58,8 @@ def build_model(config: Config, device: torch.device, fingerprint: bool = False)
         )
     if getattr(model_cls, "accepts_cpu_kernels", False):
         extra["cpu_kernels"] = cpu_kernels
+    if getattr(model_cls, "accepts_moe", False):
+        extra["moe"] = config.model.moe
     model = model_cls(arch, ckpt.weights, dtype, device, deterministic=config.deterministic, **extra)
     model_id = storage_model_id(ckpt.weights, quantization) if fingerprint else ""
     return BuiltModel(model, arch, ckpt.tokenizer, dtype, quantization, cpu_kernels, model_id)

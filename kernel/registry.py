@@ -32,6 +32,7 @@ KINDS = (
     "storage",
     "tool_parser",
     "drafter",
+    "moe",
 )
 
 # Packages that hold the built-in handlers of each kind. On the first lookup of a kind
@@ -48,6 +49,7 @@ _BUILTIN_PACKAGES: dict[str, tuple[str, ...]] = {
     "storage": ("cache.storage", "plugins.storage"),
     "tool_parser": ("handlers.tool_parsers",),
     "drafter": ("handlers", "kernel.speculative"),
+    "moe": ("gpu.moe",),
 }
 _imported: set[str] = set()
 

@@ -43,7 +43,8 @@ def refs(tiny_det_engine: Engine) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module", params=["off", "emulate"])
-def spec(request: pytest.FixtureRequest, tiny_chat_folder: str) -> Iterator[Engine]:
+def spec(request: pytest.FixtureRequest, tiny_chat_folder: str, refs: list[dict[str, Any]]) -> Iterator[Engine]:
+    answers(refs)
     graphs = GRAPHS_EMULATE if request.param == "emulate" else {"graphs.mode": "off"}
     engine = make(tiny_chat_folder, **graphs)
     yield engine
@@ -112,6 +113,69 @@ def test_draft_model_tree_exact(tiny_chat_folder: str, tiny_det_engine: Engine, 
         engine.shutdown()
 
 
+NATIVE = {"model.quantization": "int8", "graphs.mode": "cpu", "deterministic": False}
+
+
+@pytest.fixture(scope="module")
+def native_refs(tiny_chat_folder: str) -> list[dict[str, Any]]:
+    """The plain engine on the native CPU decode step (paged attention kernel, rows that
+    depend on nothing but their own inputs: exact outside deterministic mode too)."""
+    plain = Engine(None, {"model.path": tiny_chat_folder, **TINY_OVERRIDES, **NATIVE})
+    try:
+        outs = plain.generate(PROMPTS, PARAMS)
+    finally:
+        plain.shutdown()
+    assert isinstance(outs, list)
+    return outs
+
+
+def answers(outs: list[dict[str, Any]]) -> None:
+    """What the Oracle drafts for PROMPTS (each engine configuration has its own outputs)."""
+    for prompt, out in zip(PROMPTS, outs):
+        Oracle.answers[tuple(prompt)] = out["output_ids"]
+
+
+def native(folder: str) -> Engine:
+    return Engine(None, {"model.path": folder, **TINY_OVERRIDES, "cache.prefix": "radix", **TREE, **NATIVE})
+
+
+def test_tree_on_the_paged_kernel_exact(tiny_chat_folder: str, native_refs: list[dict[str, Any]]) -> None:
+    """The paged attention kernel reads KV by page: a side branch's row must map whole
+    pages of its own from the page holding the input token on."""
+    answers(native_refs)
+    engine = native(tiny_chat_folder)
+    try:
+        outs = engine.generate(PROMPTS, PARAMS)
+        assert isinstance(outs, list)
+        for out, ref in zip(outs, native_refs):
+            same(out, ref)
+        assert side(engine)[1] > 0, "no side node accepted"
+    finally:
+        engine.shutdown()
+
+
+def test_planted_fork_page_not_copied_red(tiny_chat_folder: str, native_refs: list[dict[str, Any]],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The computed part of the page holding the input token never copied to a branch's
+    own page: its rows attend to stale KV there."""
+    from kernel.speculative import tree
+
+    plan = tree.plan_scratch
+
+    def no_copies(*args: Any, **kwargs: Any) -> Any:
+        tokens_, planned = plan(*args, **kwargs)
+        return tokens_, planned._replace(copies=()) if planned is not None else None
+
+    monkeypatch.setattr("kernel.scheduling.scheduler.plan_scratch", no_copies)
+    answers(native_refs)
+    engine = native(tiny_chat_folder)
+    try:
+        red(engine, native_refs)
+    finally:
+        leaks.excuse(engine.engine)
+        engine.shutdown()
+
+
 def test_topk_needs_a_dense_model(hybrid_folders: dict[str, str]) -> None:
     with pytest.raises(ConfigError, match="token trees"):
         Engine(None, {"model.path": hybrid_folders["lfm2"], **TINY_OVERRIDES, "speculative.method": "ngram",
@@ -148,6 +212,7 @@ def test_ngram_tree_branches() -> None:
 # ---- planted bugs: the guards go red --------------------------------------------------
 @pytest.fixture
 def fresh(tiny_chat_folder: str, refs: list[dict[str, Any]]) -> Iterator[Engine]:
+    answers(refs)
     engine = make(tiny_chat_folder, **{"debug.check_invariants": False})
     yield engine
     leaks.excuse(engine.engine)

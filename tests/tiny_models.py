@@ -1,8 +1,9 @@
-"""Tiny random Hugging Face checkpoints (Llama, Qwen2, Qwen3) built by the tests."""
+"""Tiny random Hugging Face checkpoints (Llama, Qwen2, Qwen3, Qwen3-MoE) built by the tests."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,22 +30,30 @@ def build_tiny(arch: str, folder: Path, seed: int = 0) -> Path:
         Qwen2ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
     )
 
     common = {**TINY_SHAPE, "vocab_size": VOCAB, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
-    classes = {
+    classes: dict[str, tuple[Any, Any, dict[str, Any]]] = {
         "llama": (LlamaConfig, LlamaForCausalLM, {}),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
         # head_dim 32 != hidden/heads (16): q/k/v/o projections are not square per head.
         "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32}),
+        # 3 layers: 0 and 2 sparse (6 experts, top 3, renormalized), 1 dense (mlp_only_layers).
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, {
+            "head_dim": 32, "num_hidden_layers": 3, "num_experts": 6, "num_experts_per_tok": 3,
+            "moe_intermediate_size": 48, "decoder_sparse_step": 1, "mlp_only_layers": [1], "norm_topk_prob": True}),
     }
     config_cls, model_cls, extra = classes[arch]
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**common, **extra))
-    with torch.no_grad():  # random biases/norms so that those code paths matter
+    model = model_cls(config_cls(**{**common, **extra}))
+    with torch.no_grad():  # random biases/norms (and routers) so that those code paths matter
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith("mlp.gate.weight"):  # transformers starts routers at zero: all experts tie
+                p.normal_(0.0, 0.5)
     model.save_pretrained(folder, safe_serialization=True)
     return folder
 

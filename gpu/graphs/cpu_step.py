@@ -38,6 +38,8 @@ def unsupported(model: Any, attention: AttentionBackend) -> str | None:
         return "needs the torch attention backend with the C++ paged decode kernel"
     if not isinstance(model, LlamaModel):
         return f"has no native decode step for {type(model).__name__}"
+    if model.arch.sparse_layers:
+        return "has no native decode step for mixture-of-experts layers"
     return llama_cpu_step.unsupported(model, attention.pool)
 
 

@@ -23,6 +23,7 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen3_5ForCausalLM": "qwen3_5_text",
     "Lfm2ForCausalLM": "lfm2",
 }
@@ -57,14 +58,34 @@ def build_arch_config(config: dict[str, Any]) -> ModelArchConfig:
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases; its config has no flag for it.
         attention_bias=arch == "qwen2" or bool(config.get("attention_bias", False)),
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "qwen3_moe"),
         rope_scaling=_rope_scaling(config),
     )
     if arch == "qwen3_5_text":
         return _qwen3_5_fields(base, config)
     if arch == "lfm2":
         return _lfm2_fields(base, config)
+    if arch == "qwen3_moe":
+        return _moe_fields(base, config)
     return base
+
+
+def _moe_fields(base: ModelArchConfig, config: dict[str, Any]) -> ModelArchConfig:
+    """Qwen3-MoE: layer i's MLP is the sparse block unless i is in mlp_only_layers, with
+    experts, where (i + 1) % decoder_sparse_step == 0 (Qwen3MoeDecoderLayer)."""
+    # transformers 5 writes num_local_experts; hub configs (and older versions) num_experts.
+    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    step = int(config.get("decoder_sparse_step", 1))
+    dense = {int(i) for i in config.get("mlp_only_layers") or ()}
+    sparse = tuple(i for i in range(base.num_layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
+    return dataclasses.replace(
+        base,
+        num_experts=experts,
+        num_experts_per_tok=int(config["num_experts_per_tok"]),
+        moe_intermediate_size=int(config["moe_intermediate_size"]),
+        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+        sparse_layers=sparse,
+    )
 
 
 def _qwen3_5_fields(base: ModelArchConfig, config: dict[str, Any]) -> ModelArchConfig:

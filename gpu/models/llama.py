@@ -19,6 +19,8 @@ from gpu.models.hybrid_common import Weights, swiglu
 from gpu.quant.dispatch import LinearWeight, QuantSpec, build_linear, make_linear
 from kernel.registry import register
 
+_NO_MLP = torch.empty(0)
+
 
 class _Layer(NamedTuple):
     input_norm: torch.Tensor
@@ -76,8 +78,10 @@ class LlamaModel:
                     k_norm=w.maybe(p + "self_attn.k_norm.weight") if arch.qk_norm else None,
                     o=w.linear([p + "self_attn.o_proj.weight"]),
                     post_norm=w.get(p + "post_attention_layernorm.weight"),
-                    gate_up=w.linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-                    down=w.linear([p + "mlp.down_proj.weight"]),
+                    # A MoE model's sparse layers have no dense MLP (gpu/models/qwen3_moe.py).
+                    gate_up=_NO_MLP if i in arch.sparse_layers else w.linear(
+                        [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                    down=_NO_MLP if i in arch.sparse_layers else w.linear([p + "mlp.down_proj.weight"]),
                 )
             )
         # cos | sin of every position, cast to the compute dtype once here (the reference casts
@@ -108,7 +112,7 @@ class LlamaModel:
             x = self._rms_norm(h, layer.input_norm)
             h = h + self._attention(i, layer, x, cos, sin, attn)
             x = self._rms_norm(h, layer.post_norm)
-            h = h + swiglu(self.linear, x, layer.gate_up, layer.down)
+            h = h + self._mlp(i, layer, x)
         return h
 
     def _fused_layers(
@@ -121,11 +125,17 @@ class LlamaModel:
         x = glue.rms_norm(h, self.layers[0].input_norm, eps)
         for i, layer in enumerate(self.layers):
             h, x = glue.add_rms_norm(h, self._attention(i, layer, x, cos, sin, attn), layer.post_norm, eps)
-            mlp = self.linear(glue.silu_mul(self.linear(x, layer.gate_up)), layer.down)
+            mlp = self._mlp(i, layer, x)
             if i + 1 == len(self.layers):
                 return h + mlp
             h, x = glue.add_rms_norm(h, mlp, self.layers[i + 1].input_norm, eps)
         return h
+
+    def _mlp(self, i: int, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        """Layer i's MLP on its normed input x (SwiGLU; a MoE model's sparse layers override)."""
+        if self.fused:
+            return self.linear(glue.silu_mul(self.linear(x, layer.gate_up)), layer.down)
+        return swiglu(self.linear, x, layer.gate_up, layer.down)
 
     def _attention(
         self,

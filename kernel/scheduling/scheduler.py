@@ -126,7 +126,7 @@ class Scheduler:
             draft, tree = self._draft(req, budget - 1)
             chunks.append(self._chunk(req, 1, draft)._replace(tree=tree))
             planned.add(id(req))
-            budget -= 1 + len(draft)
+            budget -= 1 + len(draft) + (len(tree.extra) if tree is not None else 0)
         for req in list(self.running):
             if req.loading is not None and self.prefix.host is not None:
                 self.prefix.host.expire(req)
@@ -189,7 +189,10 @@ class Scheduler:
         assert reserved, "free pages promised for the draft"
         if not tree.parents:
             return tree.tokens, None
-        return plan_scratch(req, tree, self.allocator, self.req_table, self.page_size)
+        draft, planned = plan_scratch(req, tree, self.allocator, self.req_table, self.page_size,
+                                      max_rows=min(budget - len(tree.tokens), spec.rows_left))
+        spec.rows_left -= len(planned.extra) if planned is not None else 0
+        return draft, planned
 
     def _prefix_in_flight(self, req: Request) -> bool:
         """Whether a prefilling request shares a prefix of >= share_prefix_min_tokens

@@ -131,7 +131,15 @@ class StepLoop:
             return None
         hybrid = self.scheduler.hybrid
         batch = build_forward_batch(plan, hybrid.take_copies() if hybrid is not None else ())
-        return self.device_thread.submit(lambda: self.runner.run(batch))
+        copies = [c for ch in plan.chunks if ch.tree is not None for c in ch.tree.copies]
+        runner = self.runner
+
+        def job() -> Any:
+            if copies:  # token trees: their branches' pages before the step (kernel/speculative/tree.py)
+                runner.move_kv(copies)
+            return runner.run(batch)
+
+        return self.device_thread.submit(job)
 
     async def fill_drafts(self, plan: StepPlan) -> StepPlan:
         """Run the draft model for the plan's PENDING drafts (device thread), then put its
@@ -246,6 +254,8 @@ def build_forward_batch(plan: StepPlan, state_copies: tuple[tuple[int, int], ...
     and samples as plain decoding would after the drafts before it (step, history). The
     attention backends write a step's KV before they read it, so row j sees rows < j:
     each row is the decode step that position would have had without speculation. A
+    token tree's side nodes run on their branches' scratch rows, with the branches' extra
+    rows (not sampled: kernel/speculative/tree.py). A
     hybrid model's verify step is one chunk instead (the recurrent state runs through
     its positions, each written to a slot of its own: `HybridState.plan_verify`), every
     position sampled (`sample_back`); in deterministic mode a position's logits do not
@@ -265,6 +275,9 @@ def build_forward_batch(plan: StepPlan, state_copies: tuple[tuple[int, int], ...
                 sampling.append((len(chunks), before))
                 back.append(0)
                 chunks.append(PrefillChunk((token,), table_row, position))
+            tokens = ids + ch.draft
+            for node, table_row, position in ch.tree.extra if ch.tree is not None else ():
+                chunks.append(PrefillChunk((tokens[node + 1],), table_row, position))  # not sampled
             continue
         chunks.append(PrefillChunk(ids + ch.draft, req.row, ch.start, ch.state_src, ch.state_dst, ch.state_track))
         if ch.draft:  # hybrid: one chunk (its recurrent state runs through it), every position sampled

@@ -5,10 +5,12 @@ A draft is a tree of nodes after the request's input token. Nodes are listed mai
 first (node i's parent is i - 1 for i < `main`), then side nodes, each after its parent;
 siblings differ in token. Every node is one decode row of the verify step (dense models):
 main-chain nodes on the request's own table row and pages, as a chain draft; each side
-node on a scratch table row of its own whose slots are the request's up to where its path
-leaves the main chain, then its path's scratch slots (free pages only, held by the request
-until the step lands). So each row attends to exactly the tokens its path would have had:
-the decode step that position would have had without speculation.
+branch (a chain of side nodes) on a scratch table row of its own: the request's pages
+before the page holding the input token, then pages of its own (free pages only, held by
+the request until the step lands) into which the computed part of that page is copied
+before the step and where the input token and the main-chain tokens before the branch
+run again (`plan_scratch` says why). So each row attends to exactly the tokens its path
+would have had: the decode step that position would have had without speculation.
 
 Acceptance walks from the input token: the token sampled after a node is appended, and
 the walk moves to the child drafted with that token, if any (`walk`). Where the accepted
@@ -45,11 +47,15 @@ class DraftTree(NamedTuple):
 
 class VerifyTree(NamedTuple):
     """A planned token tree: per node its parent, the table row its decode row runs on and
-    the KV slot it writes."""
+    the KV slot it writes; the side branches' extra decode rows (node: -1 the input token,
+    table row, position; not sampled) and the KV copies (src, dst slot) to make before the
+    step."""
 
     parents: tuple[int, ...]
     rows: tuple[int, ...]
     slots: tuple[int, ...]
+    extra: tuple[tuple[int, int, int], ...] = ()
+    copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def main(self) -> int:
@@ -118,35 +124,78 @@ def slot_of(req: Request, position: int, page_size: int) -> int:
     return req.pages[position // page_size] * page_size + position % page_size
 
 
+def branches(parents: Sequence[int]) -> list[list[int]]:
+    """The side branches: chains of side nodes, each hanging off a main node or the input
+    token; a side node with several side children starts a new branch at each but the
+    first. Each branch is listed parent first."""
+    main = main_length(parents)
+    first_child: dict[int, int] = {}
+    out: list[list[int]] = []
+    for i in range(main, len(parents)):
+        p = parents[i]
+        if p >= main and first_child.setdefault(p, i) == i:
+            next(b for b in out if b[-1] == p).append(i)  # continues its parent's branch
+        else:
+            out.append([i])
+    return out
+
+
 def plan_scratch(
-    req: Request, tree: DraftTree, allocator: PageAllocator, table: ReqToTokenTable, page_size: int
+    req: Request, tree: DraftTree, allocator: PageAllocator, table: ReqToTokenTable, page_size: int,
+    max_rows: int,
 ) -> tuple[tuple[int, ...], VerifyTree | None]:
-    """Give `tree`'s side nodes scratch rows and slots (free pages only) and write those
+    """Give `tree`'s side branches scratch rows and pages (free ones only) and write those
     rows; the request's own pages must already cover its main chain and the tree's depth.
-    Returns the tokens kept and the planned tree (None: a chain, or no room for side
-    nodes, which are then dropped). The scratch stays with `req` until `free_scratch`."""
+    Branches that do not fit (`max_rows` extra decode rows, free pages, scratch rows) are
+    dropped with their nodes, as are branches off other branches. Returns the tokens kept and the planned tree (None: only the
+    main chain is left). The scratch stays with `req` until `free_scratch`.
+
+    NOTE: attention kernels read KV by page (a position's slot is its page's slot plus its
+    offset), so a branch's row maps every position from the page holding the input token
+    on to its own pages: the part of that page computed before is copied there before the
+    step (`copies`), and the input token and the main-chain tokens before the fork run
+    again on the branch's row (`extra` rows: the same inputs, so the same KV)."""
     assert req.row is not None and not req.spec_scratch_rows, "a tree's scratch is freed when its step lands"
     parents = tree.parent_list()
     main = main_length(parents)
-    side = len(parents) - main
-    pages = -(-side // page_size)
-    if not side or table.num_scratch_free < side or not allocator.can_allocate(pages):
-        return tree.tokens[:main], None
-    req.spec_scratch_pages = allocator.allocate(pages)
-    req.spec_scratch_rows = [table.allocate_scratch() for _ in range(side)]
-    start = req.total_len - 1  # the input token's position
     depth = depths(parents)
-    slots = [slot_of(req, start + depth[i], page_size) for i in range(main)]
-    rows = [req.row] * main
-    for s in range(side):
-        slots.append(req.spec_scratch_pages[s // page_size] * page_size + s % page_size)
-        rows.append(req.spec_scratch_rows[s])
-    for i in range(main, len(parents)):
-        nodes = path(parents, i)
-        fork = next(k for k, n in enumerate(nodes) if n >= main)  # path nodes before it are main
-        table.copy_row(req.row, rows[i], start + 1 + fork)
-        table.write_slots(rows[i], start + 1 + fork, [slots[n] for n in nodes[fork:]])
-    return tree.tokens, VerifyTree(parents, tuple(rows), tuple(slots))
+    start = req.total_len - 1  # the input token's position
+    first = start // page_size * page_size  # where a branch's own pages begin
+    slots = [slot_of(req, start + depth[i], page_size) for i in range(main)] + [0] * (len(parents) - main)
+    rows = [req.row] * len(parents)
+    kept: list[int] = list(range(main))
+    extra: list[tuple[int, int, int]] = []
+    copies: list[tuple[int, int]] = []
+    for branch in branches(parents):
+        fork = depth[branch[0]] - 1  # main-chain tokens on its path
+        last = start + depth[branch[-1]]
+        pages = (last - first) // page_size + 1
+        # A branch off another branch would need that one's tokens on its row too: dropped.
+        if (parents[branch[0]] >= main or fork + 1 > max_rows - len(extra) or not table.num_scratch_free
+                or not allocator.can_allocate(pages)):
+            continue
+        own = allocator.allocate(pages)
+        row = table.allocate_scratch()
+        req.spec_scratch_pages += own
+        req.spec_scratch_rows.append(row)
+        table.copy_row(req.row, row, first)
+        table.write_pages(row, first // page_size, own, page_size)
+
+        def scratch(position: int) -> int:
+            return own[(position - first) // page_size] * page_size + position % page_size  # noqa: B023
+
+        copies += [(slot_of(req, q, page_size), scratch(q)) for q in range(first, start)]
+        extra += [(n, row, start + 1 + n) for n in range(-1, fork)]  # the input token, then main nodes
+        for n in branch:
+            slots[n], rows[n] = scratch(start + depth[n]), row
+            kept.append(n)
+    if len(kept) == main:
+        return tree.tokens[:main], None
+    kept.sort()
+    index = {old: new for new, old in enumerate(kept)}
+    return tuple(tree.tokens[i] for i in kept), VerifyTree(
+        tuple(index[parents[i]] if parents[i] >= 0 else -1 for i in kept),
+        tuple(rows[i] for i in kept), tuple(slots[i] for i in kept), tuple(extra), tuple(copies))
 
 
 def free_scratch(req: Request, allocator: PageAllocator, table: ReqToTokenTable) -> None:

@@ -1,0 +1,58 @@
+"""Qwen3-MoE: Qwen3's decoder (QK-norm attention) with a sparse MoE block as the MLP of the
+layers `arch.sparse_layers` names — a router (softmax over the experts, top-k,
+renormalized with norm_topk_prob), then the experts' SwiGLU MLPs through a MoE
+implementation (gpu/moe/). No shared expert (Qwen3MoeSparseMoeBlock).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gpu.model_config import ModelArchConfig
+from gpu.models.hybrid_common import Weights
+from gpu.models.llama import LlamaModel, _Layer
+from gpu.moe.routing import softmax_topk
+from gpu.moe.torch_moe import Experts
+from gpu.quant.dispatch import QuantSpec
+from kernel import registry
+from kernel.registry import register
+
+
+@register("model", "qwen3_moe")
+class Qwen3MoeModel(LlamaModel):
+    accepts_moe = True  # accepts `moe` (model.moe: the registered MoE implementation)
+
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+        deterministic: bool = False,
+        quantization: QuantSpec | None = None,
+        cpu_kernels: bool = False,
+        moe: str = "torch",
+    ) -> None:
+        super().__init__(arch, weights, dtype, device, deterministic, quantization, cpu_kernels)
+        self.moe: Any = registry.lookup("moe", moe)()
+        self.static_shapes = self.moe.static_shapes  # the graph runner needs static shapes
+        w = Weights(weights, dtype, device, quantization)
+        self.routers: dict[int, torch.Tensor] = {}
+        self.experts: dict[int, Experts] = {}
+        for i in arch.sparse_layers:
+            p = f"model.layers.{i}.mlp."
+            self.routers[i] = w.get(p + "gate.weight")  # dense: routing stays exact where experts are quantized
+            self.experts[i] = Experts(
+                gate_up=[w.linear([p + f"experts.{e}.gate_proj.weight", p + f"experts.{e}.up_proj.weight"])
+                         for e in range(arch.num_experts)],
+                down=[w.linear([p + f"experts.{e}.down_proj.weight"]) for e in range(arch.num_experts)],
+            )
+
+    def _mlp(self, i: int, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        if i not in self.routers:
+            return super()._mlp(i, layer, x)
+        arch = self.arch
+        routing = softmax_topk(self.linear(x, self.routers[i]), arch.num_experts_per_tok, arch.norm_topk_prob)
+        return self.moe(self.linear, x, routing, self.experts[i])  # type: ignore[no-any-return]

@@ -1,0 +1,127 @@
+"""Mixture-of-experts models (gpu/moe/, gpu/models/qwen3_moe.py) in the engine: routing as
+the reference does it, deterministic mode batch-invariant (a token's expert outputs do not
+depend on which tokens were routed with it), radix hits bit-identical, and the graph
+runner refused for the eager-only implementation. Parity with transformers:
+tests/test_tiny_models.py (qwen3_moe)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kernel import Engine
+from kernel.config import ConfigError
+from tests.conftest import FLOAT32
+from tests.tiny_models import VOCAB, build_tiny
+
+PARAMS = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True, "return_logprob": True,
+          "top_logprobs_num": 3}
+
+
+@pytest.fixture(scope="module")
+def moe_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(build_tiny("qwen3_moe", Path(tmp_path_factory.mktemp("moe")) / "qwen3_moe"))
+
+
+def make(folder: str, **extra: Any) -> Engine:
+    return Engine(None, {**FLOAT32, "model.path": folder, "cache.num_pages": 128, "cache.page_size": 4,
+                         "cache.prefix": "radix", "scheduler.chunked_prefill_size": 16,
+                         "scheduler.max_num_batched_tokens": 32, "debug.check_invariants": True, **extra})
+
+
+@pytest.fixture(scope="module")
+def det(moe_folder: str) -> Iterator[Engine]:
+    engine = make(moe_folder, deterministic=True)
+    yield engine
+    engine.shutdown()
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 131 + j * 17) % (VOCAB - 10) + 5 for j in range(n)]
+
+
+def exact(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["output_ids"] == b["output_ids"], "moe guard: tokens differ"
+    assert a["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"], \
+        "moe guard: logprobs differ"
+    assert a["meta_info"]["output_top_logprobs"] == b["meta_info"]["output_top_logprobs"], \
+        "moe guard: top logprobs differ"
+
+
+def alone_vs_batch(engine: Engine) -> None:
+    target = prompt(1, 13)
+    others = [prompt(2 + i, 5 + 7 * i) for i in range(5)]
+    assert engine.flush_cache()
+    alone = engine.generate(target, PARAMS)
+    assert engine.flush_cache()
+    outs = engine.generate(others[:2] + [target] + others[2:], PARAMS)
+    assert isinstance(outs, list)
+    exact(outs[2], alone)  # type: ignore[arg-type]
+
+
+def test_routing_matches_the_reference() -> None:
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    from gpu.moe.routing import softmax_topk
+
+    for normalize in (True, False):
+        config = Qwen3MoeConfig(hidden_size=16, num_experts=8, num_experts_per_tok=3, norm_topk_prob=normalize)
+        router = Qwen3MoeTopKRouter(config)
+        torch.nn.init.normal_(router.weight)
+        x = torch.randn(11, 16)
+        _, weights, experts = router(x)
+        got = softmax_topk(torch.nn.functional.linear(x, router.weight), 3, normalize)
+        assert torch.equal(got.experts, experts) and torch.equal(got.weights, weights)
+
+
+def test_deterministic_batch_invariance(det: Engine) -> None:
+    """A request decoded among others (chunked prefills, other tokens in its experts'
+    groups) gives exactly what it gives alone."""
+    alone_vs_batch(det)
+
+
+def test_planted_group_order_red(det: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The experts run largest group first: a token's sum over its 3 experts then runs in
+    an order its batch decides, and the guard sees the bits move."""
+    from gpu.moe import torch_moe
+
+    def largest_first(self: Any, linear: Any, x: torch.Tensor, routing: Any, experts: Any) -> torch.Tensor:
+        k = routing.experts.shape[1]
+        flat = routing.experts.reshape(-1)
+        weights = routing.weights.reshape(-1)
+        counts = torch.bincount(flat, minlength=len(experts.down))
+        out = torch.zeros_like(x)
+        for e in torch.argsort(counts, descending=True, stable=True).tolist():
+            pairs = (flat == e).nonzero().reshape(-1)
+            if len(pairs):
+                y = torch_moe.swiglu(linear, x.index_select(0, pairs // k), experts.gate_up[e], experts.down[e])
+                out.index_add_(0, pairs // k, y * weights.index_select(0, pairs)[:, None])
+        return out
+
+    monkeypatch.setattr(torch_moe.TorchMoE, "__call__", largest_first)
+    with pytest.raises(AssertionError, match="moe guard"):
+        alone_vs_batch(det)
+
+
+def test_radix_hit_is_bit_exact(det: Engine) -> None:
+    first = prompt(7, 21)
+    out = det.generate(first, PARAMS)
+    turn = first + out["output_ids"] + prompt(8, 6)  # type: ignore[index,call-overload,operator]
+    warm = det.generate(turn, PARAMS)
+    assert warm["meta_info"]["cached_tokens"] >= 20  # type: ignore[index,call-overload]
+    assert det.flush_cache()
+    cold = det.generate(turn, PARAMS)
+    assert cold["meta_info"]["cached_tokens"] == 0  # type: ignore[index,call-overload]
+    exact(warm, cold)  # type: ignore[arg-type]
+
+
+def test_config_errors(moe_folder: str) -> None:
+    with pytest.raises(ConfigError, match="static shapes"):
+        make(moe_folder, **{"graphs.mode": "emulate", "model.attention": "deterministic"})
+    with pytest.raises(ConfigError, match="model.moe"):
+        make(moe_folder, **{"model.moe": "nope"})
