@@ -61,18 +61,36 @@ def same(out: dict[str, Any], ref: dict[str, Any]) -> None:
         assert m[key] == r[key], f"speculation guard: {key} {m[key]!r} != {r[key]!r}"
 
 
-def make(folder: str, **extra: Any) -> Engine:
+def make(folder: str, drafter: dict[str, Any] = ORACLE, **extra: Any) -> Engine:
     return Engine(None, {"model.path": folder, **TINY_OVERRIDES, "deterministic": True, "cache.prefix": "radix",
-                         **ORACLE, **extra})
+                         **drafter, **extra})
+
+
+def answers(outs: list[dict[str, Any]]) -> None:
+    """What the Oracle drafts for PROMPTS (each engine configuration has its own outputs)."""
+    for prompt, out in zip(PROMPTS, outs):
+        Oracle.answers[tuple(prompt)] = out["output_ids"]
+
+
+def reference(engine: Engine) -> list[dict[str, Any]]:
+    """The plain engine's outputs of PROMPTS, which the Oracle then drafts."""
+    outs = engine.generate(PROMPTS, PARAMS)
+    assert isinstance(outs, list)
+    answers(outs)
+    return outs
+
+
+def all_same(engine: Engine, refs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    outs = engine.generate(PROMPTS, PARAMS)
+    assert isinstance(outs, list)
+    for out, ref in zip(outs, refs):
+        same(out, ref)
+    return outs
 
 
 @pytest.fixture(scope="module")
 def refs(tiny_det_engine: Engine) -> list[dict[str, Any]]:
-    outs = tiny_det_engine.generate(PROMPTS, PARAMS)
-    assert isinstance(outs, list)
-    for prompt, out in zip(PROMPTS, outs):
-        Oracle.answers[tuple(prompt)] = out["output_ids"]
-    return outs
+    return reference(tiny_det_engine)
 
 
 @pytest.fixture(scope="module", params=["off", "emulate"])

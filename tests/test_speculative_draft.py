@@ -72,6 +72,8 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny_chat_folder: str, hybri
 
 
 # ---- prefix hits for the draft (kernel/speculative/draft_pages.py) ----------------------
+PAGE = 4  # TINY_OVERRIDES["cache.page_size"]
+assert TINY_OVERRIDES["cache.page_size"] == PAGE
 def first_starts(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Per request id, where its first draft job starts (recorded from now on)."""
     from kernel.speculative.draft_model import ModelDrafter
@@ -91,7 +93,7 @@ def first_starts(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> dict[str, i
 def draft_hits(engine: Engine, det: Engine, starts: dict[str, int]) -> tuple[int, int, int]:
     """First-job starts of: a cold prompt, a later turn over its pages (the draft's KV of
     them is its own), and a turn over pages a request without draft jobs computed."""
-    page = TINY_OVERRIDES["cache.page_size"]
+    page = PAGE
     prompt = tokens(60, 10 * page + 1)
     assert engine.flush_cache()
     first = engine.generate(prompt, PARAMS[0])
@@ -111,7 +113,7 @@ def test_draft_prefix_hits(tiny_chat_folder: str, tiny_det_engine: Engine, monke
     try:
         cold, warm, foreign = draft_hits(engine, tiny_det_engine, first_starts(engine, monkeypatch))
         assert cold == 0
-        assert warm >= 10 * TINY_OVERRIDES["cache.page_size"], "the draft recomputed pages it had written"
+        assert warm >= 10 * PAGE, "the draft recomputed pages it had written"
         assert foreign == 0, "the draft trusted pages whose draft KV is not of their tokens"
     finally:
         engine.shutdown()

@@ -21,25 +21,30 @@ from kernel.scheduling import step_loop
 from kernel.speculative.tree import DraftTree, legal_tree, walk
 from tests import leaks
 from tests.conftest import GRAPHS_EMULATE, TINY_OVERRIDES
-from tests.spec_drafters import Oracle
-from tests.test_speculative import PARAMS, PROMPTS, request, same, spec_stats, tokens
+from tests.test_speculative import (
+    PARAMS,
+    PROMPTS,
+    all_same,
+    answers,
+    reference,
+    request,
+    same,
+    spec_stats,
+    tokens,
+)
+from tests.test_speculative import make as make_spec
 
 TREE = {"speculative.method": "tests.spec_drafters:TreeOracle", "speculative.num_draft_tokens": 4,
         "speculative.topk": 3}
 
 
 def make(folder: str, **extra: Any) -> Engine:
-    return Engine(None, {"model.path": folder, **TINY_OVERRIDES, "deterministic": True, "cache.prefix": "radix",
-                         **TREE, **extra})
+    return make_spec(folder, TREE, **extra)
 
 
 @pytest.fixture(scope="module")
 def refs(tiny_det_engine: Engine) -> list[dict[str, Any]]:
-    outs = tiny_det_engine.generate(PROMPTS, PARAMS)
-    assert isinstance(outs, list)
-    for prompt, out in zip(PROMPTS, outs):
-        Oracle.answers[tuple(prompt)] = out["output_ids"]
-    return outs
+    return reference(tiny_det_engine)
 
 
 @pytest.fixture(scope="module", params=["off", "emulate"])
@@ -58,10 +63,7 @@ def side(engine: Engine) -> tuple[int, int]:
 
 def test_tree_batch_equals_plain_decoding(spec: Engine, refs: list[dict[str, Any]]) -> None:
     before = side(spec)
-    outs = spec.generate(PROMPTS, PARAMS)
-    assert isinstance(outs, list)
-    for out, ref in zip(outs, refs):
-        same(out, ref)
+    all_same(spec, refs)
     drafted, accepted = (a - b for a, b in zip(side(spec), before))
     assert 0 < accepted < drafted, f"side nodes both accepted and rejected expected: {accepted} of {drafted}"
 
@@ -104,10 +106,7 @@ def test_draft_model_tree_exact(tiny_chat_folder: str, tiny_det_engine: Engine, 
 
     engine = make_draft(tiny_chat_folder, tiny_chat_folder, **{"speculative.topk": 2})
     try:
-        outs = engine.generate(PROMPTS, PARAMS)
-        assert isinstance(outs, list)
-        for out, ref in zip(outs, refs):
-            same(out, ref)
+        all_same(engine, refs)
         assert side(engine)[0] > 0, "no leaf drafted"
     finally:
         engine.shutdown()
@@ -129,12 +128,6 @@ def native_refs(tiny_chat_folder: str) -> list[dict[str, Any]]:
     return outs
 
 
-def answers(outs: list[dict[str, Any]]) -> None:
-    """What the Oracle drafts for PROMPTS (each engine configuration has its own outputs)."""
-    for prompt, out in zip(PROMPTS, outs):
-        Oracle.answers[tuple(prompt)] = out["output_ids"]
-
-
 def native(folder: str) -> Engine:
     return Engine(None, {"model.path": folder, **TINY_OVERRIDES, "cache.prefix": "radix", **TREE, **NATIVE})
 
@@ -145,10 +138,7 @@ def test_tree_on_the_paged_kernel_exact(tiny_chat_folder: str, native_refs: list
     answers(native_refs)
     engine = native(tiny_chat_folder)
     try:
-        outs = engine.generate(PROMPTS, PARAMS)
-        assert isinstance(outs, list)
-        for out, ref in zip(outs, native_refs):
-            same(out, ref)
+        all_same(engine, native_refs)
         assert side(engine)[1] > 0, "no side node accepted"
     finally:
         engine.shutdown()

@@ -15,7 +15,6 @@ from gpu.models.hybrid_common import Weights
 from gpu.models.llama import LlamaModel, _Layer
 from gpu.moe.routing import softmax_topk
 from gpu.moe.torch_moe import Experts
-from gpu.quant.dispatch import QuantSpec
 from kernel import registry
 from kernel.registry import register
 
@@ -24,21 +23,12 @@ from kernel.registry import register
 class Qwen3MoeModel(LlamaModel):
     accepts_moe = True  # accepts `moe` (model.moe: the registered MoE implementation)
 
-    def __init__(
-        self,
-        arch: ModelArchConfig,
-        weights: dict[str, torch.Tensor],
-        dtype: torch.dtype,
-        device: torch.device,
-        deterministic: bool = False,
-        quantization: QuantSpec | None = None,
-        cpu_kernels: bool = False,
-        moe: str = "torch",
-    ) -> None:
-        super().__init__(arch, weights, dtype, device, deterministic, quantization, cpu_kernels)
+    def __init__(self, arch: ModelArchConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device, moe: str = "torch", **options: Any) -> None:
+        super().__init__(arch, weights, dtype, device, **options)
         self.moe: Any = registry.lookup("moe", moe)()
         self.static_shapes = self.moe.static_shapes  # the graph runner needs static shapes
-        w = Weights(weights, dtype, device, quantization)
+        w = Weights(weights, dtype, device, options.get("quantization"))
         self.routers: dict[int, torch.Tensor] = {}
         self.experts: dict[int, Experts] = {}
         for i in arch.sparse_layers:
