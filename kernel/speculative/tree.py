@@ -147,8 +147,9 @@ def plan_scratch(
     """Give `tree`'s side branches scratch rows and pages (free ones only) and write those
     rows; the request's own pages must already cover its main chain and the tree's depth.
     Branches that do not fit (`max_rows` extra decode rows, free pages, scratch rows) are
-    dropped with their nodes, as are branches off other branches. Returns the tokens kept and the planned tree (None: only the
-    main chain is left). The scratch stays with `req` until `free_scratch`.
+    dropped with their nodes, as are branches off other branches. Returns the tokens kept
+    and the planned tree (None: only the main chain is left). The scratch stays with `req`
+    until `free_scratch`.
 
     NOTE: attention kernels read KV by page (a position's slot is its page's slot plus its
     offset), so a branch's row maps every position from the page holding the input token
