@@ -109,7 +109,7 @@ class StepLoop:
         sampled = await self.await_step(plan, step)
         if sampled is None:
             return []
-        moves = tree_moves(plan, sampled, self.scheduler.page_size)
+        moves = tree_moves(plan, sampled, self.scheduler.page_size) if self.scheduler.speculator else []
         if moves:  # before anything reads the accepted path's KV (kernel/speculative/tree.py)
             await self.device_thread.submit(lambda: self.runner.move_kv(moves))
         produced = self.apply(plan, sampled)
@@ -131,7 +131,8 @@ class StepLoop:
             return None
         hybrid = self.scheduler.hybrid
         batch = build_forward_batch(plan, hybrid.take_copies() if hybrid is not None else ())
-        copies = [c for ch in plan.chunks if ch.tree is not None for c in ch.tree.copies]
+        trees = [ch.tree for ch in plan.chunks if ch.tree is not None] if self.scheduler.speculator else []
+        copies = [c for t in trees for c in t.copies]
         runner = self.runner
 
         def job() -> Any:
