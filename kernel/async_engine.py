@@ -248,6 +248,8 @@ class AsyncEngine:
             "cache": cache,
             "num_retractions": sched.num_retractions,
             "speculative": sched.speculator.stats() if sched.speculator is not None else None,
+            # Mixture-of-experts models: tokens routed to each expert, per sparse layer.
+            "moe": self.loop.runner.model.expert_tokens() if hasattr(self.loop.runner.model, "expert_tokens") else None,
             "policies": self.policies(),
             "halt_reason": self.halt_reason,
         }

@@ -89,6 +89,13 @@ def counters(stats: dict[str, Any]) -> Iterable[Metric]:
     spec = stats["speculative"]
     if spec is not None:
         yield from speculative_metrics(spec)
+    if stats.get("moe"):
+        routed = CounterMetricFamily("tierserve_moe_expert_tokens", "Tokens routed to each expert of each "
+                                     "mixture-of-experts layer (routing skew).", labels=["layer", "expert"])
+        for layer, counts in stats["moe"].items():
+            for expert, n in enumerate(counts):
+                routed.add_metric([str(layer), str(expert)], n)
+        yield routed
     yield CounterMetricFamily(
         "tierserve_retractions", "Running requests sent back to the queue for lack of pages.",
         stats["num_retractions"],

@@ -125,3 +125,19 @@ def test_config_errors(moe_folder: str) -> None:
         make(moe_folder, **{"graphs.mode": "emulate", "model.attention": "deterministic"})
     with pytest.raises(ConfigError, match="model.moe"):
         make(moe_folder, **{"model.moe": "nope"})
+
+
+def test_tokens_per_expert_are_counted(det: Engine) -> None:
+    """Every routed token counted once per chosen expert, in /metrics' family too."""
+    from plugins.metrics import counters
+
+    before = det.engine.stats()["moe"]
+    det.generate(prompt(9, 11), {**PARAMS, "max_new_tokens": 4})
+    after = det.engine.stats()["moe"]
+    assert sorted(after) == ["0", "2"]  # the sparse layers (1 is in mlp_only_layers)
+    k = 3  # num_experts_per_tok of the tiny checkpoint
+    # 11 prompt tokens + 3 decode steps run through each sparse layer (the last token is not fed).
+    for layer in after:
+        assert sum(after[layer]) - sum(before[layer]) == k * (11 + 3)
+    family = next(m for m in counters(det.engine.stats()) if m.name == "tierserve_moe_expert_tokens")
+    assert sum(s.value for s in family.samples if s.name.endswith("_total")) == sum(map(sum, after.values()))

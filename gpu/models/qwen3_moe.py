@@ -31,6 +31,9 @@ class Qwen3MoeModel(LlamaModel):
         w = Weights(weights, dtype, device, options.get("quantization"))
         self.routers: dict[int, torch.Tensor] = {}
         self.experts: dict[int, Experts] = {}
+        # Tokens routed to each expert of each sparse layer since start (metrics: routing skew);
+        # counted on the device, read by `expert_tokens`.
+        self._routed = {i: torch.zeros(arch.num_experts, dtype=torch.int64, device=device) for i in arch.sparse_layers}
         for i in arch.sparse_layers:
             p = f"model.layers.{i}.mlp."
             self.routers[i] = w.get(p + "gate.weight")  # dense: routing stays exact where experts are quantized
@@ -45,4 +48,9 @@ class Qwen3MoeModel(LlamaModel):
             return super()._mlp(i, layer, x)
         arch = self.arch
         routing = softmax_topk(self.linear(x, self.routers[i]), arch.num_experts_per_tok, arch.norm_topk_prob)
+        self._routed[i] += torch.bincount(routing.experts.reshape(-1), minlength=arch.num_experts)
         return self.moe(self.linear, x, routing, self.experts[i])  # type: ignore[no-any-return]
+
+    def expert_tokens(self) -> dict[str, list[int]]:
+        """Per sparse layer (its index, as text: a JSON key), the tokens routed to each expert so far."""
+        return {str(i): counts.tolist() for i, counts in self._routed.items()}
