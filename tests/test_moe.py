@@ -1,4 +1,4 @@
-"""Mixture-of-experts models (gpu/moe/, gpu/models/qwen3_moe.py) in the engine: routing as
+"""Mixture-of-experts models (gpu/moe/, gpu/models/llama_moe.py) in the engine: routing as
 the reference does it, deterministic mode batch-invariant (a token's expert outputs do not
 depend on which tokens were routed with it), radix hits bit-identical, and the graph
 runner refused for the eager-only implementation. Parity with transformers:
@@ -141,3 +141,19 @@ def test_tokens_per_expert_are_counted(det: Engine) -> None:
         assert sum(after[layer]) - sum(before[layer]) == k * (11 + 3)
     family = next(m for m in counters(det.engine.stats()) if m.name == "tierserve_moe_expert_tokens")
     assert sum(s.value for s in family.samples if s.name.endswith("_total")) == sum(map(sum, after.values()))
+
+
+def test_sliding_window_configs() -> None:
+    """Qwen3-MoE configs carry a sliding_window they do not use; Mixtral's would be used: refused."""
+    from gpu.loader.hf import build_arch_config
+
+    config = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 8,
+              "num_hidden_layers": 2, "num_attention_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
+              "moe_intermediate_size": 4, "max_position_embeddings": 40960, "sliding_window": 4096,
+              "use_sliding_window": False}
+    assert build_arch_config(config).sparse_layers == (0, 1)
+    mixtral = {k: v for k, v in config.items() if k != "moe_intermediate_size"}
+    mixtral.update(architectures=["MixtralForCausalLM"], use_sliding_window=True)
+    with pytest.raises(ValueError, match="sliding"):
+        build_arch_config(mixtral)
+    assert build_arch_config({**mixtral, "sliding_window": None}).moe_intermediate_size == 8  # intermediate_size

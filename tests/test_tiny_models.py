@@ -1,5 +1,5 @@
 """Llama, Qwen2 (QKV bias), Qwen3 (QK-norm, head_dim != hidden/heads) and Qwen3-MoE (sparse
-and dense layers, top-3 of 6 experts) from Hugging Face folders match transformers, teacher-forced (tests/numerics_compare.py): transformers' greedy
+and dense layers, top-3 of 6 experts) and Mixtral (top-2 of 5) from Hugging Face folders match transformers, teacher-forced (tests/numerics_compare.py): transformers' greedy
 tokens scored by the engine and the engine's scored by transformers, float32 both. Measured on
 an AMD EPYC AVX2, model.cpu_kernels auto and off alike: mean |Δ logprob| <= 1.1e-7, p99 and max
 4.8e-7; the same on an Intel Xeon AVX-512/BF16/AMX (mean <= 1.1e-7, max 4.8e-7). Bounds: mean < 1e-5, p99 < 1e-4, every top-1 equal past a 1e-3 margin."""
@@ -29,7 +29,7 @@ def reference_greedy(model: Any, ids: list[int], n: int) -> list[int]:
     return seq[len(ids) :]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
 def test_tiny_checkpoint_matches_transformers(arch: str, tmp_path: Path) -> None:
     folder = build_tiny(arch, tmp_path / arch)
     if arch == "qwen3":  # the checkpoint exercises an explicit head_dim

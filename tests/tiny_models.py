@@ -1,4 +1,4 @@
-"""Tiny random Hugging Face checkpoints (Llama, Qwen2, Qwen3, Qwen3-MoE) built by the tests."""
+"""Tiny random Hugging Face checkpoints (Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral) built by the tests."""
 
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ def build_tiny(arch: str, folder: Path, seed: int = 0) -> Path:
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -44,6 +46,7 @@ def build_tiny(arch: str, folder: Path, seed: int = 0) -> Path:
         "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, {
             "head_dim": 32, "num_hidden_layers": 3, "num_experts": 6, "num_experts_per_tok": 3,
             "moe_intermediate_size": 48, "decoder_sparse_step": 1, "mlp_only_layers": [1], "norm_topk_prob": True}),
+        "mixtral": (MixtralConfig, MixtralForCausalLM, {"num_local_experts": 5, "num_experts_per_tok": 2}),
     }
     config_cls, model_cls, extra = classes[arch]
     torch.manual_seed(seed)
@@ -52,7 +55,7 @@ def build_tiny(arch: str, folder: Path, seed: int = 0) -> Path:
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
-            if name.endswith("mlp.gate.weight"):  # transformers starts routers at zero: all experts tie
+            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):  # routers start at zero
                 p.normal_(0.0, 0.5)
     model.save_pretrained(folder, safe_serialization=True)
     return folder

@@ -24,6 +24,7 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
     "Qwen3_5ForCausalLM": "qwen3_5_text",
     "Lfm2ForCausalLM": "lfm2",
 }
@@ -65,14 +66,18 @@ def build_arch_config(config: dict[str, Any]) -> ModelArchConfig:
         return _qwen3_5_fields(base, config)
     if arch == "lfm2":
         return _lfm2_fields(base, config)
-    if arch == "qwen3_moe":
-        return _moe_fields(base, config)
+    if arch in ("qwen3_moe", "mixtral"):
+        return _moe_fields(base, config, mixtral=arch == "mixtral")
     return base
 
 
-def _moe_fields(base: ModelArchConfig, config: dict[str, Any]) -> ModelArchConfig:
+def _moe_fields(base: ModelArchConfig, config: dict[str, Any], mixtral: bool) -> ModelArchConfig:
     """Qwen3-MoE: layer i's MLP is the sparse block unless i is in mlp_only_layers, with
-    experts, where (i + 1) % decoder_sparse_step == 0 (Qwen3MoeDecoderLayer)."""
+    experts, where (i + 1) % decoder_sparse_step == 0 (Qwen3MoeDecoderLayer). Mixtral:
+    every layer, experts as wide as intermediate_size, top-k weights always renormalized."""
+    window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
+    if window is not None and int(window) < base.max_position_embeddings:
+        raise ValueError(f"sliding-window attention (sliding_window {window}) is not supported")
     # transformers 5 writes num_local_experts; hub configs (and older versions) num_experts.
     experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
     step = int(config.get("decoder_sparse_step", 1))
@@ -82,8 +87,8 @@ def _moe_fields(base: ModelArchConfig, config: dict[str, Any]) -> ModelArchConfi
         base,
         num_experts=experts,
         num_experts_per_tok=int(config["num_experts_per_tok"]),
-        moe_intermediate_size=int(config["moe_intermediate_size"]),
-        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+        moe_intermediate_size=int(config.get("moe_intermediate_size") or base.intermediate_size),
+        norm_topk_prob=mixtral or bool(config.get("norm_topk_prob", False)),
         sparse_layers=sparse,
     )
 

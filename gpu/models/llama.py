@@ -78,7 +78,7 @@ class LlamaModel:
                     k_norm=w.maybe(p + "self_attn.k_norm.weight") if arch.qk_norm else None,
                     o=w.linear([p + "self_attn.o_proj.weight"]),
                     post_norm=w.get(p + "post_attention_layernorm.weight"),
-                    # A MoE model's sparse layers have no dense MLP (gpu/models/qwen3_moe.py).
+                    # A MoE model's sparse layers have no dense MLP (gpu/models/llama_moe.py).
                     gate_up=_NO_MLP if i in arch.sparse_layers else w.linear(
                         [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
                     down=_NO_MLP if i in arch.sparse_layers else w.linear([p + "mlp.down_proj.weight"]),

@@ -1,7 +1,9 @@
-"""Qwen3-MoE: Qwen3's decoder (QK-norm attention) with a sparse MoE block as the MLP of the
-layers `arch.sparse_layers` names — a router (softmax over the experts, top-k,
-renormalized with norm_topk_prob), then the experts' SwiGLU MLPs through a MoE
-implementation (gpu/moe/). No shared expert (Qwen3MoeSparseMoeBlock).
+"""Llama-family decoders whose MLP is a sparse MoE block in the layers `arch.sparse_layers`
+names — a router (softmax over the experts, top-k, renormalized where the architecture
+does), then the experts' SwiGLU MLPs through a MoE implementation (gpu/moe/). No shared
+expert. Qwen3-MoE (QK-norm attention, Qwen3MoeSparseMoeBlock) and Mixtral
+(MixtralSparseMoeBlock: w1 gate, w3 up, w2 down, always renormalized) differ only in
+their tensor names.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from kernel.registry import register
 @register("model", "qwen3_moe")
 class Qwen3MoeModel(LlamaModel):
     accepts_moe = True  # accepts `moe` (model.moe: the registered MoE implementation)
+    # Checkpoint names: layer i's block, and each expert's gate, up and down projections.
+    BLOCK = "mlp"
+    GATE, UP, DOWN = "gate_proj", "up_proj", "down_proj"
 
     def __init__(self, arch: ModelArchConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, moe: str = "torch", **options: Any) -> None:
@@ -35,12 +40,12 @@ class Qwen3MoeModel(LlamaModel):
         # counted on the device, read by `expert_tokens`.
         self._routed = {i: torch.zeros(arch.num_experts, dtype=torch.int64, device=device) for i in arch.sparse_layers}
         for i in arch.sparse_layers:
-            p = f"model.layers.{i}.mlp."
+            p = f"model.layers.{i}.{self.BLOCK}."
             self.routers[i] = w.get(p + "gate.weight")  # dense: routing stays exact where experts are quantized
             self.experts[i] = Experts(
-                gate_up=[w.linear([p + f"experts.{e}.gate_proj.weight", p + f"experts.{e}.up_proj.weight"])
+                gate_up=[w.linear([p + f"experts.{e}.{self.GATE}.weight", p + f"experts.{e}.{self.UP}.weight"])
                          for e in range(arch.num_experts)],
-                down=[w.linear([p + f"experts.{e}.down_proj.weight"]) for e in range(arch.num_experts)],
+                down=[w.linear([p + f"experts.{e}.{self.DOWN}.weight"]) for e in range(arch.num_experts)],
             )
 
     def _mlp(self, i: int, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
@@ -54,3 +59,9 @@ class Qwen3MoeModel(LlamaModel):
     def expert_tokens(self) -> dict[str, list[int]]:
         """Per sparse layer (its index, as text: a JSON key), the tokens routed to each expert so far."""
         return {str(i): counts.tolist() for i, counts in self._routed.items()}
+
+
+@register("model", "mixtral")
+class MixtralModel(Qwen3MoeModel):
+    BLOCK = "block_sparse_moe"
+    GATE, UP, DOWN = "w1", "w3", "w2"
