@@ -66,6 +66,7 @@ def _continue(tokens: list[int], start: int, count: int) -> list[int]:
 
 @register("drafter", "ngram")
 class NgramDrafter(Drafter):
+    reads_ngram_index = True
     def __init__(self, ngram_min: int = 2, ngram_max: int = 4, **options: Any) -> None:
         super().__init__(**options)
         self.lengths = range(ngram_max, ngram_min - 1, -1)  # longest first

@@ -17,8 +17,7 @@ from gpu.models.hybrid_common import Weights
 from gpu.models.llama import LlamaModel, _Layer
 from gpu.moe.routing import softmax_topk
 from gpu.moe.torch_moe import Experts
-from kernel import registry
-from kernel.registry import register
+from kernel.registry import lookup, register
 
 
 @register("model", "qwen3_moe")
@@ -31,7 +30,7 @@ class Qwen3MoeModel(LlamaModel):
     def __init__(self, arch: ModelArchConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, moe: str = "torch", **options: Any) -> None:
         super().__init__(arch, weights, dtype, device, **options)
-        self.moe: Any = registry.lookup("moe", moe)()
+        self.moe: Any = lookup("moe", moe)()
         self.static_shapes = self.moe.static_shapes  # the graph runner needs static shapes
         w = Weights(weights, dtype, device, options.get("quantization"))
         self.routers: dict[int, torch.Tensor] = {}

@@ -18,6 +18,8 @@ class Drafter(ABC):
     # Whether its drafts come from device work (a draft model): `propose` then returns
     # placeholders that the step loop fills in before the verify step is built.
     deferred = False
+    # Whether it reads `anywhere` (the prefix cache then indexes every n-gram it inserts).
+    reads_ngram_index = False
 
     def __init__(self, **options: Any) -> None:
         self.options = options

@@ -59,8 +59,9 @@ class Speculator:
         )
         if cache is not None and cache.reuses:
             self.drafter.cached = cache.continuation
-            cache.index_ngrams(range(config.ngram_min, config.ngram_max + 1))
-            self.drafter.anywhere = cache.ngram_continuation
+            if self.drafter.reads_ngram_index:  # the index costs every insert: only for a drafter that reads it
+                cache.index_ngrams(range(config.ngram_min, config.ngram_max + 1))
+                self.drafter.anywhere = cache.ngram_continuation
         self.counters = SpecCounters()
         self._tracks: dict[str, _Track] = {}
         self.batch_on = True  # the max_batch rule's verdict for the step being planned
