@@ -157,3 +157,38 @@ def test_sliding_window_configs() -> None:
     with pytest.raises(ValueError, match="sliding"):
         build_arch_config(mixtral)
     assert build_arch_config({**mixtral, "sliding_window": None}).moe_intermediate_size == 8  # intermediate_size
+
+
+def test_host_tier_hit_and_retraction_exact(moe_folder: str, det: Engine) -> None:
+    """A prefix pushed out to the host tier and loaded back, and requests retracted under
+    page pressure, give exactly what a cold run gives (deterministic mode)."""
+    from tests.test_host_tier import settle
+
+    params = {**PARAMS, "max_new_tokens": 6}
+    shared = prompt(20, 40)
+    target = shared + prompt(21, 5)
+    assert det.flush_cache()
+    cold = det.generate(target, params)
+    tiered = make(moe_folder, deterministic=True, **{"cache.num_pages": 41, "hicache.host_pages": 200})
+    try:
+        tiered.generate(shared, params)  # cached on device, written through to host
+        for i in range(5):  # fill the device pool: the shared prefix is evicted to host
+            tiered.generate(prompt(30 + i, 40), {**params, "max_new_tokens": 2})
+            settle(tiered)
+        before = tiered.engine.stats()["host"]["loaded_pages"]
+        exact(tiered.generate(target, params), cold)  # type: ignore[arg-type]
+        assert tiered.engine.stats()["host"]["loaded_pages"] > before, "no host hit"
+    finally:
+        tiered.shutdown()
+    prompts = [prompt(40 + i, 10 + i) for i in range(6)]
+    params = {**PARAMS, "max_new_tokens": 30}
+    assert det.flush_cache()
+    refs = det.generate(prompts, params)
+    small = make(moe_folder, deterministic=True, **{"cache.num_pages": 25})  # 96 tokens for ~6 x 42
+    try:
+        outs = small.generate(prompts, params)
+        assert small.engine.scheduler.num_retractions > 0
+        for out, ref in zip(outs, refs):  # type: ignore[arg-type]
+            exact(out, ref)  # type: ignore[arg-type]
+    finally:
+        small.shutdown()
