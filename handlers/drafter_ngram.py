@@ -2,10 +2,11 @@
 the request's tokens (the same prefix computed before: a repeated prompt, `n` > 1, a
 retry); else the longest suffix of the request's tokens, ngram_max down to ngram_min
 long, that occurred before in its prompt or output proposes the tokens that followed its
-latest earlier occurrence; else what followed that suffix in other sequences the radix tree
-holds (cache/radix_ngrams.py: the latest one inserted, same namespace). With topk > 1 (a token tree), the other tokens that followed
-the same suffix at earlier occurrences (most recent first, longest suffix first) start
-side branches beside it, each continued like the main one for half its length."""
+latest earlier occurrence; else what followed that suffix in other sequences the radix
+tree holds (cache/radix_ngrams.py: the latest one inserted, same namespace). With topk > 1
+(a token tree), the other tokens that followed the same suffix at earlier occurrences
+(most recent first, longest suffix first) start side branches beside it, each continued
+like the main one for half its length."""
 
 from __future__ import annotations
 
@@ -67,6 +68,7 @@ def _continue(tokens: list[int], start: int, count: int) -> list[int]:
 @register("drafter", "ngram")
 class NgramDrafter(Drafter):
     reads_ngram_index = True
+
     def __init__(self, ngram_min: int = 2, ngram_max: int = 4, **options: Any) -> None:
         super().__init__(**options)
         self.lengths = range(ngram_max, ngram_min - 1, -1)  # longest first
@@ -75,9 +77,13 @@ class NgramDrafter(Drafter):
 
     def propose(self, req: Request, max_tokens: int) -> list[int]:
         tokens = req.prompt_ids + req.output_ids
+        return self._main(req, tokens, self._indexed(req, tokens).starts(tokens), max_tokens)
+
+    def _main(self, req: Request, tokens: list[int], starts: list[int], max_tokens: int) -> list[int]:
+        """The main draft: the tree's continuation, else the latest occurrence's, else another
+        cached sequence's."""
         if self.cached is not None and (known := self.cached(tokens, req.namespace, max_tokens)):
             return known
-        starts = self._indexed(req, tokens).starts(tokens)
         if starts:
             return _continue(tokens, starts[0], max_tokens)
         return self._elsewhere(req, tokens, max_tokens)
@@ -94,13 +100,14 @@ class NgramDrafter(Drafter):
 
     def propose_tree(self, req: Request, depth: int, topk: int, rows: int) -> DraftTree:
         tokens = req.prompt_ids + req.output_ids
-        main = self.propose(req, depth)
+        starts = self._indexed(req, tokens).starts(tokens)
+        main = self._main(req, tokens, starts, depth)
         if not main:
             return DraftTree(())
         draft, parents = list(main), list(range(-1, len(main) - 1))
         side = max(1, depth // 2)
         branches = 0
-        for start in self._indexed(req, tokens).starts(tokens):
+        for start in starts:
             if branches == topk - 1 or len(draft) >= rows:
                 break
             if tokens[start] == main[0]:
