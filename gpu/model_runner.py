@@ -14,7 +14,7 @@ from gpu.forward_batch import ForwardBatch, SampledToken
 from gpu.models.hybrid_step import HybridStep
 from gpu.prompt_logprobs import PromptLogprobs, prompt_logprobs
 from gpu.readback import Pending
-from gpu.sampling import DeviceSample, SamplingBatch, sample_on_device
+from gpu.sampling import DeviceSample, SamplingBatch, native_argmax_ready, sample_on_device
 from gpu.step_inputs import StepInputs
 
 if TYPE_CHECKING:
@@ -50,7 +50,8 @@ class ModelRunner:
     """Owned by the device thread: every call here happens on that thread."""
 
     def __init__(
-        self, model: Any, pool: KVPool, attention: AttentionBackend, states: StatePool | None = None
+        self, model: Any, pool: KVPool, attention: AttentionBackend, states: StatePool | None = None,
+        cpu_kernels: bool = False,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -58,6 +59,7 @@ class ModelRunner:
         self.states = states  # hybrid models only
         self.device = model.device
         self.vocab_size = model.arch.vocab_size
+        self.native_argmax = native_argmax_ready(cpu_kernels, self.device)  # greedy picks in C++
         # Static-shape execution (graphs.mode cuda / emulate) or native CPU decode steps
         # (graphs.mode cpu), attached by the builder.
         self.graphs: GraphRunner | CpuStepRunner | None = None
@@ -168,6 +170,7 @@ class ModelRunner:
             device=self.device,
             maskers=[r.grammar for r in rows] if any(r.grammar is not None for r in rows) else (),
             want_logprobs=[r.logprobs for r in rows],
+            native_argmax=self.native_argmax,
         )
         sampled = sample_on_device(logits, sb)
         next_tokens = self.inputs.next_tokens

@@ -62,6 +62,12 @@ def host_inputs(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.
     """input_ids and positions of the flattened tokens, and the flat index of each
     sampling request's last token, as CPU tensors."""
     input_ids = torch.tensor(batch.input_ids, dtype=torch.int64)
+    if len(batch.input_ids) == len(batch.extend_lens):
+        # NOTE: every chunk holds >= 1 token (ForwardBatch.build), so this is a decode-only
+        # batch: one token per request, at its prefix length, each the row it samples at
+        # (sample_back is () there). Three small tensors instead of ~12 ops a step.
+        positions = torch.tensor(batch.prefix_lens, dtype=torch.int64)
+        return input_ids, positions, torch.tensor(batch.sample_rows, dtype=torch.int64)
     prefix = torch.tensor(batch.prefix_lens, dtype=torch.int64)
     extend = torch.tensor(batch.extend_lens, dtype=torch.int64)
     starts = torch.cumsum(extend, 0) - extend  # first flat index of each request

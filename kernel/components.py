@@ -123,7 +123,7 @@ def _build_components(config: Config, device: torch.device, backend: StorageBack
             )
             if hybrid is not None:
                 prefix.host.state_pending = lambda slot: any(dst == slot for _, dst in hybrid.copies)
-    runner = ModelRunner(model, pool, attention, states)
+    runner = ModelRunner(model, pool, attention, states, cpu_kernels=cpu_kernels)
     overlap = resolve_overlap(config.scheduler.overlap, device, hybrid=states is not None,
                               speculative=config.speculative.enabled)
     log.info("overlap_scheduling", on=overlap, setting=config.scheduler.overlap, hybrid=states is not None)

@@ -42,7 +42,7 @@ def build_draft(config: Config, device: torch.device, target: BuiltModel, contex
                   device)
     name = "torch" if attention_name == "deterministic" else attention_name
     attention = registry.lookup("attention", name)(pool, table.table, cpu_kernels=draft.cpu_kernels)
-    runner = ModelRunner(draft.model, pool, attention)
+    runner = ModelRunner(draft.model, pool, attention, cpu_kernels=draft.cpu_kernels)
     if device.type == "cpu" and cpu_step.unsupported(draft.model, attention) is None:
         runner.graphs = CpuStepRunner(draft.model, attention, decode_buckets)  # its decode steps, natively
     return DraftModel(runner)

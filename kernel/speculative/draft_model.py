@@ -76,7 +76,7 @@ class DraftModel:
         graphs = self.runner.graphs
         graph = graphs.bucket_for(batch) if graphs is not None else None
         logits = self.runner.forward(batch) if graph is None or graphs is None else graphs.replay(graph, batch)
-        picks = [int(t) for t in argmax_rows(logits).tolist()]
+        picks = [int(t) for t in argmax_rows(logits.float(), self.runner.native_argmax).tolist()]
         if not others:
             return picks, [[] for _ in picks]
         ranked = torch.topk(logits.float(), others + 1, dim=-1).indices.tolist()
