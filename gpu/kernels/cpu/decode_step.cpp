@@ -357,7 +357,7 @@ void LlamaDecoder::run(const at::Tensor& ids, const at::Tensor& positions, const
       for (int64_t b = 0; b < B; ++b) {
         const S* g = st(gu) + b * 2 * inter_;
         S* y = st(act) + b * inter_;
-        for (int64_t i = a * gemv::kTile; i < e * gemv::kTile; ++i) y[i] = glue::silu_times<G>(g[i], g[inter_ + i]);
+        glue::silu_times_run<G>(g + a * gemv::kTile, g + inter_ + a * gemv::kTile, y + a * gemv::kTile, (e - a) * gemv::kTile);
       }
 #pragma omp barrier
       // h += act @ Wdown^T
