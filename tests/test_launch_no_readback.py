@@ -145,8 +145,8 @@ def test_red_when_the_launch_reads_a_tensor_back(
     real = sampling_mod.argmax_rows
     plant, message = READS[construct]
 
-    def reads_back(scores: torch.Tensor) -> torch.Tensor:
-        out = real(scores)
+    def reads_back(scores: torch.Tensor, native: bool = False) -> torch.Tensor:
+        out = real(scores, native)
         plant(out)
         return out
 
