@@ -9,6 +9,9 @@ class KVPool:
     """K and V tensors of shape [num_pages * page_size, num_kv_heads, head_dim] per layer.
 
     Slot 0..page_size-1 (page 0) is the reserved write target of padding rows.
+    `dtype` is the storage's; `compute_dtype` (default: the same) the model's, in which K/V
+    arrive and attention computes. A float32 model may store float16 (`cache.kv_dtype`):
+    `write` rounds K/V to it (round to nearest even) and readers widen it back.
     """
 
     def __init__(
@@ -20,8 +23,10 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         self.page_size = page_size
+        self.compute_dtype = dtype if compute_dtype is None else compute_dtype
         self.num_pages = num_pages
         num_slots = num_pages * page_size
         shape = (num_slots, num_kv_heads, head_dim)
@@ -38,6 +43,12 @@ class KVPool:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * page_size * num_kv_heads * head_dim * itemsize
 
+    @property
+    def widened(self) -> bool:
+        """Whether the storage is narrower than the compute dtype (readers convert)."""
+        return bool(self.k) and self.k[0].dtype != self.compute_dtype
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer].index_copy_(0, slots, k)
-        self.v[layer].index_copy_(0, slots, v)
+        cache_k, cache_v = self.k[layer], self.v[layer]
+        cache_k.index_copy_(0, slots, k.to(cache_k.dtype))
+        cache_v.index_copy_(0, slots, v.to(cache_v.dtype))

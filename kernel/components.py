@@ -25,11 +25,13 @@ from gpu.graphs import cpu_step
 from gpu.graphs.cpu_step import CpuStepRunner
 from gpu.graphs.runner import GraphRunner
 from gpu.model_runner import ModelRunner
+from gpu.models.llama import LlamaModel
 from gpu.step_inputs import NextTokens, StepInputs
 from gpu.tokenizer import Tokenizer
 from kernel import registry
 from kernel.config import Config, ConfigError
 from kernel.model_build import build_model
+from kernel.numerics_choice import resolve_kv_dtype
 from kernel.scheduling.overlap import resolve_overlap
 from kernel.scheduling.prefix_reuse import PrefixReuse
 from kernel.scheduling.scheduler import Scheduler
@@ -83,13 +85,16 @@ def _build_components(config: Config, device: torch.device, backend: StorageBack
     context = min(config.model.context_length or arch.max_position_embeddings, arch.max_position_embeddings)
     page_size = config.cache.page_size
     kv_layers = getattr(model, "num_kv_layers", arch.num_layers)  # hybrids: attention layers only
-    num_pages = _size_pool(config, kv_layers, arch.num_kv_heads, arch.head_dim, dtype, device)
-    pool = KVPool(kv_layers, num_pages, page_size, arch.num_kv_heads, arch.head_dim, dtype, device)
+    # Deterministic mode needs batch-invariant attention too, whatever backend is named.
+    attention_name = "deterministic" if config.deterministic else attention_backend(config.model.attention, device)
+    dense_llama = isinstance(model, LlamaModel) and not arch.sparse_layers and kv_layers == arch.num_layers
+    kv_dtype = resolve_kv_dtype(config, dtype, device, cpu_kernels, attention_name, dense_llama)
+    log.info("kv_dtype", dtype=str(kv_dtype).removeprefix("torch."), setting=config.cache.kv_dtype)
+    num_pages = _size_pool(config, kv_layers, arch.num_kv_heads, arch.head_dim, kv_dtype, device)
+    pool = KVPool(kv_layers, num_pages, page_size, arch.num_kv_heads, arch.head_dim, kv_dtype, device, dtype)
     max_ctx_padded = pages_for(context, page_size) * page_size
     table = ReqToTokenTable(config.scheduler.max_running_requests + 1, max_ctx_padded, device,
                             scratch_rows=_tree_rows(config, hybrid=getattr(model, "num_kv_layers", None) is not None))
-    # Deterministic mode needs batch-invariant attention too, whatever backend is named.
-    attention_name = "deterministic" if config.deterministic else attention_backend(config.model.attention, device)
     attention = registry.lookup("attention", attention_name)(pool, table.table, cpu_kernels=cpu_kernels)
     policy = registry.lookup("schedule", config.scheduler.policy)(
         lpm_fallback_queue=config.scheduler.lpm_fallback_queue

@@ -75,9 +75,16 @@ class CacheConfig:
     state_slots: int | None = None
     state_strategy: str = "extra_buffer"
     state_track_interval: int = 64
+    # The KV pool's element type: "model" (the compute dtype), "float16" (a float32 model on
+    # CPU with the torch attention backend: half the bytes decode attention reads, twice the
+    # pages a byte budget holds), or "auto": float16 where the native CPU path runs a dense
+    # float32 Llama-family model (model.cpu_kernels on, so never in deterministic mode),
+    # else the model's (kernel/numerics_choice.py resolve_kv_dtype).
+    kv_dtype: str = "auto"
 
     def validate(self) -> None:
         _positive("cache.page_size", self.page_size)
+        _choice("cache.kv_dtype", self.kv_dtype, ("auto", "model", "float16"))
         if self.page_size & (self.page_size - 1):
             raise ConfigError(f"cache.page_size must be a power of two, got {self.page_size}")
         if self.num_pages is not None and self.num_pages < 2:

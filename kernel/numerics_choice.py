@@ -58,6 +58,25 @@ def use_cpu_kernels(config: Config, device: torch.device) -> bool:
     return on and not cpu_kernels.switched_off()
 
 
+def resolve_kv_dtype(config: Config, dtype: torch.dtype, device: torch.device, cpu_kernels: bool,
+                     attention: str, dense_llama: bool) -> torch.dtype:
+    """cache.kv_dtype resolved for a model computing in `dtype` with attention backend
+    `attention`. float16 storage needs a float32 model on CPU under the torch backend
+    (which widens what it reads); `auto` picks it only where the C++ kernels run a dense
+    Llama-family model (the native decode step and the paged kernel read float16 pools)."""
+    setting = config.cache.kv_dtype
+    narrow_ok = dtype == torch.float32 and device.type == "cpu" and attention == "torch" and not config.deterministic
+    if setting == "auto":
+        return torch.float16 if narrow_ok and cpu_kernels and dense_llama else dtype
+    if setting == "float16" and dtype != torch.float16 and not narrow_ok:
+        raise ConfigError(
+            "cache.kv_dtype: float16 needs a float32 model on CPU with the torch attention backend, outside "
+            f"deterministic mode (here: {str(dtype).removeprefix('torch.')} on {device.type}, attention {attention}, "
+            f"deterministic {config.deterministic}); use model or auto"
+        )
+    return torch.float16 if setting == "float16" else dtype
+
+
 def log_numerics(config: Config, numerics: Numerics) -> None:
     log.info(
         "numerics",

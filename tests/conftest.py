@@ -56,7 +56,9 @@ CONFIG = str(Path(__file__).resolve().parent.parent / "config" / "default.yaml")
 # on some machines and float32 on others, and the parity and bit-exact tests compare
 # against float32 references. The bf16 and quantized paths have their own tests
 # (tests/test_bf16.py, tests/test_quantized.py) that compare against these.
-FLOAT32 = {"model.dtype": "float32", "model.quantization": "none"}
+# NOTE: the KV pool too (`cache.kv_dtype: auto` stores float16 K/V for float32 models on
+# CPU, tests/test_kv_float16.py measures what that changes).
+FLOAT32 = {"model.dtype": "float32", "model.quantization": "none", "cache.kv_dtype": "model"}
 
 # Tests run with the integrity check after every step (debug.check_invariants).
 # Threads: model.num_threads unset, so one per core of the affinity mask (pin_xdist_worker).

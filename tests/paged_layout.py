@@ -20,7 +20,8 @@ class Shape(NamedTuple):
     heads: int
     kv_heads: int
     dim: int
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype = torch.float32  # the compute dtype (q, new k/v, the output)
+    kv_dtype: torch.dtype | None = None  # the pool's (None: dtype)
 
 
 class Layout(NamedTuple):
@@ -36,7 +37,8 @@ def lay_out(case: Case, shape: Shape, seed: int) -> Layout:
     gen = torch.Generator().manual_seed(seed)
     ps = shape.page_size
     num_pages = 4 + sum(-(-(p + e) // ps) for p, e in case)
-    pool = KVPool(1, num_pages, ps, shape.kv_heads, shape.dim, shape.dtype, torch.device("cpu"))
+    pool = KVPool(1, num_pages, ps, shape.kv_heads, shape.dim, shape.kv_dtype or shape.dtype, torch.device("cpu"),
+                  shape.dtype)
     pool.k[0].normal_(generator=gen)
     pool.v[0].normal_(generator=gen)
     width = ps * (2 + max(-(-(p + e) // ps) for p, e in case))

@@ -43,14 +43,20 @@ def _prompts() -> list[list[int]]:
     return [[rng.randint(50, 40000) for _ in range(n)] for n in LENGTHS]
 
 
-def _quantized(dtype: str) -> dict[str, Any]:
+def _quantized(dtype: str, kv_dtype: str = "auto") -> dict[str, Any]:
     return {"model.dtype": dtype, "model.quantization": "int4", "graphs.mode": "cpu", "cache.prefix": "none",
-            "cache.num_pages": 256, "debug.check_invariants": True}
+            "cache.num_pages": 256, "debug.check_invariants": True, "cache.kv_dtype": kv_dtype}
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+# float32 with the default (auto) KV pool stores float16 K/V; with `model` float32 ones.
+KV_POOLS = {"float32": torch.float16, "float32-kv-model": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@pytest.fixture(scope="module", params=list(KV_POOLS))
 def native_engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
-    engine = Engine(CONFIG, _quantized(request.param))
+    dtype, _, kv = request.param.partition("-kv-")
+    engine = Engine(CONFIG, _quantized(dtype, kv or "auto"))
+    assert _runner(engine).pool.k[0].dtype == KV_POOLS[request.param]
     yield engine
     engine.shutdown()
 
@@ -121,7 +127,7 @@ def _wrap_step(native_engine: Engine, monkeypatch: pytest.MonkeyPatch, change: s
 @pytest.mark.parametrize("bug", ["layer skipped", "stale slot", "wrong page"])
 def test_planted_bugs_go_red(native_engine: Engine, reference: list[Any], monkeypatch: pytest.MonkeyPatch,
                              bug: str) -> None:
-    if native_engine.config.model.dtype != "float32":
+    if native_engine.config.model.dtype != "float32" or native_engine.config.cache.kv_dtype != "auto":
         pytest.skip("the guard is the same comparison in either dtype: shown red once, in float32")
     if bug == "layer skipped":
         _skip_layer(native_engine, monkeypatch)

@@ -69,15 +69,18 @@ def threads() -> Iterator[None]:
 
 
 SHAPES = [
-    Shape(ps, kv * ratio, kv, dim, dtype)
-    for dtype in (torch.float32, torch.bfloat16)
+    Shape(ps, kv * ratio, kv, dim, dtype, kv_dtype)
+    for dtype, kv_dtype in ((torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.float16))
     for ps, ratio, kv, dim in [
         (1, 1, 2, 64), (4, 3, 3, 64), (16, 4, 2, 64), (16, 3, 3, 128), (4, 4, 1, 128), (1, 3, 2, 128),
     ]
 ]
+F16_POOL = (torch.float32, torch.float16)  # float32 compute over a float16 pool (cache.kv_dtype)
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"ps{s.page_size}-h{s.heads}-kv{s.kv_heads}-d{s.dim}-{s.dtype}")
+@pytest.mark.parametrize(
+    "shape", SHAPES, ids=lambda s: f"ps{s.page_size}-h{s.heads}-kv{s.kv_heads}-d{s.dim}-{s.dtype}-{s.kv_dtype}"
+)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_decodes_match_torch_path(shape: Shape, seed: int, threads: None) -> None:
     rng = random.Random(seed * 100 + shape.page_size)

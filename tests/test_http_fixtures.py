@@ -62,7 +62,7 @@ class ServerProcess:
             try:
                 if requests.get(f"{self.url}/health", timeout=1).status_code == 200:
                     return
-            except requests.ConnectionError:
+            except (requests.ConnectionError, requests.Timeout):  # not up yet, or busy starting
                 pass
             time.sleep(0.1)
         raise RuntimeError(f"server not healthy after {timeout_s} s:\n{self.log_text()}")

@@ -15,7 +15,8 @@ from gpu.kernels import cpu
 from gpu.upload import to_device
 
 KERNEL = "paged_attention"
-DTYPES = (torch.float32, torch.bfloat16)  # what the kernel computes; other pools take the torch path
+# (storage, compute) dtypes the kernel runs; other pools take the torch path
+DTYPES = {(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)}
 MAX_HEAD_DIM = 512  # the kernel's limit (kMaxHeadDim)
 
 
@@ -30,7 +31,8 @@ def kernel_ready(cpu_kernels: bool, pool: KVPool) -> bool:
     if not cpu_kernels or not pool.k:
         return False
     k = pool.k[0]
-    return k.device.type == "cpu" and k.dtype in DTYPES and k.shape[2] <= MAX_HEAD_DIM and cpu.load(KERNEL)
+    kinds = (k.dtype, pool.compute_dtype)
+    return k.device.type == "cpu" and kinds in DTYPES and k.shape[2] <= MAX_HEAD_DIM and cpu.load(KERNEL)
 
 
 def build(

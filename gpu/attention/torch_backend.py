@@ -117,7 +117,7 @@ class TorchAttention(AttentionBackend):
     def _additive(self, visible: torch.Tensor) -> torch.Tensor:
         """A boolean mask as SDPA's additive float mask, made once per step: SDPA would
         otherwise convert a boolean mask in every layer's call."""
-        mask = torch.zeros(visible.shape, dtype=self.pool.k[0].dtype, device=visible.device)
+        mask = torch.zeros(visible.shape, dtype=self.pool.compute_dtype, device=visible.device)
         return mask.masked_fill_(~visible, float("-inf"))
 
     def _group_decodes(
@@ -166,6 +166,10 @@ class TorchAttention(AttentionBackend):
             return paged_decode.attend(paged, q, k_cache, v_cache, ps)
         if self._decodes and self._decodes[0].tok is None:  # the step is this one group
             return self._decode(self._decodes[0], q, k_cache, v_cache)
+        if self.pool.widened:
+            # NOTE: a chunk attends to its own keys as the pool holds them (rounded), so a
+            # later step or a cache hit reading them back from the pool sees the same values.
+            k, v = k.to(k_cache.dtype).to(q.dtype), v.to(v_cache.dtype).to(q.dtype)
         out = torch.empty_like(q)
         if paged is not None and paged.tok is not None:
             out.index_copy_(0, paged.tok, paged_decode.attend(paged, q.index_select(0, paged.tok), k_cache, v_cache, ps))
@@ -179,8 +183,8 @@ class TorchAttention(AttentionBackend):
                 ke, ve = k[sl].transpose(0, 1)[None], v[sl].transpose(0, 1)[None]
                 oe = F.scaled_dot_product_attention(qe, ke, ve, is_causal=True, enable_gqa=True)
             else:
-                ke = k_cache.index_select(0, ext.kv_idx).transpose(0, 1)[None]
-                ve = v_cache.index_select(0, ext.kv_idx).transpose(0, 1)[None]
+                ke = k_cache.index_select(0, ext.kv_idx).to(q.dtype).transpose(0, 1)[None]
+                ve = v_cache.index_select(0, ext.kv_idx).to(q.dtype).transpose(0, 1)[None]
                 oe = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=ext.mask, enable_gqa=True)
             out[sl] = oe[0].transpose(0, 1)
         return out
@@ -215,8 +219,8 @@ class TorchAttention(AttentionBackend):
         by_page = (self.pool.num_pages, -1)
         shape = (batch, num_pages * self.pool.page_size, num_kv, head_dim)
         k_buf, v_buf = self._gather_buffers(flat.numel(), k_cache)
-        kd = torch.index_select(k_cache.view(by_page), 0, flat, out=k_buf).view(shape).transpose(1, 2)
-        vd = torch.index_select(v_cache.view(by_page), 0, flat, out=v_buf).view(shape).transpose(1, 2)
+        kd = torch.index_select(k_cache.view(by_page), 0, flat, out=k_buf).view(shape).transpose(1, 2).to(q.dtype)
+        vd = torch.index_select(v_cache.view(by_page), 0, flat, out=v_buf).view(shape).transpose(1, 2).to(q.dtype)
         qd = q if group.tok is None else q.index_select(0, group.tok)
         qd = qd.reshape(batch, num_kv, num_heads // num_kv, head_dim)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask)

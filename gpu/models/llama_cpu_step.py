@@ -66,8 +66,10 @@ def unsupported(model: LlamaModel, pool: KVPool) -> str | None:
     arch = model.arch
     if model.device.type != "cpu" or not model.fused:
         return "needs the C++ CPU kernels on a CPU model (model.cpu_kernels, not deterministic)"
-    if model.dtype not in (torch.float32, torch.bfloat16) or not pool.k or pool.k[0].dtype != model.dtype:
-        return f"computes float32 or bfloat16 over a pool of the same dtype, not {model.dtype}"
+    pool_dtype = pool.k[0].dtype if pool.k else None
+    same = model.dtype in (torch.float32, torch.bfloat16) and pool_dtype == model.dtype
+    if not same and (model.dtype, pool_dtype) != (torch.float32, torch.float16):
+        return f"computes float32 or bfloat16 over a pool of the same dtype (or float16 under float32), not {model.dtype}"
     if arch.qk_norm:
         return "QK-norm is not in the native step"
     if arch.intermediate_size % 16 or arch.hidden_size % 32 or (arch.num_heads * arch.head_dim) % 32:

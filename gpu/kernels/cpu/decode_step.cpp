@@ -63,13 +63,21 @@ inline std::pair<int64_t, int64_t> share(int64_t count, int t, int threads) {
 }
 
 // The element type of a compute dtype: glue's storage view and the matmul / attention one.
+// kv: the KV pool's element type (the compute dtype's, or float16 under float32 compute).
 struct F32Types {
   using glue_t = glue::F32;
   using elem = float;
+  using kv = float;
+};
+struct F32HalfKVTypes {
+  using glue_t = glue::F32;
+  using elem = float;
+  using kv = c10::Half;
 };
 struct BF16Types {
   using glue_t = glue::BF16;
   using elem = c10::BFloat16;
+  using kv = c10::BFloat16;
 };
 
 class LlamaDecoder : public torch::CustomClassHolder {
@@ -103,10 +111,13 @@ class LlamaDecoder : public torch::CustomClassHolder {
     TORCH_CHECK(kinds.size() == 4 && weights.size() == 4 && scales.size() == 4, "LlamaDecoder: four linears a layer");
     check_vector(input_norm, hidden_, "input_norm");
     check_vector(post_norm, hidden_, "post_norm");
+    if (layers_.empty()) kv_dtype_ = k_pool.scalar_type();
+    const bool kv_ok = kv_dtype_ == dtype_ || (dtype_ == at::kFloat && kv_dtype_ == at::kHalf);
     for (const at::Tensor* pool : {&k_pool, &v_pool}) {
       TORCH_CHECK(pool->dim() == 3 && pool->size(1) == kv_heads_ && pool->size(2) == dim_ && pool->is_contiguous() &&
-                      pool->scalar_type() == dtype_ && pool->size(0) % page_size_ == 0,
-                  "LlamaDecoder: a KV pool must be [slots, kv_heads, head_dim] in the compute dtype");
+                      kv_ok && pool->scalar_type() == kv_dtype_ && pool->size(0) % page_size_ == 0,
+                  "LlamaDecoder: a KV pool must be [slots, kv_heads, head_dim] in the compute dtype (or float16 "
+                  "under float32), the same for every layer");
     }
     Layer layer;
     layer.input_norm = input_norm, layer.post_norm = post_norm, layer.k_pool = k_pool, layer.v_pool = v_pool;
@@ -142,7 +153,9 @@ class LlamaDecoder : public torch::CustomClassHolder {
                        page_size_, layers_[0].k_pool.size(0) / page_size_);
     at::Tensor logits = at::empty({logit_rows.size(0), vocab_}, embed_.options().dtype(at::kFloat));
     if (batch == 0) return logits;
-    if (dtype_ == at::kFloat) {
+    if (dtype_ == at::kFloat && kv_dtype_ == at::kHalf) {
+      run<F32HalfKVTypes>(ids, positions, out_loc, page_table, seq_lens, logit_rows, logits);
+    } else if (dtype_ == at::kFloat) {
       run<F32Types>(ids, positions, out_loc, page_table, seq_lens, logit_rows, logits);
     } else {
       run<BF16Types>(ids, positions, out_loc, page_table, seq_lens, logit_rows, logits);
@@ -200,7 +213,7 @@ class LlamaDecoder : public torch::CustomClassHolder {
 
   float eps_, scale_;
   int64_t num_layers_ = 0, hidden_ = 0, heads_ = 0, kv_heads_ = 0, dim_ = 0, inter_ = 0, vocab_ = 0, page_size_ = 0;
-  at::ScalarType dtype_;
+  at::ScalarType dtype_, kv_dtype_ = at::kFloat;
   at::Tensor embed_, rope_, final_norm_;
   std::vector<Layer> layers_;
   Linear head_;
@@ -264,6 +277,8 @@ void LlamaDecoder::run(const at::Tensor& ids, const at::Tensor& positions, const
   using G = typename Types::glue_t;
   using S = typename G::scalar;  // storage bits
   using E = typename Types::elem;
+  using K = typename Types::kv;
+  constexpr bool kConvertKV = !std::is_same_v<E, K>;
   const int64_t B = ids.size(0), R = logit_rows.size(0), H = hidden_, D = dim_, half = D / 2;
   const int64_t qkv_n = (heads_ + 2 * kv_heads_) * D, kmax = std::max({H, inter_, heads_ * D});
   const int64_t* id = ids.data_ptr<int64_t>();
@@ -297,6 +312,7 @@ void LlamaDecoder::run(const at::Tensor& ids, const at::Tensor& positions, const
     const int t = omp_get_thread_num(), team = omp_get_num_threads();
     Input& in = inputs[t];
     std::vector<float> merge_tmp(width);
+    std::vector<E> k_row(kConvertKV ? D : 0);  // a rotated key before its conversion to the pool's type
     for (const Layer& L : layers_) {
       // x = input_norm(h); qkv = x @ Wqkv^T
       in.normed<G>(st(h), sv(L.input_norm), B, H, eps_);
@@ -317,8 +333,16 @@ void LlamaDecoder::run(const at::Tensor& ids, const at::Tensor& positions, const
           glue::rope_head<G>(x + j * D, c, c + half, st(q) + (b * heads_ + j) * D, half);
         } else {
           const int64_t kv = j - heads_, slot = (loc[b] * kv_heads_ + kv) * D;
-          glue::rope_head<G>(x + (heads_ + kv) * D, c, c + half, reinterpret_cast<S*>(L.k_pool.data_ptr()) + slot, half);
-          std::memcpy(reinterpret_cast<S*>(L.v_pool.data_ptr()) + slot, x + (heads_ + kv_heads_ + kv) * D, sizeof(S) * D);
+          K* k_slot = reinterpret_cast<K*>(L.k_pool.data_ptr()) + slot;
+          K* v_slot = reinterpret_cast<K*>(L.v_pool.data_ptr()) + slot;
+          if constexpr (kConvertKV) {  // rounded to the pool's type as the torch path's pool.write rounds
+            glue::rope_head<G>(x + (heads_ + kv) * D, c, c + half, st(k_row), half);
+            const E* v_src = reinterpret_cast<const E*>(x + (heads_ + kv_heads_ + kv) * D);
+            for (int64_t e = 0; e < D; ++e) k_slot[e] = static_cast<K>(k_row[e]), v_slot[e] = static_cast<K>(v_src[e]);
+          } else {
+            glue::rope_head<G>(x + (heads_ + kv) * D, c, c + half, reinterpret_cast<S*>(k_slot), half);
+            std::memcpy(v_slot, x + (heads_ + kv_heads_ + kv) * D, sizeof(S) * D);
+          }
         }
       }
       if (t == 0) {
@@ -329,13 +353,13 @@ void LlamaDecoder::run(const at::Tensor& ids, const at::Tensor& positions, const
       }
 #pragma omp barrier
       // Attention of every row's query over its pages.
-      const paged::Problem<E> ap{q.data(), reinterpret_cast<const E*>(L.k_pool.data_ptr()),
-                                 reinterpret_cast<const E*>(L.v_pool.data_ptr()), page_table.data_ptr<int64_t>(),
+      const paged::Problem<E, K> ap{q.data(), reinterpret_cast<const K*>(L.k_pool.data_ptr()),
+                                 reinterpret_cast<const K*>(L.v_pool.data_ptr()), page_table.data_ptr<int64_t>(),
                                  seq_lens.data_ptr<int64_t>(), att.data(), page_table.size(1), page_size_, heads_,
                                  kv_heads_, D, heads_ / kv_heads_, scale_};
-      paged::with_variant<E>(D, [&](auto variant) {
+      paged::with_variant<K>(D, [&](auto variant) {
         using V = decltype(variant);
-        paged::Attender<typename V::S, V::NV, E> attender(ap);
+        paged::Attender<typename V::S, V::NV, E, K> attender(ap);
         const int64_t count = static_cast<int64_t>(items.size());
         for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) {
           paged::run_item(ap, attender, items[i], splits, partials.data(), merge_tmp.data());

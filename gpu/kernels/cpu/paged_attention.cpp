@@ -30,8 +30,8 @@ namespace {
 
 using namespace tierserve_paged;
 
-template <class S, int NV, class T>
-void attend(const Problem<T>& p, int64_t batch) {
+template <class S, int NV, class T, class KV>
+void attend(const Problem<T, KV>& p, int64_t batch) {
   const int threads = at::get_num_threads();
   std::vector<Split> splits;
   const std::vector<Item> items = plan(p.lens, batch, kChunk, splits);
@@ -42,7 +42,7 @@ void attend(const Problem<T>& p, int64_t batch) {
   // One task per thread, each taking items off a shared counter: rows of very different
   // lengths still spread evenly over the threads.
   at::parallel_for(0, std::min<int64_t>(threads, count), 1, [&](int64_t lo, int64_t hi) {
-    Attender<S, NV, T> attender(p);
+    Attender<S, NV, T, KV> attender(p);
     std::vector<float> tmp(width);
     for (int64_t task = lo; task < hi; ++task) {
       for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) {
@@ -52,11 +52,11 @@ void attend(const Problem<T>& p, int64_t batch) {
   });
 }
 
-template <class T>
-void dispatch(const Problem<T>& p, int64_t batch) {
-  with_variant<T>(p.dim, [&](auto variant) {
+template <class T, class KV>
+void dispatch(const Problem<T, KV>& p, int64_t batch) {
+  with_variant<KV>(p.dim, [&](auto variant) {
     using V = decltype(variant);
-    attend<typename V::S, V::NV, T>(p, batch);
+    attend<typename V::S, V::NV, T, KV>(p, batch);
   });
 }
 
@@ -69,8 +69,9 @@ at::Tensor paged_attention_decode(const at::Tensor& q_in, const at::Tensor& k_ca
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention_decode: the pool must be contiguous");
   const auto dtype = q_in.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "paged_attention_decode: float32 or bfloat16, not ", dtype);
-  TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
-              "paged_attention_decode: q, k_cache and v_cache must share a dtype");
+  const auto kv_dtype = k_cache.scalar_type();
+  TORCH_CHECK(v_cache.scalar_type() == kv_dtype && (kv_dtype == dtype || (dtype == at::kFloat && kv_dtype == at::kHalf)),
+              "paged_attention_decode: k_cache and v_cache must have q's dtype (or float16 under float32 q)");
   const int64_t batch = q_in.size(0), heads = q_in.size(1), dim = q_in.size(2), kv_heads = k_cache.size(1);
   TORCH_CHECK(k_cache.size(2) == dim && dim > 0 && dim <= kMaxHeadDim, "paged_attention_decode: head_dim ", dim,
               " must match the pool's and be at most ", kMaxHeadDim);
@@ -87,6 +88,13 @@ at::Tensor paged_attention_decode(const at::Tensor& q_in, const at::Tensor& k_ca
   const int64_t max_pages = page_table.size(1);
   check_pages(page_table.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), batch, max_pages, page_size,
               k_cache.size(0) / page_size);
+  if (kv_dtype == at::kHalf) {
+    Problem<float, c10::Half> p{q.data_ptr<float>(), k_cache.data_ptr<c10::Half>(), v_cache.data_ptr<c10::Half>(),
+                                page_table.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<float>(),
+                                max_pages, page_size, heads, kv_heads, dim, heads / kv_heads, static_cast<float>(scale)};
+    dispatch(p, batch);
+    return out;
+  }
   AT_DISPATCH_SWITCH(dtype, "paged_attention_decode",
     AT_DISPATCH_CASE(at::kFloat, [&] {
       Problem<float> p{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),

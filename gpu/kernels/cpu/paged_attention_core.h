@@ -31,12 +31,13 @@ constexpr int kBlock = 64;          // keys per softmax update (a multiple of ev
 constexpr int64_t kChunk = 128;     // keys per work item (a multiple of kBlock); see the NOTE above
 constexpr int64_t kMaxHeadDim = 512;
 
-// What every work item reads; pointers into contiguous tensors.
-template <class T>
+// What every work item reads; pointers into contiguous tensors. T: the query's and the
+// output's element type; KV: the pool's (T, or float16 under float32 compute).
+template <class T, class KV = T>
 struct Problem {
   const T* q;            // [B, H, D]
-  const T* k;            // [slots, Hkv, D]
-  const T* v;
+  const KV* k;           // [slots, Hkv, D]
+  const KV* v;
   const int64_t* pages;  // [B, max_pages]
   const int64_t* lens;   // [B]
   T* out;                // [B, H, D]
@@ -52,10 +53,11 @@ struct State {
   float* l;    // [H] running sum of p
 };
 
-template <class S, int NV, class T>
+template <class S, int NV, class T, class KV = T>
 class Attender {
   using V = typename S::V;
-  using R = Rows<S, T>;
+  using R = Rows<S, KV>;
+  static constexpr bool kDotBf16 = kBf16Dot<S, KV> && std::is_same_v<T, KV>;
   static constexpr int64_t kMaxVecs = NV > 0 ? NV : kMaxHeadDim / S::W;
   // Query heads whose accumulators fit in the vector registers beside one V row (32
   // registers with AVX-512, 16 with AVX2); one at a time for head dims of no fixed size.
@@ -63,7 +65,7 @@ class Attender {
   static constexpr int kHeadsPerPass = NV > 0 ? std::clamp((kRegisters - 4) / NV - 1, 1, 4) : 1;
 
  public:
-  explicit Attender(const Problem<T>& p) : p_(p), nv_(NV > 0 ? NV : p.dim / S::W) {
+  explicit Attender(const Problem<T, KV>& p) : p_(p), nv_(NV > 0 ? NV : p.dim / S::W) {
     const int64_t h = p.heads, d = p.dim;
     scratch_.assign(2 * h * d + 2 * h + h * kBlock + p.group * S::W * S::W, 0.f);
     float* s = scratch_.data();
@@ -94,7 +96,7 @@ class Attender {
   void start(int64_t row) {
     const int64_t d = p_.dim, hd = p_.heads * d;
     q_row_ = p_.q + row * hd;
-    if constexpr (!kBf16Dot<S, T>) {
+    if constexpr (!kDotBf16) {
       for (int64_t h = 0; h < p_.heads; ++h) {
         for (int64_t e = 0; e < d; ++e) st_.q[h * d + R::position(e)] = static_cast<float>(q_row_[h * d + e]);
       }
@@ -122,7 +124,7 @@ class Attender {
   // Software prefetch of a block's slots (K and V): they lie on scattered pages, in runs
   // too short for the hardware prefetchers to pick up in time.
   void prefetch(const int64_t* slot_off, int n) const {
-    const int64_t bytes = p_.kv_heads * p_.dim * static_cast<int64_t>(sizeof(T));
+    const int64_t bytes = p_.kv_heads * p_.dim * static_cast<int64_t>(sizeof(KV));
     for (int j = 0; j < n; ++j) {
       const char* k = reinterpret_cast<const char*>(p_.k + slot_off[j]);
       const char* v = reinterpret_cast<const char*>(p_.v + slot_off[j]);
@@ -141,7 +143,7 @@ class Attender {
     }
   }
 
-  void load_row(const T* row, V* out) const {
+  void load_row(const KV* row, V* out) const {
     const int64_t nv = NV > 0 ? NV : nv_;
     for (int64_t c = 0; c < nv; c += R::vecs) R::load(row + c * S::W, out + c);
   }
@@ -157,8 +159,8 @@ class Attender {
           for (int64_t i = 0; i < g; ++i) S::store(dots_ + (i * S::W + jj) * S::W, S::zero());
           continue;
         }
-        const T* k = p_.k + slot_off[j0 + jj] + h * d;
-        if constexpr (kBf16Dot<S, T>) {
+        const KV* k = p_.k + slot_off[j0 + jj] + h * d;
+        if constexpr (kDotBf16) {
           for (int64_t i = 0; i < g; ++i) {
             S::store(dots_ + (i * S::W + jj) * S::W, S::dot_bf16(q_row_ + (h * g + i) * d, k, nv / 2));
           }
@@ -232,7 +234,7 @@ class Attender {
     }
   }
 
-  const Problem<T>& p_;
+  const Problem<T, KV>& p_;
   const int64_t nv_;
   std::vector<float> scratch_;
   State st_{};
@@ -243,13 +245,13 @@ class Attender {
 };
 
 // out[row] = acc / l per head, back in the pool's element order and the output dtype.
-template <class S, class T>
-void write_out(const Problem<T>& p, int64_t row, const float* acc, const float* l) {
+template <class S, class T, class KV>
+void write_out(const Problem<T, KV>& p, int64_t row, const float* acc, const float* l) {
   T* out = p.out + row * p.heads * p.dim;
   for (int64_t h = 0; h < p.heads; ++h) {
     const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;  // a row of no keys gives zeros
     const float* a = acc + h * p.dim;
-    for (int64_t e = 0; e < p.dim; ++e) out[h * p.dim + e] = static_cast<T>(a[Rows<S, T>::position(e)] * inv);
+    for (int64_t e = 0; e < p.dim; ++e) out[h * p.dim + e] = static_cast<T>(a[Rows<S, KV>::position(e)] * inv);
   }
 }
 
@@ -265,8 +267,8 @@ struct Split {
 inline int64_t partial_width(int64_t heads, int64_t dim) { return heads * (dim + 2); }
 
 // A row's chunks combined by their log-sum-exp, then written out.
-template <class S, class T>
-void merge(const Problem<T>& p, const Split& split, int64_t row, const float* partials, float* tmp) {
+template <class S, class T, class KV>
+void merge(const Problem<T, KV>& p, const Split& split, int64_t row, const float* partials, float* tmp) {
   const int64_t h = p.heads, d = p.dim, width = partial_width(h, d);
   const float* first = partials + split.first_item * width;
   float* acc = tmp;
@@ -308,8 +310,8 @@ inline std::vector<Item> plan(const int64_t* lens, int64_t batch, int64_t chunk,
 // Work item `it` of a step planned by `plan`: its keys through `attender`, then the row
 // written out (a row of one chunk) or the chunk's partial result left in `partials`, the
 // row's last chunk to finish merging them (the others' results are complete by then).
-template <class S, int NV, class T>
-void run_item(const Problem<T>& p, Attender<S, NV, T>& attender, const Item& it, std::vector<Split>& splits,
+template <class S, int NV, class T, class KV>
+void run_item(const Problem<T, KV>& p, Attender<S, NV, T, KV>& attender, const Item& it, std::vector<Split>& splits,
               float* partials, float* tmp) {
   const State& st = attender.run(it.row, it.t0, it.t1);
   Split& split = splits[it.row];
@@ -325,7 +327,7 @@ void run_item(const Problem<T>& p, Attender<S, NV, T>& attender, const Item& it,
   if (split.pending->fetch_sub(1, std::memory_order_acq_rel) == 1) merge<S>(p, split, it.row, partials, tmp);
 }
 
-// The attention variant for head_dim `dim` and element type T, as paged_attention.cpp has
+// The attention variant for head_dim `dim` and pool element type T, as paged_attention.cpp has
 // always picked it: the vector code with the register count fixed for head dims 64 and 128
 // (any other multiple of the vector span: a loop), else scalar. Calls f(Variant<S, NV>{}).
 template <class S_, int NV_>

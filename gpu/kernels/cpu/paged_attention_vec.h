@@ -5,6 +5,7 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -202,6 +203,21 @@ struct Rows<Simd, bf16> {  // each 2W elements: the even ones, then the odd ones
     const int64_t r = e % span;
     return e - r + (r % 2) * Simd::W + r / 2;
   }
+};
+#endif
+
+#if defined(__F16C__) && (defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__)))
+template <>
+struct Rows<Simd, c10::Half> {  // float16 rows (a float32 model's KV pool): converted in order
+  static constexpr int vecs = 1, span = Simd::W;
+  static void load(const c10::Half* p, Simd::V* out) {
+#if defined(__AVX512F__)
+    out[0] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#else
+    out[0] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#endif
+  }
+  static int64_t position(int64_t e) { return e; }
 };
 #endif
 
