@@ -14,7 +14,8 @@
 //
 // Vector code (paged_attention_vec.h): AVX-512 or AVX2 intrinsics when the compiler
 // targets them (-march=native), else a scalar path; a head_dim that is not a multiple of
-// the vector span runs scalar.
+// the vector span runs scalar. The pool holds the query's dtype (float32, bfloat16) or,
+// under a float32 query, float16 (cache.kv_dtype): its rows widened to float32 as loaded.
 
 #include <ATen/Parallel.h>
 #include <torch/all.h>
