@@ -4,11 +4,12 @@ the C++ kernels run a dense Llama-family model), against the same engine storing
 What it changes, teacher-forced on the packaged SmolLM2 (tests/numerics_compare.py, float32
 weights both), measured on an AMD EPYC AVX2 over the first three prompts: prefill mean
 |Δ logprob| 5.1e-4, p99 4.6e-3; decode 3.6e-4, 1.7e-3 (all six prompts: prefill 4.2e-4,
-2.9e-3; decode 3.7e-4, 2.4e-3); free-running greedy outputs equal — a K/V
-element rounded to float16 moves by at most 2^-11 of itself, ~100x what float32 rounding
-alone moves a logprob. Bounds: mean < 2e-3, p99 < 1e-2, every top-1 equal past a 5e-2
-margin; the planted 1% error in K measures decode mean 5.4e-3, p99 3.7e-2. Deterministic mode and the float32 reference engines of the other tests keep
-float32 pools (tests/conftest.py FLOAT32).
+2.9e-3; decode 3.7e-4, 2.4e-3); free-running greedy outputs equal — a K/V element
+rounded to float16 moves by at most 2^-11 of itself, ~100x what float32 rounding alone
+moves a logprob. Bounds: mean < 2e-3, p99 < 1e-2, every top-1 equal past a 5e-2 margin;
+the planted 1% error in K measures decode mean 5.4e-3, p99 3.7e-2. Deterministic mode and
+the float32 reference engines of the other tests keep float32 pools (tests/conftest.py
+FLOAT32).
 """
 
 from __future__ import annotations
