@@ -9,9 +9,11 @@ thread's CPU time, which other processes on a busy machine disturb far less; use
 - prefill-heavy: `--prefill-requests` long prompts with a few output tokens each.
 
 Spans, in ms per step (event loop side: plan, batch, apply, emit, loop rest = wall minus
-the loop's spans and the await for the device; device thread side: metadata = input
-tensors + attention metadata, forward = the model (all layers and the LM head), sample,
-device rest = the device-thread call minus those):
+the loop's spans and the await for the device; hand-off = that await minus the
+device-thread call: queueing the job and waking both threads; device thread side:
+metadata = input tensors + attention metadata, forward = the model (all layers and the LM
+head; under `graphs.mode: cpu` a decode step's native call), sample, device rest = the
+device-thread call minus those):
 
     .venv/bin/python benchmarks/step_profile.py
     .venv/bin/python benchmarks/step_profile.py --compare /work/main   # that tree vs this one, interleaved
@@ -40,7 +42,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 LOOP_SPANS = ("plan", "batch", "apply", "emit")
 DEVICE_SPANS = ("metadata", "forward", "sample")
-ROWS = (*LOOP_SPANS, "loop rest", *DEVICE_SPANS, "device rest", "step wall")
+ROWS = (*LOOP_SPANS, "loop rest", "hand-off", *DEVICE_SPANS, "device rest", "step wall")
 
 
 class Spans:
@@ -76,6 +78,9 @@ def instrument(engine: Any, spans: Spans) -> None:
     runner.prepare = spans.wrap("metadata", runner.prepare)
     runner.attention.prepare = spans.wrap("metadata", runner.attention.prepare)
     runner.model.forward = spans.wrap("forward", runner.model.forward)
+    decoder = getattr(runner.graphs, "decoder", None)  # graphs.mode cpu: the native decode step is the forward
+    if decoder is not None:
+        decoder.step = spans.wrap("forward", decoder.step)
     runner.sample = spans.wrap("sample", runner.sample)
     await_step = loop.await_step
 
@@ -131,6 +136,8 @@ def per_step(total: dict[str, float], wall: float, steps: int, cpu_time: bool) -
     rest = wall - sum(total[n] for n in LOOP_SPANS) - total["await"]
     ms["loop rest"] = float("nan") if cpu_time else rest / steps * 1e3
     ms["device rest"] = (total["device"] - sum(total[n] for n in DEVICE_SPANS)) / steps * 1e3
+    # The loop's await beyond the device-thread call: queueing the job and waking both threads.
+    ms["hand-off"] = float("nan") if cpu_time else (total["await"] - total["device"]) / steps * 1e3
     return ms | {"step wall": wall / steps * 1e3, "steps": steps, "wall s": wall}
 
 

@@ -167,6 +167,10 @@ class SamplingBatch:
             raise ValueError("SamplingBatch.build: per-row lists differ in length")
         if want_logprobs is not None and len(want_logprobs) != n:
             raise ValueError("SamplingBatch.build: per-row lists differ in length")
+        if not maskers and all(_plain_greedy(p, want_logprobs is not None and not want_logprobs[i])
+                               for i, p in enumerate(params)):
+            # The common case, built without a tensor: every field the helpers below set stays unset.
+            return cls(size=n, vocab_size=vocab_size, top_logprobs_nums=(0,) * n, native_argmax=native_argmax)
         batch = cls(size=n, vocab_size=vocab_size,
                     top_logprobs_nums=tuple(p.top_logprobs_num for p in params), native_argmax=native_argmax)
         batch._set_logprob_rows(params, want_logprobs, device)
@@ -235,6 +239,12 @@ class SamplingBatch:
 
 def _is_greedy(p: SamplingSettings) -> bool:
     return p.temperature < _MIN_TEMPERATURE or p.top_k == 1
+
+
+def _plain_greedy(p: SamplingSettings, no_logprobs: bool) -> bool:
+    """A greedy row that reports no logprobs and has no penalty or bias: its token is the argmax."""
+    return (_is_greedy(p) and no_logprobs and not p.top_logprobs_num and not p.logit_bias
+            and p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty)
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:

@@ -51,11 +51,15 @@ class StepInputs:
 
     def build(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         input_ids, positions, last = (copy_to_device(t, self.device) for t in host_inputs(batch))
-        if batch.placeholders:
-            if self.next_tokens is None:
-                raise ValueError("a batch with placeholder ids, but overlap scheduling is off")
-            input_ids = self.next_tokens.resolve(input_ids)
-        return input_ids, positions, last
+        return self.resolve(input_ids, batch), positions, last
+
+    def resolve(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The batch's input ids on the device with its placeholders (if any) resolved."""
+        if not batch.placeholders:
+            return input_ids
+        if self.next_tokens is None:
+            raise ValueError("a batch with placeholder ids, but overlap scheduling is off")
+        return self.next_tokens.resolve(input_ids)
 
 
 def host_inputs(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

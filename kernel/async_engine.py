@@ -85,6 +85,7 @@ class AsyncEngine:
         self.loop = StepLoop(
             self.scheduler, device_thread, parts.runner, self.output,
             check_invariants=config.debug.check_invariants, halt=self._halt, overlap=parts.overlap,
+            text_first=parts.runner.device.type == "cpu",
         )
         self.host = self.scheduler.prefix.host  # the host tier, when hicache is on
         if self.host is not None:

@@ -234,3 +234,37 @@ def test_a_rows_output_does_not_depend_on_its_batch_or_threads(dtype: torch.dtyp
     assert torch.equal(batch, run(slice(None), 1))
     for i in range(len(lens)):
         assert torch.equal(run(slice(i, i + 1), 4)[0], batch[i]), f"row {i} ({int(lens[i])} keys)"
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_decode_slots_match_the_torch_metadata(page_size: int) -> None:
+    """`paged_decode_slots` (one native call) gives a decode-only step's KV slots, page table
+    and key counts exactly as the torch ops of `paged_decode.build` and `_cache_locs` do,
+    including torch's floor division of the table's negative entries."""
+    if not cpu.load(paged_decode.KERNEL):
+        pytest.skip("the C++ kernels are off or do not build here")
+    rng = random.Random(page_size)
+    table = torch.tensor([[rng.randint(-300, 3000) for _ in range(96)] for _ in range(9)], dtype=torch.int64)
+    for batch in (1, 3, 8):
+        rows = [rng.randrange(1, 9) for _ in range(batch)]
+        prefix = [rng.randrange(0, 96) for _ in range(batch)]
+        rows_t, prefix_t = torch.tensor(rows), torch.tensor(prefix)
+        out_loc, got = paged_decode.decode_slots(table, rows_t, prefix_t, page_size)
+        want = paged_decode.build(table, page_size, list(range(batch)), list(range(batch)), rows_t, prefix_t, prefix)
+        assert got.tok is None and want.tok is None
+        assert torch.equal(out_loc, table[rows_t, prefix_t])
+        assert torch.equal(got.page_table, want.page_table) and torch.equal(got.seq_lens, want.seq_lens)
+    # the table's negatives reach the page tables above (C's truncating division would differ)
+    firsts = table[:, ::page_size]
+    assert page_size == 1 or not torch.equal(firsts // page_size, torch.div(firsts, page_size, rounding_mode="trunc"))
+
+
+def test_decode_slots_reject_rows_and_positions_outside_the_table() -> None:
+    if not cpu.load(paged_decode.KERNEL):
+        pytest.skip("the C++ kernels are off or do not build here")
+    table = torch.arange(4 * 32, dtype=torch.int64).view(4, 32)
+    before = table.clone()
+    for rows, pos in (([4], [0]), ([-1], [0]), ([1], [32]), ([1], [-1])):
+        with pytest.raises(RuntimeError, match="paged_decode_slots"):
+            paged_decode.decode_slots(table, torch.tensor(rows), torch.tensor(pos), 4)
+    assert torch.equal(table, before)

@@ -4,10 +4,12 @@ when none does (the common greedy case), and the same values as a full pass when
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
 
+from gpu import sampling
 from gpu.sampling import SamplingBatch, argmax_rows, sample
 from kernel import Engine
 from kernel.request import Request
@@ -103,3 +105,46 @@ def test_argmax_rows_is_argmax_ties_and_nan_included() -> None:
     x[9, 4999] = float("inf")
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
     assert argmax_rows(x)[3] == 10 and argmax_rows(x)[5] == 0 and argmax_rows(x)[7] == 123
+
+
+# Each setting that keeps a greedy row off the plain argmax (the first is plain).
+NOT_PLAIN = [
+    {}, {"repetition_penalty": 1.5}, {"frequency_penalty": 1.0}, {"presence_penalty": 1.0},
+    {"logit_bias": {7: 30.0}}, {"top_logprobs_num": 2}, {"temperature": 0.8},
+]
+
+
+def outcome(result: Any) -> tuple[object, ...]:
+    return result.token_ids, [repr(x) for x in result.logprobs], result.top_logprobs  # NaN == NaN here
+
+
+@pytest.mark.parametrize("extra", NOT_PLAIN, ids=lambda e: next(iter(e), "plain"))
+def test_plain_greedy_batches_build_no_tensors_and_pick_the_same(extra: dict[str, object],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch of plain greedy rows (no logprobs, penalty, bias or grammar) is built without
+    a tensor; every other batch takes the full build, and both sample what the full build
+    samples (a fast path that also took one of the others goes red below)."""
+    rows = [SamplingParams(**{"temperature": 0, **extra}), SamplingParams(temperature=0)]  # type: ignore[arg-type]
+    history = [[5, 9, 9, 40], [7]]
+
+    def built() -> SamplingBatch:
+        return SamplingBatch.build(rows, [1, 2], [3, 3], history, history, VOCAB, CPU, want_logprobs=[False, False])
+
+    x = logits(2)
+    for r in range(2):  # the seen tokens lead by less than any penalty takes off
+        x[r, [5, 9, 40]] = x[r].max() + 0.01
+    if "temperature" in extra:
+        x[0] = 0.0  # a flat row: the draw is almost surely not its argmax (token 0)
+    fast = built()
+    with monkeypatch.context() as m:
+        m.setattr(sampling, "_plain_greedy", lambda *_: False)  # the full build, always
+        full = built()
+    assert outcome(sample(x, fast)) == outcome(sample(x, full))
+    with monkeypatch.context() as m:
+        tensors: list[object] = []
+        m.setattr(sampling, "to_device", lambda *a: tensors.append(a) or torch.tensor(a[0], dtype=a[1]))
+        built()
+    assert (tensors == []) == (not extra), "only a plain greedy batch is built without tensors"
+    if extra:  # planted: a fast path that ignored the setting samples what the full build does not
+        monkeypatch.setattr(sampling, "_plain_greedy", lambda *_: True)
+        assert outcome(sample(x, built())) != outcome(sample(x, full))

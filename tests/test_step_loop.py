@@ -87,3 +87,44 @@ async def test_red_without_the_guard_clients_hang(tiny_chat_folder: str, monkeyp
     finally:
         leaks.excuse(engine)  # its loop died unseen: its state is evidence, not a leak
         await engine.shutdown()
+
+
+async def test_cpu_emits_a_steps_text_before_the_next_forward(tiny_chat_folder: str) -> None:
+    """On CPU the forward takes every core, so step N's output is emitted (and its streams
+    get a turn) before step N+1 is submitted; with `text_first` off (the GPU order) the
+    next step is submitted first and the text work runs beside it."""
+    engine = await make(tiny_chat_folder)
+    loop = engine.loop
+    assert loop.text_first, "a CPU engine emits before it submits"
+    events: list[str] = []
+    land, submit, emit = loop.land, loop.submit, loop.output.emit
+
+    async def spy_land(*args: Any) -> Any:
+        events.append("land")
+        return await land(*args)
+
+    def spy_submit(plan: Any) -> Any:
+        step = submit(plan)
+        if step is not None:
+            events.append("submit")
+        return step
+
+    def spy_emit(reqs: list[Any]) -> None:
+        if reqs:
+            events.append("emit")
+        emit(reqs)
+
+    loop.land, loop.submit, loop.output.emit = spy_land, spy_submit, spy_emit  # type: ignore[method-assign]
+    try:
+        orders = {}
+        for text_first in (True, False):
+            loop.text_first = text_first
+            events.clear()
+            await engine.collect(engine.add_request(PROMPT, PARAMS))
+            # after each landed step with output and a next step: its emit and that submit, in order
+            orders[text_first] = {tuple(events[i + 1:i + 3]) for i in range(len(events) - 2)
+                                  if events[i] == "land" and "emit" in events[i + 1:i + 3]}
+        assert orders[True] == {("emit", "submit")}, orders
+        assert orders[False] == {("submit", "emit")}, orders
+    finally:
+        await engine.shutdown()

@@ -64,6 +64,19 @@ def build(
     return PagedDecode(tok, page_table, seq_lens)
 
 
+def decode_slots(
+    req_to_token: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, page_size: int
+) -> tuple[torch.Tensor, PagedDecode]:
+    """A decode-only step (one token per request, in order): each token's KV slot and the
+    kernel's metadata, in one native call (paged_attention.cpp `paged_decode_slots`; the
+    same values as `build` and `TorchAttention._cache_locs` compute with torch ops).
+
+    rows/positions: each request's table row and its new token's position (its cached length).
+    """
+    out_loc, page_table, seq_lens = torch.ops.tierserve_cpu.paged_decode_slots(req_to_token, rows, positions, page_size)
+    return out_loc, PagedDecode(None, page_table, seq_lens)
+
+
 def attend(
     step: PagedDecode, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int
 ) -> torch.Tensor:

@@ -64,6 +64,9 @@ class TorchAttention(AttentionBackend):
         device = self.req_to_token.device
         rows_t = to_device(rows, torch.int64, device)
         prefix_t = to_device(prefix_lens, torch.int64, device)
+        if self._use_kernel and extend_lens and len(extend_lens) == sum(extend_lens):  # decodes only (chunks hold >= 1)
+            self.prepare_decodes(rows_t, prefix_t)
+            return
         extend_t = to_device(extend_lens, torch.int64, device)
         self.out_cache_loc = self._cache_locs(rows_t, prefix_t, extend_t, sum(extend_lens))
         starts = list(accumulate(extend_lens, initial=0))
@@ -79,6 +82,14 @@ class TorchAttention(AttentionBackend):
             for i, num in enumerate(extend_lens)
             if num > 1
         ]
+
+    def prepare_decodes(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        """`prepare` of a decode-only step over the C++ kernel (`uses_paged_kernel`), from
+        its requests' table rows and new tokens' positions as tensors: one native call."""
+        self.out_cache_loc, self._paged = paged_decode.decode_slots(
+            self.req_to_token, rows, positions, self.pool.page_size
+        )
+        self._decodes, self._extends = [], []
 
     @property
     def uses_paged_kernel(self) -> bool:

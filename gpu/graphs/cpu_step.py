@@ -8,8 +8,9 @@ shapes (the call takes any row count), so a bucket is only the admission rule: d
 batches of at most the largest decode bucket that the model's quantized kernels run
 (their row limit); anything else runs the eager torch path.
 
-The step reads the attention backend's own metadata for the batch (`TorchAttention.prepare`,
-then `paged_decodes`), so slots and page tables come from the code every other step uses.
+The step reads the attention backend's own metadata for the batch (`TorchAttention.prepare_decodes`,
+which its `prepare` runs for every decode-only step over the C++ kernel, then
+`paged_decodes`), so slots and page tables come from the code every other such step uses.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from gpu.forward_batch import ForwardBatch
 from gpu.graphs.runner import Bucket, Graph
 from gpu.models import llama_cpu_step
 from gpu.models.llama import LlamaModel
-from gpu.step_inputs import StepInputs, flat_inputs
+from gpu.step_inputs import StepInputs
 
 log = structlog.get_logger("tierserve")
 
@@ -74,9 +75,17 @@ class CpuStepRunner:
 
     def replay(self, graph: Graph, batch: ForwardBatch) -> torch.Tensor:
         """Logits of the batch's sampling rows from one native decode step."""
-        inputs = self.inputs
-        input_ids, positions, last = inputs.build(batch) if inputs is not None else flat_inputs(batch, self.device)
-        self.attention.prepare(batch.rows, batch.prefix_lens, batch.extend_lens)
+        # NOTE: one host tensor for all four index lists, the attention metadata in one
+        # native call: a batch-1 step's Python is paid with cold caches (the step streamed
+        # every weight through them), where each small op costs ~3x its warm time.
+        n = len(batch.rows)
+        flat = torch.tensor((*batch.input_ids, *batch.prefix_lens, *batch.rows, *batch.sample_rows), dtype=torch.int64)
+        input_ids, positions, rows, last = flat.split((n, n, n, len(batch.sample_rows)))
+        if self.inputs is not None:
+            input_ids = self.inputs.resolve(input_ids, batch)
+        elif batch.placeholders:
+            raise ValueError("a batch with placeholder ids, but overlap scheduling is off")
+        self.attention.prepare_decodes(rows, positions)
         decodes = self.attention.paged_decodes()
         if decodes is None:  # NOTE: bucket_for admitted only decode batches; the backend must agree
             raise RuntimeError("the attention backend prepared no paged decode metadata for a decode batch")

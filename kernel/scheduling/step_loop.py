@@ -3,6 +3,10 @@
 Step N+1 is planned and submitted as soon as step N's tokens are applied, and only
 then is step N's output detokenized and streamed, so text work overlaps the forward.
 Planning waits for N's ids because a finish or a retraction changes the next plan.
+On CPU (`text_first`) the order is the other way round: the forward's threads take every
+core, and text work run beside them (the loop's Python, the streams' writes) stalls the
+whole team at its next barrier, which costs more than the text work itself; so N's output is
+emitted and its streams get a turn of the loop before N+1 is submitted.
 With `scheduler.overlap` on it does not (kernel/scheduling/overlap.py): N+1 is planned and
 submitted while N runs, its decode rows reading N's tokens on the device, and the loop
 applies and emits N while N+1 runs.
@@ -40,6 +44,7 @@ class StepLoop:
     def __init__(
         self, scheduler: Scheduler, device_thread: DeviceThread, runner: ModelRunner, output: OutputProcessor,
         check_invariants: bool, halt: Callable[[BaseException], None], overlap: bool = False,
+        text_first: bool = False,
     ) -> None:
         self.scheduler = scheduler
         self.device_thread = device_thread
@@ -52,6 +57,7 @@ class StepLoop:
         # Overlap scheduling; it needs dense models (kernel/overlap.resolve_overlap).
         self.overlap = overlap and scheduler.hybrid is None
         self.overlapped = 0  # steps submitted while the previous one was still in flight
+        self.text_first = text_first  # emit before submitting (CPU: see the module docstring)
 
     async def run(self) -> None:
         try:
@@ -65,6 +71,10 @@ class StepLoop:
     async def _loop(self) -> None:
         emit_next: list[Request] = []
         while True:
+            if self.text_first and emit_next:
+                self.output.emit(emit_next)
+                emit_next = []
+                await asyncio.sleep(0)  # the streams write now, not beside the next forward
             plan = self.plan()
             if plan is not None and drafts_pending(plan):
                 plan = await self.fill_drafts(plan)  # a draft model's drafts (kernel/speculative/draft_model.py)

@@ -1,7 +1,9 @@
 // A Llama-family (Llama, Qwen2) decode step in one native call: embedding, every layer's norm, qkv, RoPE, KV
 // write, attention, o_proj and residual, norm, gate_up, SiLU * up, down and residual, then
 // the final norm and the head, run by one OpenMP team (one parallel region per step; the
-// threads meet at six barriers a layer). It is the CPU counterpart of graph replay: a
+// threads meet at five barriers a layer, one after each phase: qkv with RoPE and the KV
+// write, attention, o_proj, gate_up, down; inside a phase each works through its own share
+// and then steals what is left of the others'). It is the CPU counterpart of graph replay: a
 // torch-path decode step is ~10 ops a layer, each a Python dispatch and a fork/join of the
 // intra-op threads, and at batch 1 those cost more than reading the weights.
 //
@@ -95,8 +97,9 @@ class LlamaDecoder : public torch::CustomClassHolder {
     TORCH_CHECK(dtype_ == at::kFloat || dtype_ == at::kBFloat16, "LlamaDecoder: float32 or bfloat16, not ", dtype_);
     TORCH_CHECK(heads_ > 0 && kv_heads_ > 0 && heads_ % kv_heads_ == 0 && dim_ % 2 == 0 && dim_ <= paged::kMaxHeadDim,
                 "LlamaDecoder: ", heads_, " heads over ", kv_heads_, " kv heads of dim ", dim_);
-    TORCH_CHECK(hidden_ % gemv::kGroup == 0 && inter_ % gemv::kTile == 0 && (heads_ * dim_) % gemv::kGroup == 0,
-                "LlamaDecoder: hidden and heads * head_dim must be multiples of 32, intermediate of 16");
+    TORCH_CHECK(hidden_ % gemv::kGroup == 0 && inter_ % gemv::kTile == 0 && (heads_ * dim_) % gemv::kGroup == 0 &&
+                    dim_ % gemv::kTile == 0,
+                "LlamaDecoder: hidden and heads * head_dim must be multiples of 32, intermediate and head_dim of 16");
     check_vector(embed_, vocab_ * hidden_, "embed");
     TORCH_CHECK(rope_.dim() == 2 && rope_.size(1) == dim_ && rope_.is_contiguous() && rope_.scalar_type() == dtype_,
                 "LlamaDecoder: rope must be [positions, head_dim] (cos | sin) in the compute dtype");
@@ -225,6 +228,7 @@ struct Input {
   std::vector<float> x;
   gemv::Quantized q;
   std::vector<uint16_t> row;  // one normed row in the compute dtype (bfloat16's bits)
+  const uint8_t* stream_end = nullptr;  // where this thread's last weight read ended (matmul_items)
 
   template <class G>
   void from(const typename G::scalar* src, int64_t rows, int64_t k) {
@@ -247,13 +251,16 @@ struct Input {
 };
 
 // out rows [i0 * 16, i1 * 16) (clipped to N) of `rows` rows of x (quant_gemv_core.h's tiles).
+// The stream's head is prefetched unless this thread's previous call ended where this one starts.
 template <class Out>
-void matmul_items(const Linear& l, const Input& in, Out* out, int64_t rows, int64_t i0, int64_t i1) {
+void matmul_items(const Linear& l, Input& in, Out* out, int64_t rows, int64_t i0, int64_t i1) {
   const gemv::Problem<Out> p{l.w, l.s, out, l.k, l.n, l.stride};
+  const bool head = l.w + i0 * l.stride != in.stream_end;
+  in.stream_end = l.w + i1 * l.stride;
   if (l.kind == kQ4) {
-    gemv::tiles<true>(p, in.q.input(), rows, i0, i1, gemv::best_isa());
+    gemv::tiles<true>(p, in.q.input(), rows, i0, i1, gemv::best_isa(), head);
   } else {
-    gemv::tiles<false>(p, in.q.input(), rows, i0, i1, gemv::best_isa());
+    gemv::tiles<false>(p, in.q.input(), rows, i0, i1, gemv::best_isa(), head);
   }
 }
 
@@ -269,6 +276,60 @@ void add_rows(typename G::scalar* h, const typename G::scalar* delta, int64_t ro
     for (int64_t n = n0; n < n1; ++n) h[r * width + n] = G::store(G::load(h[r * width + n]) + G::load(d[n]));
   }
 }
+
+// One thread's share of a phase's chunks, [front, back) packed in one word (front in the low
+// half), on its own cache line: its owner takes chunks from the front, a thread done with its
+// own share steals from the back, and a compare-exchange never lets both take one chunk.
+struct alignas(64) Share {
+  std::atomic<uint64_t> bounds{0};
+};
+
+inline uint64_t pack(int64_t front, int64_t back) {
+  return static_cast<uint64_t>(front) | (static_cast<uint64_t>(back) << 32);
+}
+
+// Takes the front (or back) chunk of `share` into `chunk`; false once the share is empty.
+inline bool take(Share& share, bool front, int64_t& chunk) {
+  uint64_t v = share.bounds.load(std::memory_order_relaxed);
+  while (true) {
+    const int64_t f = static_cast<int64_t>(v & 0xffffffffu), b = static_cast<int64_t>(v >> 32);
+    if (f >= b) return false;
+    if (share.bounds.compare_exchange_weak(v, front ? pack(f + 1, b) : pack(f, b - 1), std::memory_order_relaxed)) {
+      chunk = front ? f : b - 1;
+      return true;
+    }
+  }
+}
+
+// A phase's work: `count` units in chunks of `grain`, one contiguous share of the chunks per thread.
+struct Work {
+  int64_t count, grain;
+  int64_t chunks() const { return (count + grain - 1) / grain; }
+};
+
+// Units per chunk: ~8 chunks a thread, so a stolen chunk is short.
+inline Work work_of(int64_t count, int threads, bool whole_units = false) {
+  return {count, whole_units ? 1 : std::max<int64_t>(1, count / (8 * threads))};
+}
+
+// Thread t's part of a phase split into `count` shares: f(u0, u1) on its own share's chunks,
+// front to back, then on chunks stolen from the back of the others' shares.
+// NOTE: a static split left one thread waiting for the other at every barrier (memory-bound
+// matmuls on a shared bus do not finish together, and a VM's thread may be descheduled:
+// ~0.5 ms of a 6 ms batch-1 step on two cores); a shared counter handing out chunks in turn
+// was slower still (each thread's weight reads no longer one forward stream, which the
+// hardware prefetchers need). Shares keep the streams and stealing evens out the end. Which
+// thread computes a unit never changes its values: every unit is computed whole by one thread.
+template <class F>
+void run_shares(Share* shares, int t, int count, const Work& w, F&& f) {
+  int64_t c;
+  for (int i = 0; i < count; ++i) {
+    Share& share = shares[(t + i) % count];
+    while (take(share, i == 0, c)) f(c * w.grain, std::min(w.count, (c + 1) * w.grain));
+  }
+}
+
+constexpr int kPhases = 5;  // per layer: qkv (+ RoPE, KV write), attention, o, gate_up, down
 
 template <class Types>
 void LlamaDecoder::run(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& out_loc,
@@ -295,8 +356,20 @@ void LlamaDecoder::run(const at::Tensor& ids, const at::Tensor& positions, const
   const std::vector<paged::Item> items = paged::plan(seq_lens.data_ptr<int64_t>(), B, paged::kChunk, splits);
   const int64_t width = paged::partial_width(heads_, D);
   std::vector<float> partials(static_cast<int64_t>(items.size()) > B ? items.size() * width : 0);
-  std::atomic<int64_t> next{0};
   const int threads = std::max(1, at::get_num_threads());
+  const int64_t head_tiles = D / gemv::kTile, qkv_heads = heads_ + 2 * kv_heads_, gate_tiles = inter_ / gemv::kTile;
+  // Each phase's work (the same every layer), then every phase's shares, set before the team starts.
+  const Work works[kPhases + 1] = {work_of(qkv_heads, threads, true), work_of(static_cast<int64_t>(items.size()), threads, true),
+                                   work_of(items_of(layers_[0].o), threads), work_of(gate_tiles, threads),
+                                   work_of(items_of(layers_[0].down), threads), work_of(items_of(head_), threads)};
+  std::vector<Share> shares((num_layers_ * kPhases + 1) * threads);
+  for (int64_t p = 0; p < num_layers_ * kPhases + 1; ++p) {
+    const Work& w = works[p == num_layers_ * kPhases ? kPhases : p % kPhases];
+    for (int t = 0; t < threads; ++t) {
+      const auto [f, b] = share(w.chunks(), t, threads);
+      shares[p * threads + t].bounds.store(pack(f, b), std::memory_order_relaxed);
+    }
+  }
   std::vector<Input> inputs(threads);
   for (Input& in : inputs) {
     in.x.resize(std::max(B, R) * kmax);
@@ -309,48 +382,58 @@ void LlamaDecoder::run(const at::Tensor& ids, const at::Tensor& positions, const
 
 #pragma omp parallel num_threads(threads)
   {
-    const int t = omp_get_thread_num(), team = omp_get_num_threads();
+    const int t = omp_get_thread_num();
     Input& in = inputs[t];
     std::vector<float> merge_tmp(width);
     std::vector<E> k_row(kConvertKV ? D : 0);  // a rotated key before its conversion to the pool's type
+    // This thread's part of phase p of the current layer, or (p == kPhases, after the last
+    // layer, where `layer_shares` has reached the head's) of the head. NOTE: `threads` shares
+    // a phase, stolen by whoever runs: a smaller team (omp may give fewer) still does them all.
+    Share* layer_shares = shares.data();
+    auto part = [&](int p, auto&& f) { run_shares(layer_shares + (p % kPhases) * threads, t, threads, works[p], f); };
+    // Every matmul phase: its output tiles, then `epilogue(n0, n1)` on their columns.
+    auto matmul = [&](const Linear& l, int64_t rows, E* out, int p, auto&& epilogue) {
+      part(p, [&](int64_t a, int64_t e) {
+        matmul_items(l, in, out, rows, a, e);
+        epilogue(a * gemv::kTile, std::min(l.n, e * gemv::kTile));
+      });
+    };
     for (const Layer& L : layers_) {
-      // x = input_norm(h); qkv = x @ Wqkv^T
+      // x = input_norm(h); qkv = x @ Wqkv^T by whole heads (q, k, v), each finished by its taker:
+      // RoPE of a q or k head, a k or v head written at each row's new slot.
       in.normed<G>(st(h), sv(L.input_norm), B, H, eps_);
-      int64_t a, e;
-      std::tie(a, e) = share(items_of(L.qkv), t, team);
-      matmul_items(L.qkv, in, qkv.data(), B, a, e);
-      if (L.qkv_bias.numel() > 0) add_rows<G>(st(qkv), sv(L.qkv_bias), B, qkv_n, a * gemv::kTile, std::min(qkv_n, e * gemv::kTile), 0);
-#pragma omp barrier
-      // RoPE of q and k; k and v written at each row's new slot.
-      const int64_t per_row = heads_ + kv_heads_;
-      int64_t r0, r1;
-      std::tie(r0, r1) = share(B * per_row, t, team);
-      for (int64_t task = r0; task < r1; ++task) {
-        const int64_t b = task / per_row, j = task % per_row;
-        const S* x = st(qkv) + b * qkv_n;
-        const S* c = reinterpret_cast<const S*>(rope + pos[b] * D);
-        if (j < heads_) {
-          glue::rope_head<G>(x + j * D, c, c + half, st(q) + (b * heads_ + j) * D, half);
-        } else {
-          const int64_t kv = j - heads_, slot = (loc[b] * kv_heads_ + kv) * D;
-          K* k_slot = reinterpret_cast<K*>(L.k_pool.data_ptr()) + slot;
-          K* v_slot = reinterpret_cast<K*>(L.v_pool.data_ptr()) + slot;
-          if constexpr (kConvertKV) {  // rounded to the pool's type as the torch path's pool.write rounds
-            glue::rope_head<G>(x + (heads_ + kv) * D, c, c + half, st(k_row), half);
-            const E* v_src = reinterpret_cast<const E*>(x + (heads_ + kv_heads_ + kv) * D);
-            for (int64_t e = 0; e < D; ++e) k_slot[e] = static_cast<K>(k_row[e]), v_slot[e] = static_cast<K>(v_src[e]);
-          } else {
-            glue::rope_head<G>(x + (heads_ + kv) * D, c, c + half, reinterpret_cast<S*>(k_slot), half);
-            std::memcpy(v_slot, x + (heads_ + kv_heads_ + kv) * D, sizeof(S) * D);
-          }
-        }
-      }
-      if (t == 0) {
-        next.store(0, std::memory_order_relaxed);
+      if (t == 0) {  // the previous layer's attention is past its barrier: its merge counters are free
         for (paged::Split& s : splits) {
           if (s.pending) s.pending->store(s.chunks, std::memory_order_relaxed);
         }
       }
+      part(0, [&](int64_t j, int64_t) {
+        matmul_items(L.qkv, in, qkv.data(), B, j * head_tiles, (j + 1) * head_tiles);
+        if (L.qkv_bias.numel() > 0) add_rows<G>(st(qkv), sv(L.qkv_bias), B, qkv_n, j * D, (j + 1) * D, 0);
+        for (int64_t b = 0; b < B; ++b) {
+          const S* x = st(qkv) + b * qkv_n + j * D;
+          const S* c = reinterpret_cast<const S*>(rope + pos[b] * D);
+          if (j < heads_) {
+            glue::rope_head<G>(x, c, c + half, st(q) + (b * heads_ + j) * D, half);
+            continue;
+          }
+          const int64_t kv = (j - heads_) % kv_heads_, slot = (loc[b] * kv_heads_ + kv) * D;
+          const bool is_key = j < heads_ + kv_heads_;
+          K* dst = reinterpret_cast<K*>((is_key ? L.k_pool : L.v_pool).data_ptr()) + slot;
+          if constexpr (kConvertKV) {  // rounded to the pool's type as the torch path's pool.write rounds
+            const E* src = reinterpret_cast<const E*>(x);
+            if (is_key) {
+              glue::rope_head<G>(x, c, c + half, st(k_row), half);
+              src = k_row.data();
+            }
+            for (int64_t e = 0; e < D; ++e) dst[e] = static_cast<K>(src[e]);
+          } else if (is_key) {
+            glue::rope_head<G>(x, c, c + half, reinterpret_cast<S*>(dst), half);
+          } else {
+            std::memcpy(dst, x, sizeof(S) * D);
+          }
+        }
+      });
 #pragma omp barrier
       // Attention of every row's query over its pages.
       const paged::Problem<E, K> ap{q.data(), reinterpret_cast<const K*>(L.k_pool.data_ptr()),
@@ -360,49 +443,43 @@ void LlamaDecoder::run(const at::Tensor& ids, const at::Tensor& positions, const
       paged::with_variant<K>(D, [&](auto variant) {
         using V = decltype(variant);
         paged::Attender<typename V::S, V::NV, E, K> attender(ap);
-        const int64_t count = static_cast<int64_t>(items.size());
-        for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) {
+        part(1, [&](int64_t i, int64_t) {
           paged::run_item(ap, attender, items[i], splits, partials.data(), merge_tmp.data());
+        });
+      });
+#pragma omp barrier
+      // h += att @ Wo^T
+      in.from<G>(st(att), B, heads_ * D);
+      matmul(L.o, B, delta.data(), 2, [&](int64_t n0, int64_t n1) { add_rows<G>(st(h), st(delta), B, H, n0, n1, H); });
+#pragma omp barrier
+      // x = post_norm(h); gate_up by matching tiles of both halves, then SiLU(gate) * up on them.
+      in.normed<G>(st(h), sv(L.post_norm), B, H, eps_);
+      part(3, [&](int64_t a, int64_t e) {
+        matmul_items(L.gate_up, in, gu.data(), B, a, e);
+        matmul_items(L.gate_up, in, gu.data(), B, gate_tiles + a, gate_tiles + e);
+        for (int64_t b = 0; b < B; ++b) {
+          const S* g = st(gu) + b * 2 * inter_;
+          S* y = st(act) + b * inter_;
+          glue::silu_times_run<G>(g + a * gemv::kTile, g + inter_ + a * gemv::kTile, y + a * gemv::kTile, (e - a) * gemv::kTile);
         }
       });
 #pragma omp barrier
-      // h += att @ Wo^T, on this thread's output rows.
-      in.from<G>(st(att), B, heads_ * D);
-      std::tie(a, e) = share(items_of(L.o), t, team);
-      matmul_items(L.o, in, delta.data(), B, a, e);
-      add_rows<G>(st(h), st(delta), B, H, a * gemv::kTile, std::min(H, e * gemv::kTile), H);
-#pragma omp barrier
-      // x = post_norm(h); gate_up, then SiLU(gate) * up on this thread's tiles of both halves.
-      in.normed<G>(st(h), sv(L.post_norm), B, H, eps_);
-      std::tie(a, e) = share(inter_ / gemv::kTile, t, team);
-      const int64_t up = inter_ / gemv::kTile;
-      matmul_items(L.gate_up, in, gu.data(), B, a, e);
-      matmul_items(L.gate_up, in, gu.data(), B, up + a, up + e);
-      for (int64_t b = 0; b < B; ++b) {
-        const S* g = st(gu) + b * 2 * inter_;
-        S* y = st(act) + b * inter_;
-        glue::silu_times_run<G>(g + a * gemv::kTile, g + inter_ + a * gemv::kTile, y + a * gemv::kTile, (e - a) * gemv::kTile);
-      }
-#pragma omp barrier
       // h += act @ Wdown^T
       in.from<G>(st(act), B, inter_);
-      std::tie(a, e) = share(items_of(L.down), t, team);
-      matmul_items(L.down, in, delta.data(), B, a, e);
-      add_rows<G>(st(h), st(delta), B, H, a * gemv::kTile, std::min(H, e * gemv::kTile), H);
+      matmul(L.down, B, delta.data(), 4, [&](int64_t n0, int64_t n1) { add_rows<G>(st(h), st(delta), B, H, n0, n1, H); });
 #pragma omp barrier
+      layer_shares += kPhases * threads;
     }
     // logits of the picked rows: final_norm(h) @ Whead^T
     in.normed<G>(st(h), sv(final_norm_), R, H, eps_, pick);
-    int64_t a, e;
-    std::tie(a, e) = share(items_of(head_), t, team);
-    matmul_items(head_, in, out_logits, R, a, e);
-    if constexpr (!std::is_same_v<E, float>) {
-      float* lp = logits.data_ptr<float>();
-      const int64_t n0 = a * gemv::kTile, n1 = std::min(vocab_, e * gemv::kTile);
-      for (int64_t r = 0; r < R; ++r) {
-        for (int64_t n = n0; n < n1; ++n) lp[r * vocab_ + n] = static_cast<float>(head_out[r * vocab_ + n]);
+    matmul(head_, R, out_logits, kPhases, [&](int64_t n0, int64_t n1) {
+      if constexpr (!std::is_same_v<E, float>) {
+        float* lp = logits.data_ptr<float>();
+        for (int64_t r = 0; r < R; ++r) {
+          for (int64_t n = n0; n < n1; ++n) lp[r * vocab_ + n] = static_cast<float>(head_out[r * vocab_ + n]);
+        }
       }
-    }
+    });
   }
 }
 

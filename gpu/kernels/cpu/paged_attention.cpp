@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <tuple>
 #include <vector>
 
 #include "paged_attention_core.h"
@@ -112,11 +113,59 @@ at::Tensor paged_attention_decode(const at::Tensor& q_in, const at::Tensor& k_ca
   return out;
 }
 
+// torch's floor division (`//`) of an int64 by a positive divisor.
+inline int64_t floor_div(int64_t v, int64_t d) { return v >= 0 ? v / d : -((-v + d - 1) / d); }
+
+// A decode-only step's metadata from the request table, as the torch ops of
+// gpu/attention/paged_decode.py compute it, in one call: each row's new KV slot
+// (req_to_token[row, pos]), its page table (each page's first slot // page_size, for the
+// pages of the longest row's keys [0, max pos]) and its key count (pos + 1).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> paged_decode_slots(const at::Tensor& req_to_token,
+                                                                  const at::Tensor& rows_in,
+                                                                  const at::Tensor& positions_in, int64_t page_size) {
+  TORCH_CHECK(req_to_token.dim() == 2 && req_to_token.scalar_type() == at::kLong && req_to_token.is_contiguous(),
+              "paged_decode_slots: req_to_token must be contiguous int64 [rows, context]");
+  TORCH_CHECK(rows_in.dim() == 1 && positions_in.dim() == 1 && rows_in.size(0) == positions_in.size(0) &&
+                  rows_in.scalar_type() == at::kLong && positions_in.scalar_type() == at::kLong,
+              "paged_decode_slots: rows and positions must be int64 [B]");
+  TORCH_CHECK(page_size > 0, "paged_decode_slots: bad page_size ", page_size);
+  const at::Tensor rows = rows_in.contiguous(), positions = positions_in.contiguous();
+  const int64_t batch = rows.size(0), table_rows = req_to_token.size(0), width = req_to_token.size(1);
+  const int64_t* row = rows.data_ptr<int64_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  int64_t keys = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(row[b] >= 0 && row[b] < table_rows, "paged_decode_slots: row ", row[b], " outside the table");
+    TORCH_CHECK(pos[b] >= 0 && pos[b] < width, "paged_decode_slots: position ", pos[b], " outside the context");
+    keys = std::max(keys, pos[b] + 1);
+  }
+  const int64_t pages = (keys + page_size - 1) / page_size;
+  const auto opts = rows.options();
+  at::Tensor out_loc = at::empty({batch}, opts), page_table = at::empty({batch, pages}, opts);
+  at::Tensor seq_lens = at::empty({batch}, opts);
+  const int64_t* table = req_to_token.data_ptr<int64_t>();
+  int64_t* loc = out_loc.data_ptr<int64_t>();
+  int64_t* pt = page_table.data_ptr<int64_t>();
+  int64_t* lens = seq_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t* slots = table + row[b] * width;
+    loc[b] = slots[pos[b]];
+    lens[b] = pos[b] + 1;
+    for (int64_t i = 0; i < pages; ++i) pt[b * pages + i] = floor_div(slots[i * page_size], page_size);
+  }
+  return {out_loc, page_table, seq_lens};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tierserve_cpu, m) {
   m.def("paged_attention_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor seq_lens, "
         "int page_size, float scale) -> Tensor");
+  m.def("paged_decode_slots(Tensor req_to_token, Tensor rows, Tensor positions, int page_size) -> "
+        "(Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(tierserve_cpu, CPU, m) { m.impl("paged_attention_decode", &paged_attention_decode); }
+TORCH_LIBRARY_IMPL(tierserve_cpu, CPU, m) {
+  m.impl("paged_attention_decode", &paged_attention_decode);
+  m.impl("paged_decode_slots", &paged_decode_slots);
+}

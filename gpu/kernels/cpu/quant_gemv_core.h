@@ -427,10 +427,13 @@ void int8_avx2(const Problem<Out>& p, const QInput& in, int64_t rows, int64_t t0
 // all `rows` rows of x, on the code path `isa` (one compiled here: isa_named; every path
 // gives the same bits). quant_gemv.cpp's ops give each thread a range of tiles, decode_step.cpp too.
 template <bool Q4, class Out>
-void tiles(const Problem<Out>& p, const QInput& in, int64_t rows, int64_t i0, int64_t i1, Isa isa) {
+void tiles(const Problem<Out>& p, const QInput& in, int64_t rows, int64_t i0, int64_t i1, Isa isa, bool head = true) {
   if (i0 >= i1) return;
-  // the stream's head (the loops prefetch kPrefetchBytes ahead; this covers what comes before)
-  for (int64_t line = 0; line < std::min(kPrefetchBytes, (i1 - i0) * p.stride); line += 64) prefetch(p.w + i0 * p.stride + line);
+  // the stream's head (the loops prefetch kPrefetchBytes ahead; this covers what comes before),
+  // unless the caller's previous call ended right before i0 (its loop prefetched this far)
+  if (head) {
+    for (int64_t line = 0; line < std::min(kPrefetchBytes, (i1 - i0) * p.stride); line += 64) prefetch(p.w + i0 * p.stride + line);
+  }
 #if defined(QG_VNNI)
   if (isa == Isa::kVnni) return Q4 ? q4_avx2<true>(p, in, rows, i0, i1) : int8_avx2<true>(p, in, rows, i0, i1);
 #endif
