@@ -352,11 +352,12 @@ void LlamaDecoder::run(const at::Tensor& ids, const at::Tensor& positions, const
   const E* embed = reinterpret_cast<const E*>(embed_.data_ptr());
   for (int64_t b = 0; b < B; ++b) std::memcpy(&h[b * H], embed + id[b] * H, sizeof(E) * H);
   // The attention's work items (the same every layer: they depend on the lengths only).
-  std::vector<paged::Split> splits;
-  const std::vector<paged::Item> items = paged::plan(seq_lens.data_ptr<int64_t>(), B, paged::kChunk, splits);
-  const int64_t width = paged::partial_width(heads_, D);
-  std::vector<float> partials(static_cast<int64_t>(items.size()) > B ? items.size() * width : 0);
   const int threads = std::max(1, at::get_num_threads());
+  std::vector<paged::Split> splits;
+  const std::vector<paged::Item> items =
+      paged::plan(seq_lens.data_ptr<int64_t>(), B, paged::kChunk, kv_heads_, threads, splits);
+  const int64_t width = paged::partial_width(heads_, D);
+  std::vector<float> partials(paged::partial_slots(splits) * width);
   const int64_t head_tiles = D / gemv::kTile, qkv_heads = heads_ + 2 * kv_heads_, gate_tiles = inter_ / gemv::kTile;
   // Each phase's work (the same every layer), then every phase's shares, set before the team starts.
   const Work works[kPhases + 1] = {work_of(qkv_heads, threads, true), work_of(static_cast<int64_t>(items.size()), threads, true),

@@ -1,15 +1,16 @@
 // Paged decode attention on CPU: one query token per row against that row's keys, read
 // from the KV pool's pages where they lie (no gather into contiguous buffers).
 //
-// A work item is a chunk of a row's keys: every row is cut into chunks of kChunk keys
-// (the last one shorter), and the chunk that finishes a row last merges the row's partial
-// results with their log-sum-exp, in chunk order. NOTE: the cut depends on the row's own
-// length only, never on the batch or the thread count, so a row's output is the same
-// whichever rows share its step (batch-invariant, like the torch path it replaces); a
-// batch-1 step still spreads a long row over the threads. An item
-// walks its keys in blocks, reading each block's slots (all kv heads of a slot lie side
-// by side) while the next block is prefetched. The query heads sharing a kv head are done
-// together, so each K/V row is loaded once for all of them (grouped-query attention).
+// A work item is a chunk of a row's keys: every row is cut into chunks of kChunk keys (the
+// last one shorter), and the chunk that finishes a row last merges the row's partial results
+// with their log-sum-exp, in chunk order. NOTE: the key cut depends on the row's own length
+// only, never on the batch or the thread count, so a row's output is the same whichever rows
+// share its step (batch-invariant, like the torch path it replaces); a batch-1 step still
+// spreads a long row over the threads. At small batches an item is also one kv head's part
+// of a chunk (each head merged on its own), which changes no value: a head's keys are
+// visited in the same order either way. An item walks its keys in blocks, reading each
+// block's slots while the next block is prefetched. The query heads sharing a kv head are
+// done together, so each K/V row is loaded once for all of them (grouped-query attention).
 // Scores, softmax and output accumulate in float32 with an online (streaming) softmax.
 //
 // Vector code (paged_attention_vec.h): AVX-512 or AVX2 intrinsics when the compiler
@@ -36,10 +37,10 @@ template <class S, int NV, class T, class KV>
 void attend(const Problem<T, KV>& p, int64_t batch) {
   const int threads = at::get_num_threads();
   std::vector<Split> splits;
-  const std::vector<Item> items = plan(p.lens, batch, kChunk, splits);
+  const std::vector<Item> items = plan(p.lens, batch, kChunk, p.kv_heads, threads, splits);
   const int64_t width = partial_width(p.heads, p.dim), count = static_cast<int64_t>(items.size());
-  // Split rows' chunks leave their results here, at their row's first_item + chunk.
-  std::vector<float> partials(count > batch ? count * width : 0);
+  // Split rows' chunks leave their results here, at their row's first_chunk + chunk.
+  std::vector<float> partials(partial_slots(splits) * width);
   std::atomic<int64_t> next{0};
   // One task per thread, each taking items off a shared counter: rows of very different
   // lengths still spread evenly over the threads.

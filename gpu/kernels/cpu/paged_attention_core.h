@@ -74,8 +74,10 @@ class Attender {
     dots_ = scores_ + h * kBlock;
   }
 
-  // Keys [t0, t1) of `row`; leaves the unnormalized state of its heads in the result.
-  const State& run(int64_t row, int64_t t0, int64_t t1) {
+  // Keys [t0, t1) of `row` for kv heads [k0, k1); leaves the unnormalized state of their
+  // query heads in the result (the other heads' entries are not touched).
+  const State& run(int64_t row, int64_t t0, int64_t t1, int64_t k0, int64_t k1) {
+    k0_ = k0, k1_ = k1;
     start(row);
     int cur = 0;
     slots(row, t0, block_len(t0, t1), slot_off_[cur]);
@@ -94,16 +96,16 @@ class Attender {
   static int block_len(int64_t t, int64_t t1) { return static_cast<int>(std::min<int64_t>(kBlock, t1 - t)); }
 
   void start(int64_t row) {
-    const int64_t d = p_.dim, hd = p_.heads * d;
-    q_row_ = p_.q + row * hd;
+    const int64_t d = p_.dim, h0 = k0_ * p_.group, h1 = k1_ * p_.group;
+    q_row_ = p_.q + row * p_.heads * d;
     if constexpr (!kDotBf16) {
-      for (int64_t h = 0; h < p_.heads; ++h) {
+      for (int64_t h = h0; h < h1; ++h) {
         for (int64_t e = 0; e < d; ++e) st_.q[h * d + R::position(e)] = static_cast<float>(q_row_[h * d + e]);
       }
     }
-    std::fill(st_.acc, st_.acc + hd, 0.f);
-    std::fill(st_.m, st_.m + p_.heads, kNegInf);
-    std::fill(st_.l, st_.l + p_.heads, 0.f);
+    std::fill(st_.acc + h0 * d, st_.acc + h1 * d, 0.f);
+    std::fill(st_.m + h0, st_.m + h1, kNegInf);
+    std::fill(st_.l + h0, st_.l + h1, 0.f);
   }
 
   // Element offsets of the slots of keys [t, t + n): the page table is read once per page.
@@ -124,10 +126,10 @@ class Attender {
   // Software prefetch of a block's slots (K and V): they lie on scattered pages, in runs
   // too short for the hardware prefetchers to pick up in time.
   void prefetch(const int64_t* slot_off, int n) const {
-    const int64_t bytes = p_.kv_heads * p_.dim * static_cast<int64_t>(sizeof(KV));
+    const int64_t bytes = (k1_ - k0_) * p_.dim * static_cast<int64_t>(sizeof(KV));
     for (int j = 0; j < n; ++j) {
-      const char* k = reinterpret_cast<const char*>(p_.k + slot_off[j]);
-      const char* v = reinterpret_cast<const char*>(p_.v + slot_off[j]);
+      const char* k = reinterpret_cast<const char*>(p_.k + slot_off[j] + k0_ * p_.dim);
+      const char* v = reinterpret_cast<const char*>(p_.v + slot_off[j] + k0_ * p_.dim);
       for (int64_t b = 0; b < bytes; b += 64) {
         __builtin_prefetch(k + b);
         __builtin_prefetch(v + b);
@@ -136,7 +138,7 @@ class Attender {
   }
 
   void block(int n, const int64_t* slot_off) {
-    for (int64_t h = 0; h < p_.kv_heads; ++h) {
+    for (int64_t h = k0_; h < k1_; ++h) {
       score(h, n, slot_off);
       for (int64_t i = 0; i < p_.group; ++i) softmax(h * p_.group + i, n);
       accumulate(h, n, slot_off);
@@ -242,23 +244,24 @@ class Attender {
   float* dots_ = nullptr;    // [G, W, W]: W keys' unsummed dot products per query head
   int64_t slot_off_[2][kBlock] = {};  // this block's slots and the next one's
   const T* q_row_ = nullptr;          // the row's query in the input
+  int64_t k0_ = 0, k1_ = 0;           // the kv heads of the current run
 };
 
-// out[row] = acc / l per head, back in the pool's element order and the output dtype.
+// out[row] = acc / l per query head in [h0, h1), back in the pool's element order and the output dtype.
 template <class S, class T, class KV>
-void write_out(const Problem<T, KV>& p, int64_t row, const float* acc, const float* l) {
+void write_out(const Problem<T, KV>& p, int64_t row, const float* acc, const float* l, int64_t h0, int64_t h1) {
   T* out = p.out + row * p.heads * p.dim;
-  for (int64_t h = 0; h < p.heads; ++h) {
+  for (int64_t h = h0; h < h1; ++h) {
     const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;  // a row of no keys gives zeros
     const float* a = acc + h * p.dim;
     for (int64_t e = 0; e < p.dim; ++e) out[h * p.dim + e] = static_cast<T>(a[Rows<S, KV>::position(e)] * inv);
   }
 }
 
-// The key chunks of one row: where their partial results lie and how many are still
-// running (the chunk that brings `pending` to zero merges them).
+// The key chunks of one row's group of kv heads: where their partial results lie (the row's
+// chunk slots) and how many are still running (the chunk that brings `pending` to zero merges them).
 struct Split {
-  int64_t first_item = 0;
+  int64_t first_chunk = 0;
   int64_t chunks = 1;
   std::unique_ptr<std::atomic<int64_t>> pending;
 };
@@ -266,15 +269,16 @@ struct Split {
 // Partial results of one chunk: acc [H, D], then m [H], then l [H].
 inline int64_t partial_width(int64_t heads, int64_t dim) { return heads * (dim + 2); }
 
-// A row's chunks combined by their log-sum-exp, then written out.
+// A row's chunks combined by their log-sum-exp for query heads [h0, h1), then written out.
 template <class S, class T, class KV>
-void merge(const Problem<T, KV>& p, const Split& split, int64_t row, const float* partials, float* tmp) {
+void merge(const Problem<T, KV>& p, const Split& split, int64_t row, const float* partials, float* tmp, int64_t h0,
+           int64_t h1) {
   const int64_t h = p.heads, d = p.dim, width = partial_width(h, d);
-  const float* first = partials + split.first_item * width;
+  const float* first = partials + split.first_chunk * width;
   float* acc = tmp;
   float* l = tmp + h * d;
   std::fill(tmp, tmp + h * d + h, 0.f);
-  for (int64_t i = 0; i < h; ++i) {
+  for (int64_t i = h0; i < h1; ++i) {
     float top = kNegInf;
     for (int64_t c = 0; c < split.chunks; ++c) top = std::max(top, first[c * width + h * d + i]);
     for (int64_t c = 0; c < split.chunks; ++c) {
@@ -284,26 +288,47 @@ void merge(const Problem<T, KV>& p, const Split& split, int64_t row, const float
       for (int64_t e = 0; e < d; ++e) acc[i * d + e] += w * part[i * d + e];
     }
   }
-  write_out<S>(p, row, acc, l);
+  write_out<S>(p, row, acc, l, h0, h1);
 }
 
+// A work item: keys [t0, t1) (chunk `chunk` of `row`) for kv heads [k0, k1), whose merge counter is splits[split].
 struct Item {
-  int64_t row, chunk, t0, t1;
+  int64_t row, chunk, t0, t1, k0, k1, split;
 };
 
-// The items of a step, longest first (the shared counter then ends on short ones).
-inline std::vector<Item> plan(const int64_t* lens, int64_t batch, int64_t chunk, std::vector<Split>& splits) {
+// The items of a step, longest first (the shared counter then ends on short ones), and in
+// `splits` one Split per row and group of kv heads. With fewer key chunks than 4 per thread
+// (small batches) every kv head is an item of its own, so a few rows still spread over the
+// threads; NOTE: a head's values never depend on that cut (each head's keys are visited in
+// the same order, its state is its own), only who computes them.
+inline std::vector<Item> plan(const int64_t* lens, int64_t batch, int64_t chunk, int64_t kv_heads, int threads,
+                              std::vector<Split>& splits) {
+  int64_t row_chunks = 0;
+  for (int64_t b = 0; b < batch; ++b) row_chunks += std::max<int64_t>(1, (lens[b] + chunk - 1) / chunk);
+  const int64_t groups = row_chunks < 4 * threads ? kv_heads : 1, per = kv_heads / groups;
   std::vector<Item> items;
-  splits.resize(batch);
+  splits.resize(batch * groups);
+  int64_t first_chunk = 0;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t n = std::max<int64_t>(1, (lens[b] + chunk - 1) / chunk);
-    splits[b].first_item = static_cast<int64_t>(items.size());
-    splits[b].chunks = n;
-    if (n > 1) splits[b].pending = std::make_unique<std::atomic<int64_t>>(n);
-    for (int64_t c = 0; c < n; ++c) items.push_back({b, c, c * chunk, std::min(lens[b], (c + 1) * chunk)});
+    for (int64_t g = 0; g < groups; ++g) {
+      Split& split = splits[b * groups + g];
+      split.first_chunk = first_chunk, split.chunks = n;
+      if (n > 1) split.pending = std::make_unique<std::atomic<int64_t>>(n);
+      for (int64_t c = 0; c < n; ++c) {
+        items.push_back({b, c, c * chunk, std::min(lens[b], (c + 1) * chunk), g * per, (g + 1) * per, b * groups + g});
+      }
+    }
+    first_chunk += n;
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.t1 - x.t0 > y.t1 - y.t0; });
   return items;
+}
+
+// Chunk slots of partial results a step's splits need (0: no row is cut into chunks).
+inline int64_t partial_slots(const std::vector<Split>& splits) {
+  const bool cut = std::any_of(splits.begin(), splits.end(), [](const Split& s) { return s.chunks > 1; });
+  return cut ? splits.back().first_chunk + splits.back().chunks : 0;
 }
 
 
@@ -313,18 +338,19 @@ inline std::vector<Item> plan(const int64_t* lens, int64_t batch, int64_t chunk,
 template <class S, int NV, class T, class KV>
 void run_item(const Problem<T, KV>& p, Attender<S, NV, T, KV>& attender, const Item& it, std::vector<Split>& splits,
               float* partials, float* tmp) {
-  const State& st = attender.run(it.row, it.t0, it.t1);
-  Split& split = splits[it.row];
+  const State& st = attender.run(it.row, it.t0, it.t1, it.k0, it.k1);
+  const int64_t h0 = it.k0 * p.group, h1 = it.k1 * p.group;
+  Split& split = splits[it.split];
   if (split.chunks == 1) {
-    write_out<S>(p, it.row, st.acc, st.l);
+    write_out<S>(p, it.row, st.acc, st.l, h0, h1);
     return;
   }
-  const int64_t hd = p.heads * p.dim, width = partial_width(p.heads, p.dim);
-  float* dst = partials + (split.first_item + it.chunk) * width;
-  std::copy(st.acc, st.acc + hd, dst);
-  std::copy(st.m, st.m + p.heads, dst + hd);
-  std::copy(st.l, st.l + p.heads, dst + hd + p.heads);
-  if (split.pending->fetch_sub(1, std::memory_order_acq_rel) == 1) merge<S>(p, split, it.row, partials, tmp);
+  const int64_t d = p.dim, hd = p.heads * d, width = partial_width(p.heads, d);
+  float* dst = partials + (split.first_chunk + it.chunk) * width;  // this item's heads of the chunk's slot
+  std::copy(st.acc + h0 * d, st.acc + h1 * d, dst + h0 * d);
+  std::copy(st.m + h0, st.m + h1, dst + hd + h0);
+  std::copy(st.l + h0, st.l + h1, dst + hd + p.heads + h0);
+  if (split.pending->fetch_sub(1, std::memory_order_acq_rel) == 1) merge<S>(p, split, it.row, partials, tmp, h0, h1);
 }
 
 // The attention variant for head_dim `dim` and pool element type T, as paged_attention.cpp has
