@@ -57,7 +57,8 @@ class CpuStepRunner:
         self._graphs = [Graph(Bucket("decode", n, n), {}) for n in range(1, self.max_rows + 1)]
         self.device: torch.device = model.device
         self.replays: Counter[Bucket] = Counter()  # per decode batch size: how many steps ran natively
-        self.inputs: StepInputs | None = None  # the model runner's (shared by the builder)
+        # How placeholder ids resolve: the model runner's, shared by the builder (overlap scheduling).
+        self.inputs = StepInputs(self.device)
         log.info("cpu_step_ready", max_rows=self.max_rows, kernel_rows=self.decoder.max_rows)
 
     @property
@@ -81,10 +82,7 @@ class CpuStepRunner:
         n = len(batch.rows)
         flat = torch.tensor((*batch.input_ids, *batch.prefix_lens, *batch.rows, *batch.sample_rows), dtype=torch.int64)
         input_ids, positions, rows, last = flat.split((n, n, n, len(batch.sample_rows)))
-        if self.inputs is not None:
-            input_ids = self.inputs.resolve(input_ids, batch)
-        elif batch.placeholders:
-            raise ValueError("a batch with placeholder ids, but overlap scheduling is off")
+        input_ids = self.inputs.resolve(input_ids, batch)
         self.attention.prepare_decodes(rows, positions)
         decodes = self.attention.paged_decodes()
         if decodes is None:  # NOTE: bucket_for admitted only decode batches; the backend must agree
