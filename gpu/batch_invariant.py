@@ -19,6 +19,12 @@ LINEAR_TILE = 32  # rows per fixed-shape GEMM
 
 def linear_tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear` whose rows do not depend on how many rows there are."""
+    if weight.shape[0] == 1:
+        # NOTE: with one output column the GEMM becomes a matrix-vector product whose sums
+        # run in an order that depends on the row's place in its tile (seen on CPU: a
+        # shared expert's gate). A zero second column keeps it a GEMM (every width >= 2
+        # measured row-invariant); the column is dropped again below.
+        return linear_tiled(x, F.pad(weight, (0, 0, 0, 1)), None if bias is None else F.pad(bias, (0, 1)))[:, :1]
     n = x.shape[0]
     pad = (-n) % LINEAR_TILE
     xp = F.pad(x, (0, 0, 0, pad)) if pad else x

@@ -8,7 +8,8 @@ from typing import Any
 
 @dataclass(frozen=True)
 class ModelArchConfig:
-    architecture: str  # registry name of kind "model": "llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen3_5_text", "lfm2"
+    architecture: str  # registry name of kind "model": "llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen3_5_text",
+    # "qwen3_5_moe_text", "qwen3_next", "lfm2"
     vocab_size: int
     hidden_size: int
     intermediate_size: int

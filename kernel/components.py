@@ -213,7 +213,7 @@ def _graph_runner(
                           f"(deterministic, triton); {name} has none")
     if mode in ("cuda", "emulate") and not getattr(model, "static_shapes", True):
         raise ConfigError(f"graphs.mode: {mode} needs static shapes, and this model's MoE implementation reads "
-                          "routing results on the host; use graphs.mode: off")
+                          "routing results on the host; use model.moe: dense (static shapes) or graphs.mode: off")
     decode_buckets = [b for b in graphs.decode_buckets if b <= sched.max_running_requests]
     if mode in ("auto", "cpu") and device.type == "cpu":
         why = cpu_step.unsupported(model, attention)

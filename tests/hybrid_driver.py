@@ -23,15 +23,16 @@ from gpu.loader import load_checkpoint
 from gpu.models.hybrid_step import HybridStep
 from gpu.models.lfm2 import Lfm2Model
 from gpu.models.qwen3_5 import Qwen3_5Model
+from kernel.registry import lookup
 
-HybridModel = Qwen3_5Model | Lfm2Model
-MODELS: dict[str, type[Qwen3_5Model | Lfm2Model]] = {"qwen3_5_text": Qwen3_5Model, "lfm2": Lfm2Model}
+HybridModel = Qwen3_5Model | Lfm2Model  # Qwen3-Next and Qwen3.5-MoE subclass Qwen3_5Model
 
 
 def load_model(folder: str, deterministic: bool = False, dtype: torch.dtype = torch.float32) -> HybridModel:
     ckpt = load_checkpoint(folder, dtype)
-    cls = MODELS[ckpt.arch.architecture]
-    return cls(ckpt.arch, ckpt.weights, dtype, torch.device("cpu"), deterministic=deterministic)
+    cls = lookup("model", ckpt.arch.architecture)
+    assert issubclass(cls, (Qwen3_5Model, Lfm2Model)), cls
+    return cls(ckpt.arch, ckpt.weights, dtype, torch.device("cpu"), deterministic=deterministic)  # type: ignore[no-any-return]
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -21,6 +22,36 @@ def test_tiled_linear_rows_do_not_depend_on_the_batch(rows: int, offset: int) ->
     inside = linear_tiled(x[offset : offset + rows], w, b)[:1]
     assert torch.equal(alone, inside)
     assert torch.allclose(alone, torch.nn.functional.linear(x[offset : offset + 1], w, b), atol=1e-5)
+
+
+def place_invariant(linear: Callable[..., torch.Tensor], width: int) -> bool:
+    """Each row computed at every place in a tile (the batch shifted by 1..44 rows) gives
+    the same bits."""
+    torch.manual_seed(0)
+    x, w = torch.randn(45, 64), torch.randn(width, 64) / 8
+    full = linear(x, w)
+    return all(torch.equal(linear(x[s:], w), full[s:]) for s in range(1, 45))
+
+
+@pytest.mark.parametrize("width", [1, 2, 6, 96])  # output columns: 1 is a shared expert's gate
+def test_tiled_linear_rows_do_not_depend_on_their_place_in_a_tile(width: int) -> None:
+    assert place_invariant(linear_tiled, width)
+
+
+def test_red_a_one_column_weight_not_padded() -> None:
+    """The guard above on the tiles' bmm run on a one-column weight as it is (no zero
+    column): red where this CPU's matrix-vector path sums in another order at other places
+    in a tile (an AMD EPYC AVX2 does); skipped where it does not."""
+    def unpadded(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        pad = (-x.shape[0]) % LINEAR_TILE
+        xp = torch.nn.functional.pad(x, (0, 0, 0, pad))
+        tiles = xp.shape[0] // LINEAR_TILE
+        out = torch.bmm(xp.view(tiles, LINEAR_TILE, x.shape[1]), weight.t().expand(tiles, -1, -1))
+        return out.view(-1, weight.shape[0])[: x.shape[0]]
+
+    assert place_invariant(unpadded, 2)  # the same computation, two columns: invariant
+    if place_invariant(unpadded, 1):
+        pytest.skip("this CPU's one-column GEMM is row-invariant: the planted bug changes nothing here")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

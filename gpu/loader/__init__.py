@@ -14,6 +14,7 @@ import torch
 from gpu.loader.checkpoint import Checkpoint
 
 PACKAGE_PREFIX = "package:"
+RANDOM_PREFIX = "random:"  # gpu/loader/random_models.py: a tiny checkpoint with random weights
 
 __all__ = ["Checkpoint", "load_checkpoint", "resolve_model_path"]
 
@@ -23,9 +24,14 @@ def resolve_model_path(path: str) -> str:
 
     `package:<module>/<file>` names a file shipped inside an installed Python package; the
     package is located with find_spec and never imported (importing may have side effects).
+    `random:<architecture>[@seed]` names a tiny random checkpoint, built on first use.
     """
     if path.startswith(PACKAGE_PREFIX):
         return _resolve_package_path(path[len(PACKAGE_PREFIX) :])
+    if path.startswith(RANDOM_PREFIX):
+        from gpu.loader.random_models import random_checkpoint  # transformers: only when asked for
+
+        return random_checkpoint(path[len(RANDOM_PREFIX) :])
     resolved = os.path.expanduser(path)
     if not os.path.exists(resolved):
         raise FileNotFoundError(f"model path {path!r} does not exist")

@@ -26,6 +26,8 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "Qwen3_5ForCausalLM": "qwen3_5_text",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
+    "Qwen3NextForCausalLM": "qwen3_next",
     "Lfm2ForCausalLM": "lfm2",
 }
 
@@ -48,7 +50,8 @@ def build_arch_config(config: dict[str, Any]) -> ModelArchConfig:
         architecture=arch,
         vocab_size=int(config["vocab_size"]),
         hidden_size=hidden,
-        intermediate_size=int(config["intermediate_size"]),
+        # Qwen3.5-MoE has no dense MLP, so no intermediate_size: its experts' width stands in.
+        intermediate_size=int(config.get("intermediate_size") or config["moe_intermediate_size"]),
         num_layers=int(config["num_hidden_layers"]),
         num_heads=heads,
         num_kv_heads=int(config.get("num_key_value_heads") or heads),
@@ -67,14 +70,20 @@ def build_arch_config(config: dict[str, Any]) -> ModelArchConfig:
     if arch == "lfm2":
         return _lfm2_fields(base, config)
     if arch in ("qwen3_moe", "mixtral"):
-        return _moe_fields(base, config, mixtral=arch == "mixtral")
+        return _moe_fields(base, config, always_renormalize=arch == "mixtral")
+    if arch in ("qwen3_5_moe_text", "qwen3_next"):
+        # Qwen3.5-MoE: every layer sparse, always renormalized (Qwen3_5MoeTopKRouter).
+        every = arch == "qwen3_5_moe_text"
+        moe = config if not every else {**config, "decoder_sparse_step": 1, "mlp_only_layers": []}
+        return _moe_fields(_qwen3_5_fields(base, config), moe, always_renormalize=every)
     return base
 
 
-def _moe_fields(base: ModelArchConfig, config: dict[str, Any], mixtral: bool) -> ModelArchConfig:
-    """Qwen3-MoE: layer i's MLP is the sparse block unless i is in mlp_only_layers, with
-    experts, where (i + 1) % decoder_sparse_step == 0 (Qwen3MoeDecoderLayer). Mixtral:
-    every layer, experts as wide as intermediate_size, top-k weights always renormalized."""
+def _moe_fields(base: ModelArchConfig, config: dict[str, Any], always_renormalize: bool) -> ModelArchConfig:
+    """Qwen3-MoE, Qwen3-Next: layer i's MLP is the sparse block unless i is in
+    mlp_only_layers, with experts, where (i + 1) % decoder_sparse_step == 0
+    (Qwen3MoeDecoderLayer). Mixtral: every layer, experts as wide as intermediate_size,
+    top-k weights always renormalized."""
     window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
     if window is not None and int(window) < base.max_position_embeddings:
         raise ValueError(f"sliding-window attention (sliding_window {window}) is not supported")
@@ -88,7 +97,7 @@ def _moe_fields(base: ModelArchConfig, config: dict[str, Any], mixtral: bool) ->
         num_experts=experts,
         num_experts_per_tok=int(config["num_experts_per_tok"]),
         moe_intermediate_size=int(config.get("moe_intermediate_size") or base.intermediate_size),
-        norm_topk_prob=mixtral or bool(config.get("norm_topk_prob", False)),
+        norm_topk_prob=always_renormalize or bool(config.get("norm_topk_prob", False)),
         sparse_layers=sparse,
     )
 

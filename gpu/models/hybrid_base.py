@@ -34,8 +34,8 @@ class HybridBlock(NamedTuple, Generic[A, S]):
     mixer: A | S
     mixer_norm: torch.Tensor
     mlp_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: torch.Tensor | None  # None in a MoE model's sparse layers (its `_mlp` runs them)
+    down: torch.Tensor | None
 
 
 class BlockNames(NamedTuple):
@@ -91,14 +91,15 @@ class HybridDecoder(ABC, Generic[A, S]):
                 raise ValueError(f"{self.name}: unknown layer type {kind!r} at layer {i}")
             p = f"model.layers.{i}."
             mixer: A | S = self._attention_weights(w, p) if kind == FULL else self._state_weights(w, p)
+            dense = i not in arch.sparse_layers
             self.blocks.append(
                 HybridBlock(
                     kind_index=counts[kind],
                     mixer=mixer,
                     mixer_norm=w.get(p + names.mixer_norm),
                     mlp_norm=w.get(p + names.mlp_norm),
-                    gate_up=w.cat([p + names.gate, p + names.up]),
-                    down=w.get(p + names.down),
+                    gate_up=w.cat([p + names.gate, p + names.up]) if dense else None,
+                    down=w.get(p + names.down) if dense else None,
                 )
             )
             counts[kind] += 1
@@ -171,15 +172,20 @@ class HybridDecoder(ABC, Generic[A, S]):
         and writes states as `forward` does."""
         cos, sin = rope_cos_sin(positions, self.rotary_dim, self.arch.rope_theta, self.dtype)
         h = self.embed[input_ids]
-        for block in self.blocks:
+        for i, block in enumerate(self.blocks):
             x = self._norm(h, block.mixer_norm)
             if isinstance(block.mixer, self.attention_type):
                 h = h + self._attention(block.kind_index, block.mixer, x, cos, sin, attn)
             else:
                 h = h + self._state_mixer(block.kind_index, cast(S, block.mixer), x, state, pool)
             x = self._norm(h, block.mlp_norm)
-            h = h + swiglu(self.linear, x, block.gate_up, block.down)
+            h = h + self._mlp(i, block, x)
         return h
+
+    def _mlp(self, i: int, block: HybridBlock[A, S], x: torch.Tensor) -> torch.Tensor:
+        """Layer i's MLP on its normed input x (SwiGLU; a MoE model's sparse layers override)."""
+        assert block.gate_up is not None and block.down is not None, f"layer {i} has no dense MLP"
+        return swiglu(self.linear, x, block.gate_up, block.down)
 
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
         """float32 logits of some rows of `hidden`: the final norm, then the lm_head (row-wise)."""

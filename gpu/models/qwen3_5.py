@@ -88,13 +88,17 @@ class Qwen3_5Model(HybridDecoder[_Attention, _DeltaNet]):
     def _state_weights(self, w: Weights, p: str) -> _DeltaNet:
         q = p + "linear_attn."
         return _DeltaNet(
-            in_proj=w.cat([q + f"in_proj_{n}.weight" for n in ("qkv", "z", "b", "a")]),
+            in_proj=self._in_proj(w, q),
             conv=w.get(q + "conv1d.weight").reshape(self.conv_dim, -1),
             neg_a=-w.get(q + "A_log", torch.float32).exp(),
             dt_bias=w.get(q + "dt_bias", torch.float32),
             norm=w.get(q + "norm.weight"),
             out=w.get(q + "out_proj.weight"),
         )
+
+    def _in_proj(self, w: Weights, q: str) -> torch.Tensor:
+        """A linear layer's input projection, rows [q | k | v (conv input) | z | b | a]."""
+        return w.cat([q + f"in_proj_{n}.weight" for n in ("qkv", "z", "b", "a")])
 
     def state_shapes(self) -> list[LayerStateShape]:
         """What a StatePool for this model holds, one entry per linear-attention layer."""

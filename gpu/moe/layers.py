@@ -1,0 +1,95 @@
+"""A model's sparse MoE layers: their weights, the block's forward and the routing counts.
+
+One block per sparse layer: a router (dense, so routing stays exact where experts are
+quantized), the routed experts run by a registered implementation (registry kind `moe`),
+and for Qwen3-Next / Qwen3.5-MoE a shared expert every token goes through, scaled by
+sigmoid(x @ shared_expert_gate^T) (Qwen3NextSparseMoeBlock). The models (llama_moe.py,
+qwen3_next.py) own a `MoeLayers` and call it for the layers in `arch.sparse_layers`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from gpu.model_config import ModelArchConfig
+from gpu.models.hybrid_common import Linear, Weights, swiglu
+from gpu.moe.routing import softmax_topk
+from gpu.moe.torch_moe import Experts
+from gpu.quant.dispatch import LinearWeight
+from kernel.registry import lookup
+
+
+class ExpertNames(NamedTuple):
+    """Checkpoint names: the block after `model.layers.{i}.`, each expert's three projections."""
+
+    block: str = "mlp"
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+
+
+HF_NAMES = ExpertNames()  # Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE
+
+
+class SharedExpert(NamedTuple):
+    gate_up: LinearWeight
+    down: LinearWeight
+    gate: torch.Tensor  # [1, hidden]: sigmoid(x @ gate^T) scales the shared MLP's output
+
+
+class SparseBlock(NamedTuple):
+    router: torch.Tensor  # [experts, hidden]
+    experts: Experts
+    shared: SharedExpert | None
+
+
+class MoeLayers:
+    """The sparse layers of one model. `shared`: each block also has a gated shared expert."""
+
+    def __init__(self, arch: ModelArchConfig, w: Weights, implementation: str, names: ExpertNames = HF_NAMES,
+                 shared: bool = False) -> None:
+        self.arch = arch
+        self.impl: Any = lookup("moe", implementation)()
+        self.static_shapes: bool = self.impl.static_shapes  # the graph runner needs static shapes
+        self.blocks = {i: self._load(w, f"model.layers.{i}.{names.block}.", names, shared) for i in arch.sparse_layers}
+        # Tokens routed to each expert of each sparse layer since start (metrics: routing
+        # skew); counted on the device (no host read in the step), read by `expert_tokens`.
+        self._routed = {i: torch.zeros(arch.num_experts, dtype=torch.int64, device=w.device) for i in self.blocks}
+
+    def _load(self, w: Weights, p: str, names: ExpertNames, shared: bool) -> SparseBlock:
+        n = self.arch.num_experts
+        experts = Experts(
+            gate_up=[w.linear([p + f"experts.{e}.{names.gate}.weight", p + f"experts.{e}.{names.up}.weight"])
+                     for e in range(n)],
+            down=[w.linear([p + f"experts.{e}.{names.down}.weight"]) for e in range(n)],
+        )
+        common = None
+        if shared:
+            s = p + "shared_expert."
+            common = SharedExpert(
+                gate_up=w.linear([s + "gate_proj.weight", s + "up_proj.weight"]),
+                down=w.linear([s + "down_proj.weight"]),
+                gate=w.get(p + "shared_expert_gate.weight"),
+            )
+        return SparseBlock(router=w.get(p + "gate.weight"), experts=experts, shared=common)
+
+    def __contains__(self, layer: int) -> bool:
+        return layer in self.blocks
+
+    def forward(self, layer: int, linear: Linear, x: torch.Tensor) -> torch.Tensor:
+        """The sparse block's output for the normed hidden states x [T, hidden]."""
+        arch, block = self.arch, self.blocks[layer]
+        routing = softmax_topk(linear(x, block.router), arch.num_experts_per_tok, arch.norm_topk_prob)
+        flat = routing.experts.reshape(-1)
+        self._routed[layer].index_add_(0, flat, torch.ones_like(flat))
+        out = self.impl(linear, x, routing, block.experts)
+        if block.shared is None:
+            return out  # type: ignore[no-any-return]
+        shared = block.shared
+        return out + torch.sigmoid(linear(x, shared.gate)) * swiglu(linear, x, shared.gate_up, shared.down)  # type: ignore[no-any-return]
+
+    def expert_tokens(self) -> dict[str, list[int]]:
+        """Per sparse layer (its index, as text: a JSON key), the tokens routed to each expert so far."""
+        return {str(i): counts.tolist() for i, counts in self._routed.items()}
