@@ -41,6 +41,8 @@ class ModelArchConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # renormalize the top-k routing weights to sum to 1
+    moe_routing: str = "softmax"  # "softmax" (Qwen3-MoE family, Mixtral) or "sigmoid" (LFM2-MoE)
+    routed_scaling_factor: float = 1.0  # sigmoid routing: the weights' final scale
     sparse_layers: tuple[int, ...] = ()
 
     @property

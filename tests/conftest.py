@@ -223,15 +223,25 @@ HYBRID_FAMILIES = ("qwen3_5_text", "lfm2")
 
 @pytest.fixture(scope="session")
 def hybrid_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Tiny random Qwen3.5 (Gated DeltaNet), LFM2 (short conv) and Qwen3-Next (Qwen3.5's
-    layers with sparse MoE blocks) Hugging Face folders."""
-    from tests.tiny_hybrid import build_tiny_lfm2, build_tiny_qwen3_5, build_tiny_qwen3_next
+    """Tiny random Qwen3.5 (Gated DeltaNet) and LFM2 (short conv) Hugging Face folders."""
+    from tests.tiny_hybrid import build_tiny_lfm2, build_tiny_qwen3_5
 
     return {
         "qwen3_5_text": str(build_tiny_qwen3_5(tmp_path_factory.mktemp("tiny_qwen3_5"))),
         "lfm2": str(build_tiny_lfm2(tmp_path_factory.mktemp("tiny_lfm2"))),
-        "qwen3_next": str(build_tiny_qwen3_next(tmp_path_factory.mktemp("tiny_qwen3_next"))),
     }
+
+
+HYBRID_MOE_FAMILIES = ("qwen3_next", "qwen3_5_moe_text", "lfm2_moe")
+
+
+@pytest.fixture(scope="session")
+def hybrid_moe_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Tiny random Qwen3-Next, Qwen3.5-MoE and LFM2-MoE Hugging Face folders (hybrid layers
+    with sparse MoE blocks)."""
+    from gpu.loader.random_models import BUILDERS
+
+    return {name: str(BUILDERS[name](tmp_path_factory.mktemp(name), 0)) for name in HYBRID_MOE_FAMILIES}
 
 
 # Hybrid engines in tests: pages of 4 tokens, checkpoints every 8, small chunks.

@@ -54,6 +54,32 @@ def test_red_a_one_column_weight_not_padded() -> None:
         pytest.skip("this CPU's one-column GEMM is row-invariant: the planted bug changes nothing here")
 
 
+def tail_invariant(op: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype) -> bool:
+    """An elementwise op gives each element the same bits wherever the tensor's vectorized
+    body ends and its scalar tail begins (slices of 1..100 elements at 40 offsets)."""
+    torch.manual_seed(0)
+    x = (torch.randn(4000) * 4).to(dtype)
+    full = op(x)
+    return all(torch.equal(op(x[s : s + n]), full[s : s + n]) for s in range(40) for n in (1, 3, 7, 9, 17, 33, 100))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sigmoid_is_batch_invariant(dtype: torch.dtype) -> None:
+    from gpu.models.hybrid_common import sigmoid
+
+    assert tail_invariant(sigmoid, dtype)
+    assert torch.allclose(sigmoid(torch.linspace(-30, 30, 601)), torch.sigmoid(torch.linspace(-30, 30, 601)),
+                          rtol=0, atol=2e-7)
+
+
+def test_red_torch_sigmoid() -> None:
+    """The guard above on torch.sigmoid itself (what the product's sigmoid replaces): red
+    where its float32 vectorized and scalar paths round apart (an AMD EPYC AVX2: 12 of
+    280 slices); skipped where they do not."""
+    if tail_invariant(torch.sigmoid, torch.float32):
+        pytest.skip("this CPU's torch.sigmoid rounds alike on both paths: nothing to plant")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """The product's RMSNorm (`LlamaModel._rms_norm`), on a stand-in for the model."""
     model = SimpleNamespace(arch=SimpleNamespace(rms_norm_eps=eps))

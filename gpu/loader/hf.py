@@ -29,6 +29,7 @@ ARCHITECTURES = {
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
     "Qwen3NextForCausalLM": "qwen3_next",
     "Lfm2ForCausalLM": "lfm2",
+    "Lfm2MoeForCausalLM": "lfm2_moe",
 }
 
 
@@ -69,6 +70,8 @@ def build_arch_config(config: dict[str, Any]) -> ModelArchConfig:
         return _qwen3_5_fields(base, config)
     if arch == "lfm2":
         return _lfm2_fields(base, config)
+    if arch == "lfm2_moe":
+        return _lfm2_moe_fields(_lfm2_fields(base, config), config)
     if arch in ("qwen3_moe", "mixtral"):
         return _moe_fields(base, config, always_renormalize=arch == "mixtral")
     if arch in ("qwen3_5_moe_text", "qwen3_next"):
@@ -139,6 +142,23 @@ def _lfm2_fields(base: ModelArchConfig, config: dict[str, Any]) -> ModelArchConf
         layer_types=tuple(types),
         conv_kernel=int(config.get("conv_L_cache", 3)),
         conv_bias=bool(config.get("conv_bias", False)),
+    )
+
+
+def _lfm2_moe_fields(lfm2: ModelArchConfig, config: dict[str, Any]) -> ModelArchConfig:
+    """LFM2-MoE: LFM2's layers; the first num_dense_layers MLPs dense (intermediate_size as
+    it is: no auto-adjust), the rest sparse with sigmoid routing (Lfm2MoeTopKRouter)."""
+    dense = int(config.get("num_dense_layers", 2))
+    return dataclasses.replace(
+        lfm2,
+        intermediate_size=int(config["intermediate_size"]),
+        num_experts=int(config["num_experts"]),
+        num_experts_per_tok=int(config["num_experts_per_tok"]),
+        moe_intermediate_size=int(config["moe_intermediate_size"]),
+        norm_topk_prob=bool(config.get("norm_topk_prob", True)),
+        moe_routing="sigmoid",
+        routed_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
+        sparse_layers=tuple(range(dense, lfm2.num_layers)),
     )
 
 

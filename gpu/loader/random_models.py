@@ -1,6 +1,6 @@
 """Tiny checkpoints with random weights, in the Hugging Face format, built with transformers:
-hybrid models (Qwen3.5 Gated DeltaNet, LFM2 short conv) and Qwen3.5 with sparse MoE blocks
-(Qwen3-Next, Qwen3.5-MoE).
+hybrid models (Qwen3.5 Gated DeltaNet, LFM2 short conv) and both with sparse MoE blocks
+(Qwen3-Next, Qwen3.5-MoE, LFM2-MoE).
 
 `model.path: random:<architecture>` (e.g. `random:qwen3_next`, `random:qwen3_next@7` for
 seed 7) builds one on first use under ~/.cache/tierserve/random/ (or $TIERSERVE_CACHE), so
@@ -74,6 +74,29 @@ def build_tiny_qwen3_5_moe(folder: Path, seed: int = 0, max_positions: int = 102
     return _save(Qwen3_5MoeForCausalLM, config, folder, seed)
 
 
+def build_tiny_lfm2_moe(folder: Path, seed: int = 0, max_positions: int = 1024) -> Path:
+    """LFM2's layers (conv, conv, attention, conv); layer 0 dense, the rest sparse MoE blocks
+    (6 experts, top 2, sigmoid routing with an expert bias, no shared expert)."""
+    from transformers import Lfm2MoeConfig, Lfm2MoeForCausalLM
+
+    config = Lfm2MoeConfig(
+        **{**_COMMON, "max_position_embeddings": max_positions},
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        layer_types=["conv", "conv", "full_attention", "conv"],
+        num_dense_layers=1,
+        num_experts=6,
+        num_experts_per_tok=2,
+        routed_scaling_factor=1.5,
+        conv_L_cache=3,
+        conv_bias=True,
+        norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    return _save(Lfm2MoeForCausalLM, config, folder, seed)
+
+
 def _qwen3_5_shape(max_positions: int) -> dict[str, Any]:
     return {
         **_COMMON,
@@ -138,7 +161,7 @@ def _perturb(model: torch.nn.Module) -> None:
                 p.copy_(torch.empty_like(p).uniform_(0.05, 2.0).log())
             elif name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.2)
-            elif name.endswith("mlp.gate.weight"):  # routers: decisive, so routing is not all ties
+            elif name.endswith(("mlp.gate.weight", "feed_forward.gate.weight")):  # routers: decisive, so routing is not all ties
                 p.normal_(0.0, 2.0 / p.shape[1] ** 0.5)
             elif "embed_tokens" in name:
                 p.normal_(0.0, 1.0)
@@ -146,6 +169,9 @@ def _perturb(model: torch.nn.Module) -> None:
                 fan_in = p[0].numel()
                 gain = 4.0 if name.startswith("lm_head") else 1.0
                 p.normal_(0.0, gain / fan_in**0.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("expert_bias"):  # LFM2-MoE: shifts which experts win, not their weights
+                buffer.normal_(0.0, 0.3)
 
 
 BUILDERS: dict[str, Callable[[Path, int], Path]] = {
@@ -153,6 +179,7 @@ BUILDERS: dict[str, Callable[[Path, int], Path]] = {
     "lfm2": build_tiny_lfm2,
     "qwen3_next": build_tiny_qwen3_next,
     "qwen3_5_moe_text": build_tiny_qwen3_5_moe,
+    "lfm2_moe": build_tiny_lfm2_moe,
 }
 
 

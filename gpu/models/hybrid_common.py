@@ -103,6 +103,13 @@ def swiglu(linear: Linear, x: torch.Tensor, gate_up: LinearWeight, down: LinearW
     return linear(F.silu(gate) * up, down)
 
 
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """torch.sigmoid from exp, in float32: on CPU torch.sigmoid's vectorized and scalar paths
+    differ in the last bit in float32, so an element's value would depend on where the
+    tensor's tail starts, i.e. on the batch (a shared expert's gate is one value a token)."""
+    return (1.0 / (1.0 + torch.exp(-x.float()))).to(x.dtype)
+
+
 def softplus(x: torch.Tensor) -> torch.Tensor:
     """F.softplus (threshold 20) from exp and log1p: F.softplus's vectorized and scalar
     paths differ in the last bit on CPU, these do not (invariant 7)."""

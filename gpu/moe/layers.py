@@ -1,9 +1,10 @@
 """A model's sparse MoE layers: their weights, the block's forward and the routing counts.
 
 One block per sparse layer: a router (dense, so routing stays exact where experts are
-quantized), the routed experts run by a registered implementation (registry kind `moe`),
+quantized; softmax, or LFM2-MoE's sigmoid with an expert bias: gpu/moe/routing.py), the routed experts run by a registered implementation (registry kind `moe`),
 and for Qwen3-Next / Qwen3.5-MoE a shared expert every token goes through, scaled by
-sigmoid(x @ shared_expert_gate^T) (Qwen3NextSparseMoeBlock). The models (llama_moe.py,
+sigmoid(x @ shared_expert_gate^T) (Qwen3NextSparseMoeBlock; the sigmoid batch-invariant,
+gpu/models/hybrid_common.py). The models (llama_moe.py,
 qwen3_next.py) own a `MoeLayers` and call it for the layers in `arch.sparse_layers`.
 """
 
@@ -14,8 +15,8 @@ from typing import Any, NamedTuple
 import torch
 
 from gpu.model_config import ModelArchConfig
-from gpu.models.hybrid_common import Linear, Weights, swiglu
-from gpu.moe.routing import softmax_topk
+from gpu.models.hybrid_common import Linear, Weights, sigmoid, swiglu
+from gpu.moe.routing import Routing, sigmoid_topk, softmax_topk
 from gpu.moe.torch_moe import Experts
 from gpu.quant.dispatch import LinearWeight
 from kernel.registry import lookup
@@ -41,6 +42,7 @@ class SharedExpert(NamedTuple):
 
 class SparseBlock(NamedTuple):
     router: torch.Tensor  # [experts, hidden]
+    expert_bias: torch.Tensor | None  # float32 [experts]: sigmoid routing's choice bias (LFM2-MoE)
     experts: Experts
     shared: SharedExpert | None
 
@@ -73,22 +75,30 @@ class MoeLayers:
                 down=w.linear([s + "down_proj.weight"]),
                 gate=w.get(p + "shared_expert_gate.weight"),
             )
-        return SparseBlock(router=w.get(p + "gate.weight"), experts=experts, shared=common)
+        bias = w.get(p + "expert_bias", torch.float32) if p + "expert_bias" in w else None
+        return SparseBlock(router=w.get(p + "gate.weight"), expert_bias=bias, experts=experts, shared=common)
 
     def __contains__(self, layer: int) -> bool:
         return layer in self.blocks
 
     def forward(self, layer: int, linear: Linear, x: torch.Tensor) -> torch.Tensor:
         """The sparse block's output for the normed hidden states x [T, hidden]."""
-        arch, block = self.arch, self.blocks[layer]
-        routing = softmax_topk(linear(x, block.router), arch.num_experts_per_tok, arch.norm_topk_prob)
+        block = self.blocks[layer]
+        routing = self.route(linear(x, block.router), block)
         flat = routing.experts.reshape(-1)
         self._routed[layer].index_add_(0, flat, torch.ones_like(flat))
         out = self.impl(linear, x, routing, block.experts)
         if block.shared is None:
             return out  # type: ignore[no-any-return]
         shared = block.shared
-        return out + torch.sigmoid(linear(x, shared.gate)) * swiglu(linear, x, shared.gate_up, shared.down)  # type: ignore[no-any-return]
+        return out + sigmoid(linear(x, shared.gate)) * swiglu(linear, x, shared.gate_up, shared.down)  # type: ignore[no-any-return]
+
+    def route(self, logits: torch.Tensor, block: SparseBlock) -> Routing:
+        arch = self.arch
+        if arch.moe_routing == "sigmoid":
+            return sigmoid_topk(logits, arch.num_experts_per_tok, arch.norm_topk_prob, block.expert_bias,
+                                arch.routed_scaling_factor)
+        return softmax_topk(logits, arch.num_experts_per_tok, arch.norm_topk_prob)
 
     def expert_tokens(self) -> dict[str, list[int]]:
         """Per sparse layer (its index, as text: a JSON key), the tokens routed to each expert so far."""

@@ -6,6 +6,8 @@ from typing import NamedTuple
 
 import torch
 
+from gpu.models.hybrid_common import sigmoid
+
 
 class Routing(NamedTuple):
     experts: torch.Tensor  # int64 [T, k]: each token's experts, best first
@@ -21,3 +23,21 @@ def softmax_topk(logits: torch.Tensor, k: int, normalize: bool) -> Routing:
     if normalize:
         top = top / top.sum(dim=-1, keepdim=True)
     return Routing(experts, top.to(logits.dtype))
+
+
+def sigmoid_topk(logits: torch.Tensor, k: int, normalize: bool, bias: torch.Tensor | None,
+                 scale: float) -> Routing:
+    """LFM2-MoE routing (Lfm2MoeTopKRouter): sigmoid scores in the logits' dtype; the k
+    largest of scores + bias (float32, where the checkpoint has an expert bias) choose the
+    experts, weighted by their unbiased scores; renormalized (sum + 1e-6) where
+    `normalize`; times `scale` (routed_scaling_factor). The sigmoid is the batch-invariant
+    one (gpu/models/hybrid_common.py)."""
+    scores = sigmoid(logits)
+    if bias is None:
+        top, experts = torch.topk(scores, k, dim=-1)
+    else:
+        experts = torch.topk(scores + bias, k, dim=-1).indices
+        top = torch.gather(scores, 1, experts)
+    if normalize:
+        top = top / (top.sum(dim=-1, keepdim=True) + 1e-6)
+    return Routing(experts, top * scale)

@@ -1,9 +1,8 @@
-"""Qwen3-Next (Gated DeltaNet and gated attention layers, sparse MoE blocks with a gated
-shared expert) in the engine, deterministic mode: cache hits `==` cold runs for the three
-state strategies with the graph runner off (`model.moe: torch`) and emulated
-(`model.moe: dense`, the static-shape implementation); hits from host and storage under
-emulated graphs; `dense` gives `torch`'s bits. Parity with transformers:
-tests/test_hybrid_moe.py."""
+"""Hybrid MoE models in the engine, deterministic mode: cache hits `==` cold runs for the
+three state strategies with the graph runner off (`model.moe: torch`) and emulated
+(`model.moe: dense`, the static-shape implementation) — Qwen3-Next and Qwen3.5-MoE in full,
+LFM2-MoE with `extra_buffer`; hits from host and storage under emulated graphs; `dense`
+gives `torch`'s bits. Parity with transformers: tests/test_hybrid_moe.py."""
 
 from __future__ import annotations
 
@@ -13,18 +12,22 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import GRAPHS_EMULATE, assert_replayed, graph_replays
+from tests.conftest import GRAPHS_EMULATE, HYBRID_MOE_FAMILIES, assert_replayed, graph_replays
 from tests.test_bit_exact_hybrid import GREEDY, guard_decode_hit, guard_prefill_hit, make, tokens
 from tests.test_tier_combos_hybrid import GRAPHS, make_tiered, tier_round_trip
 
 DENSE = {"model.moe": "dense"}
 
 
-@pytest.mark.parametrize("graphs", ["off", "emulate"])
-@pytest.mark.parametrize("strategy", ["no_buffer", "extra_buffer", "extra_buffer_lazy"])
-def test_cache_hits_are_bit_exact(hybrid_folders: dict[str, str], strategy: str, graphs: str) -> None:
+STRATEGIES = ("no_buffer", "extra_buffer", "extra_buffer_lazy")
+CASES = [(family, strategy, graphs) for family in HYBRID_MOE_FAMILIES for strategy in STRATEGIES
+         for graphs in ("off", "emulate") if family != "lfm2_moe" or strategy == "extra_buffer"]
+
+
+@pytest.mark.parametrize("family,strategy,graphs", CASES)
+def test_cache_hits_are_bit_exact(hybrid_moe_folders: dict[str, str], family: str, strategy: str, graphs: str) -> None:
     emulated = graphs == "emulate"
-    engine = make(hybrid_folders["qwen3_next"], strategy, **({**GRAPHS_EMULATE, **DENSE} if emulated else {}))
+    engine = make(hybrid_moe_folders[family], strategy, **({**GRAPHS_EMULATE, **DENSE} if emulated else {}))
     try:
         before = graph_replays(engine) if emulated else {}
         guard_prefill_hit(engine)
@@ -35,8 +38,10 @@ def test_cache_hits_are_bit_exact(hybrid_folders: dict[str, str], strategy: str,
         engine.shutdown()
 
 
-def test_host_and_storage_hits_with_graphs_emulated(hybrid_folders: dict[str, str], tmp_path: Path) -> None:
-    engine = make_tiered(hybrid_folders["qwen3_next"], tmp_path, **GRAPHS, **DENSE)
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe_text"])
+def test_host_and_storage_hits_with_graphs_emulated(hybrid_moe_folders: dict[str, str], family: str,
+                                                    tmp_path: Path) -> None:
+    engine = make_tiered(hybrid_moe_folders[family], tmp_path, **GRAPHS, **DENSE)
     try:
         tier_round_trip(engine)
         assert all(graph_replays(engine).values())
@@ -63,13 +68,13 @@ def dense_equals_torch(folder: str, torch_outs: list[dict[str, Any]]) -> None:
             "moe guard: dense logprobs differ from torch's"
 
 
-def test_dense_gives_torchs_bits(hybrid_folders: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dense_gives_torchs_bits(hybrid_moe_folders: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
     """Every expert over every token, weighted by zero where not routed: in deterministic
     mode the same bits as running each expert over its own tokens. Planted: each expert
     weighted by the routing weight of the same *slot* (not of the same expert) -> red."""
     from gpu.moe import dense_moe
 
-    folder = hybrid_folders["qwen3_next"]
+    folder = hybrid_moe_folders["qwen3_next"]
     grouped = outputs(folder, "torch")
     dense_equals_torch(folder, grouped)
 
