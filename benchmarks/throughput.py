@@ -250,8 +250,10 @@ def generate_batch(model: Any, batch: list[Request]) -> tuple[list[list[int]], f
     return [row[: r.max_new] for row, r in zip(new, batch)], clock.stamps[0], end
 
 
-def bench_baseline(workload: list[Request], batch_size: int) -> RunResult:
-    model = load_hf_model()
+def bench_baseline(workload: list[Request], batch_size: int, load: Any = load_hf_model) -> RunResult:
+    """transformers' batched `generate` over the workload, `batch_size` requests a call;
+    `load()` gives the model (default: the packaged SmolLM2, dequantized)."""
+    model = load()
     with torch.inference_mode():
         generate_batch(model, [Request(workload[0].prompt[:32], 4)])  # warm-up, not timed
         t0 = time.perf_counter()

@@ -12,9 +12,9 @@ import os
 import torch
 
 from gpu.loader.checkpoint import Checkpoint
+from gpu.loader.random_models import RANDOM_PREFIX, random_checkpoint  # transformers only when building
 
 PACKAGE_PREFIX = "package:"
-RANDOM_PREFIX = "random:"  # gpu/loader/random_models.py: a tiny checkpoint with random weights
 
 __all__ = ["Checkpoint", "load_checkpoint", "resolve_model_path"]
 
@@ -29,8 +29,6 @@ def resolve_model_path(path: str) -> str:
     if path.startswith(PACKAGE_PREFIX):
         return _resolve_package_path(path[len(PACKAGE_PREFIX) :])
     if path.startswith(RANDOM_PREFIX):
-        from gpu.loader.random_models import random_checkpoint  # transformers: only when asked for
-
         return random_checkpoint(path[len(RANDOM_PREFIX) :])
     resolved = os.path.expanduser(path)
     if not os.path.exists(resolved):

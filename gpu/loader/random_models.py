@@ -22,8 +22,6 @@ from typing import Any
 
 import torch
 
-from gpu.loader import RANDOM_PREFIX
-
 VOCAB = 384
 
 _COMMON: dict[str, Any] = {
@@ -174,6 +172,7 @@ def _perturb(model: torch.nn.Module) -> None:
                 buffer.normal_(0.0, 0.3)
 
 
+RANDOM_PREFIX = "random:"
 BUILDERS: dict[str, Callable[[Path, int], Path]] = {
     "qwen3_5_text": build_tiny_qwen3_5,
     "lfm2": build_tiny_lfm2,

@@ -1,0 +1,170 @@
+"""Mixture-of-experts serving: tierserve vs transformers' batched `generate` on a random
+Qwen3-MoE-shaped model (default ~1.0 B total / ~0.23 B active parameters), same run.
+
+The model is built once with transformers (random weights, seeded) and cached under
+~/.cache/tierserve-bench/moe/. Measured, one invocation:
+- the workload (throughput.py's: all requests at t = 0, greedy, every request to exactly
+  its length) through tierserve's engine and through transformers, output tok/s and TTFT;
+- batch-1 decode tok/s through tierserve, against the bound of reading the *active*
+  weights once per token (attention, router and top-k experts of every layer, one
+  embedding row, the head) at the read bandwidth measured in this process.
+
+    .venv/bin/python benchmarks/moe.py                                # full run
+    .venv/bin/python benchmarks/moe.py --num-requests 8 --output-max 16 --layers 4   # smoke run
+    .venv/bin/python benchmarks/moe.py --set model.moe=dense          # another implementation
+
+llama-server is not a peer here yet: tierserve does not load GGUF expert tensors, so the
+same weights cannot be served by both from one file (README: "Mixture-of-experts models").
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks import machine_bounds
+from benchmarks.throughput import (
+    Request,
+    RunResult,
+    add_engine_args,
+    bench_baseline,
+    engine_config,
+    run_engine,
+    table,
+)
+
+
+def shape(args: argparse.Namespace) -> dict[str, Any]:
+    """transformers' Qwen3MoeConfig fields of the benchmark model."""
+    return {
+        "vocab_size": args.vocab, "hidden_size": args.hidden, "num_hidden_layers": args.layers,
+        "num_attention_heads": args.hidden // 64, "num_key_value_heads": args.hidden // 256, "head_dim": 64,
+        "intermediate_size": 4 * args.hidden, "moe_intermediate_size": args.expert_width,
+        "num_experts": args.experts, "num_experts_per_tok": args.top_k, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+    }
+
+
+def build_model(args: argparse.Namespace) -> Path:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    fields = shape(args)
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
+    folder = Path.home() / ".cache" / "tierserve-bench" / "moe" / f"qwen3moe-{digest}"
+    if (folder / "config.json").exists():
+        return folder
+    print(f"building the random model ({folder}) ...", flush=True)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**fields))
+    with torch.no_grad():  # routers start at zero in transformers' init: give routing a choice
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 1.0 / args.hidden**0.5)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def params(args: argparse.Namespace) -> tuple[int, int]:
+    """(total, active per token) parameter counts."""
+    h, kv = args.hidden, (args.hidden // 256) * 64
+    attention = 2 * h * h + 2 * h * kv + 2 * 64 + 2 * h  # q, o; k, v; q/k norms; block norms
+    expert = 3 * h * args.expert_width
+    router = args.experts * h
+    embed = args.vocab * h
+    total = args.layers * (attention + router + args.experts * expert) + 2 * embed + h
+    active = args.layers * (attention + router + args.top_k * expert) + embed + 2 * h  # head, an embedding row, final norm
+    return total, active
+
+
+def workload(args: argparse.Namespace) -> list[Request]:
+    rng = random.Random(args.seed)
+    return [Request([rng.randrange(10, args.vocab) for _ in range(rng.randint(args.input_min, args.input_max))],
+                    rng.randint(args.output_min, args.output_max)) for _ in range(args.num_requests)]
+
+
+def batch_1(args: argparse.Namespace, config: Any) -> float:
+    """tierserve's decode tok/s for one request alone (time per output token after the first)."""
+    import uvloop
+
+    result: RunResult = uvloop.run(run_engine([Request(list(range(100, 132)), args.decode_tokens)], config))
+    return 1.0 / result.timings[0].tpot
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--experts", type=int, default=40)
+    p.add_argument("--top-k", type=int, default=6)
+    p.add_argument("--expert-width", type=int, default=512)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--input-min", type=int, default=64)
+    p.add_argument("--input-max", type=int, default=192)
+    p.add_argument("--output-min", type=int, default=32)
+    p.add_argument("--output-max", type=int, default=96)
+    p.add_argument("--decode-tokens", type=int, default=64, help="batch-1 decode: tokens generated")
+    p.add_argument("--batch-size", type=int, default=32, help="transformers: requests per generate call")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-baseline", action="store_true", help="tierserve only")
+    p.add_argument("--json", metavar="PATH", help="also write the numbers here")
+    add_engine_args(p)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    folder = build_model(args)
+    args.set = [f"model.path={folder}", *args.set]
+    total, active = params(args)
+    reqs = workload(args)
+    print(f"model: {total / 1e9:.2f} B parameters, {active / 1e9:.3f} B active per token "
+          f"({args.layers} layers, {args.experts} experts of width {args.expert_width}, top {args.top_k}); "
+          f"workload: {len(reqs)} requests, {sum(len(r.prompt) for r in reqs)} prompt and "
+          f"{sum(r.max_new for r in reqs)} output tokens; torch threads {torch.get_num_threads()}", flush=True)
+    bounds = machine_bounds.measure()
+    config = engine_config(args)
+    dtype_bytes = torch.empty((), dtype=getattr(torch, config.model.dtype if config.model.dtype != "auto"
+                                                else "float32")).element_size()
+    import uvloop
+
+    results = [uvloop.run(run_engine(reqs, config))]
+    decode = batch_1(args, config)
+    if not args.skip_baseline:
+        def load() -> Any:
+            from transformers import AutoModelForCausalLM
+
+            return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+        t0 = time.perf_counter()
+        results.append(bench_baseline(reqs, args.batch_size, load))
+        print(f"(transformers took {time.perf_counter() - t0:.0f} s including its load)")
+    print(table(results))
+    bound = machine_bounds.decode_bound_tok_s(active * dtype_bytes, bounds.read_gb_s)
+    out: dict[str, Any] = {"systems": {r.system: r.summary() for r in results}, "b1_decode_tok_s": decode,
+                           "b1_bound_tok_s": bound, "read_gb_s": bounds.read_gb_s,
+                           "total_params": total, "active_params": active}
+    print(f"\nbatch-1 decode: {decode:.1f} tok/s; active weights {active * dtype_bytes / 1e6:.0f} MB a token at "
+          f"{bounds.read_gb_s:.1f} GB/s read -> bound {bound:.1f} tok/s: {decode / bound:.0%} of it (target >= 50%)")
+    if len(results) == 2:
+        ratio = results[0].summary()["output_tok_per_s"] / results[1].summary()["output_tok_per_s"]
+        out["speedup"] = ratio
+        print(f"output tok/s, tierserve / transformers: {ratio:.2f}x (target >= 4x)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
