@@ -16,6 +16,7 @@ from gpu.batch_invariant import linear_tiled
 from gpu.model_config import ModelArchConfig
 from gpu.models import llama_glue as glue
 from gpu.models.hybrid_common import Weights, swiglu
+from gpu.quant import few_rows
 from gpu.quant.dispatch import LinearWeight, QuantSpec, build_linear, make_linear
 from kernel.registry import register
 
@@ -54,7 +55,11 @@ class LlamaModel:
         # The fused C++ glue (norms, residual adds, RoPE, SiLU*up) where it can run.
         self.fused = glue.available(cpu_kernels, dtype, device)
         # Deterministic mode: every matmul is batch-invariant (see gpu/batch_invariant.py).
-        self.linear = make_linear(linear_tiled if deterministic else F.linear, deterministic)
+        # Float32 weights (an unquantized model, a MoE model's experts): few-row steps through
+        # the C++ kernel that reads each weight once (gpu/quant/few_rows.py).
+        few = not deterministic and few_rows.available(cpu_kernels, dtype, device)
+        self.linear = make_linear(linear_tiled if deterministic else F.linear, deterministic,
+                                  few_rows.linear if few else None)
         self.dtype = dtype
         self.device = device
         w = Weights(weights, dtype, device, quantization)

@@ -46,5 +46,7 @@ class TorchMoE:
             start += n
             tokens = pairs // k
             y = swiglu(linear, x.index_select(0, tokens), experts.gate_up[e], experts.down[e])
-            out.index_add_(0, tokens, y * weights.index_select(0, pairs)[:, None])
+            # NOTE: a group's tokens are distinct, so this adds one term to each of their rows
+            # (index_add_ does the same, and took ~10x as long at decode sizes here).
+            out.index_put_((tokens,), y * weights.index_select(0, pairs)[:, None], accumulate=True)
         return out

@@ -70,13 +70,15 @@ def build_linear(spec: QuantSpec | None, names: Sequence[str], dense: torch.Tens
     return QuantizedWeight(quant, dense if keep else None)
 
 
-def make_linear(dense_linear: Linear, deterministic: bool) -> Linear:
-    """linear(x, weight, bias): `dense_linear` (F.linear or the batch-invariant tiled one) on
-    float weights, the quantized op or the dense copy on quantized ones (rule above)."""
+def make_linear(dense_linear: Linear, deterministic: bool, float_linear: Linear | None = None) -> Linear:
+    """linear(x, weight, bias): `float_linear` (default `dense_linear`: F.linear or the
+    batch-invariant tiled one) on float weights, the quantized op or the dense copy (through
+    `dense_linear`) on quantized ones (rule above)."""
+    on_floats = float_linear or dense_linear
 
     def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
         if isinstance(weight, torch.Tensor):
-            return dense_linear(x, weight, bias)
+            return on_floats(x, weight, bias)
         if deterministic:
             return quant_tiled(weight.quant, x, bias)
         if x.shape[0] <= weight.quant.max_rows or weight.dense is None:

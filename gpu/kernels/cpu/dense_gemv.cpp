@@ -1,0 +1,103 @@
+// float32 matmuls of a few rows, out = x @ w^T, reading each weight row once for all the
+// rows of x. Decode steps (and a MoE step's expert groups of a few tokens each) multiply a
+// handful of rows by weights far larger than the caches, so the time is one read of the
+// weight; torch's GEMMs at 1-8 rows read it at a fraction of the machine's bandwidth here
+// (benchmarks/moe.py's notes: 1 row of [1024 x 1024] ~300 us, 5 rows ~600 us, where one
+// read takes ~140 us).
+//
+// Each output element is a dot product of a weight row and an x row in 8 float32 lanes
+// (FMA), the lanes summed at the end, then the scalar tail: not torch's summation order,
+// so it is used outside deterministic mode only, like every kernel here.
+
+#include <torch/all.h>
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define TIERSERVE_DENSE_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t kMaxRows = 8;  // rows of x per pass over the weight (registers: 8 accumulators)
+
+#ifdef TIERSERVE_DENSE_AVX2
+inline float lanes_sum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+#endif
+
+// out[m * ldo + j] for j in [n0, n1), m < M: rows of x (stride k) against rows of w (stride k).
+// NOTE: U independent accumulators per row of x (4 for one row, 2 for two or three): one
+// FMA chain per row would wait on the FMA's latency every 8 floats, slower than the read.
+template <int M>
+void rows(const float* x, const float* w, float* out, int64_t k, int64_t ldo, int64_t n0, int64_t n1) {
+  constexpr int U = M == 1 ? 4 : (M < 4 ? 2 : 1);
+  for (int64_t j = n0; j < n1; ++j) {
+    const float* wr = w + j * k;
+    int64_t i = 0;
+    float sums[M];
+#ifdef TIERSERVE_DENSE_AVX2
+    __m256 acc[M][U];
+    for (int m = 0; m < M; ++m)
+      for (int u = 0; u < U; ++u) acc[m][u] = _mm256_setzero_ps();
+    for (; i + 8 * U <= k; i += 8 * U) {
+      for (int u = 0; u < U; ++u) {
+        const __m256 wv = _mm256_loadu_ps(wr + i + 8 * u);
+        for (int m = 0; m < M; ++m) acc[m][u] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * k + i + 8 * u), acc[m][u]);
+      }
+    }
+    for (; i + 8 <= k; i += 8) {
+      const __m256 wv = _mm256_loadu_ps(wr + i);
+      for (int m = 0; m < M; ++m) acc[m][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * k + i), acc[m][0]);
+    }
+    for (int m = 0; m < M; ++m) {
+      __m256 total = acc[m][0];
+      for (int u = 1; u < U; ++u) total = _mm256_add_ps(total, acc[m][u]);
+      sums[m] = lanes_sum(total);
+    }
+#else
+    for (int m = 0; m < M; ++m) sums[m] = 0.0f;
+#endif
+    for (; i < k; ++i)
+      for (int m = 0; m < M; ++m) sums[m] += wr[i] * x[m * k + i];
+    for (int m = 0; m < M; ++m) out[m * ldo + j] = sums[m];
+  }
+}
+
+using RowsFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
+constexpr RowsFn kRows[kMaxRows] = {rows<1>, rows<2>, rows<3>, rows<4>, rows<5>, rows<6>, rows<7>, rows<8>};
+
+// x [M, K], w [N, K] (float32, contiguous) -> [M, N]; passes of up to 8 rows of x each.
+at::Tensor dense_gemv(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "dense_gemv: float32 only");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "dense_gemv: x [M, K] and w [N, K]");
+  TORCH_CHECK(w.is_contiguous(), "dense_gemv: the weight must be contiguous");
+  const at::Tensor xc = x.contiguous();
+  const int64_t m = xc.size(0), k = xc.size(1), n = w.size(0);
+  at::Tensor out = at::empty({m, n}, xc.options());
+  if (m == 0 || n == 0) return out;
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  // NOTE: at least ~32 KB of weight per thread's range (small matrices skip the threads).
+  const int64_t grain = std::max<int64_t>(1, (32 << 10) / (k * 4));
+  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t r = 0; r < m; r += kMaxRows) {
+      const int64_t rows_now = std::min(kMaxRows, m - r);
+      kRows[rows_now - 1](xp + r * k, wp, op + r * n, k, n, n0, n1);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tierserve_cpu, m) { m.def("dense_gemv(Tensor x, Tensor w) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(tierserve_cpu, CPU, m) { m.impl("dense_gemv", &dense_gemv); }

@@ -1,0 +1,72 @@
+"""The few-row float32 linear (gpu/quant/few_rows.py over gpu/kernels/cpu/dense_gemv.cpp):
+the same products as F.linear up to float32 summation order, for every row count its
+passes take (1-8, then passes of 8 and a rest; more than MAX_ROWS go to F.linear), widths
+with and without a scalar tail, and biases; the Llama family's float weights use it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from gpu.quant import few_rows
+
+pytestmark = pytest.mark.skipif(not few_rows.available(True, torch.float32, torch.device("cpu")),
+                                reason="the C++ CPU kernels are not built here")
+
+
+def agrees(linear: Any, rows: int, k: int, n: int, bias: bool) -> bool:
+    torch.manual_seed(rows * 1000 + k)
+    x, w = torch.randn(rows, k), torch.randn(n, k)
+    b = torch.randn(n) if bias else None
+    ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    # float32 sums of k products of ~N(0, 1) terms: a few ulps of sqrt(k) each.
+    return torch.allclose(linear(x, w, b).double(), ref, rtol=0, atol=1e-5 * k**0.5)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17])
+@pytest.mark.parametrize("k", [8, 64, 1027])  # 1027: a scalar tail after the vector body
+def test_matches_f_linear(rows: int, k: int) -> None:
+    assert agrees(few_rows.linear, rows, k, 37, bias=rows % 2 == 1)
+
+
+def spy_kernel(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Rows of every call of the kernel."""
+    calls: list[int] = []
+    real = few_rows._kernel
+
+    def spy(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(x, w)
+
+    monkeypatch.setattr(few_rows, "_kernel", spy)
+    return calls
+
+
+def test_the_kernel_runs_for_few_rows_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = spy_kernel(monkeypatch)
+    for rows in (1, few_rows.MAX_ROWS, few_rows.MAX_ROWS + 1):
+        few_rows.linear(torch.randn(rows, 16), torch.randn(4, 16))
+    assert calls == [1, few_rows.MAX_ROWS]
+
+
+def test_red_a_dropped_tail(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guard above with a kernel that drops the last column of the sum: red."""
+    monkeypatch.setattr(few_rows, "_kernel", lambda x, w: torch.nn.functional.linear(x[:, :-1], w[:, :-1]))
+    assert not agrees(few_rows.linear, 3, 1027, 37, bias=False)
+
+
+def test_float32_llama_uses_it_outside_deterministic_mode(tiny_chat_folder: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpu.loader import load_checkpoint
+    from gpu.models.llama import LlamaModel
+
+    ckpt = load_checkpoint(tiny_chat_folder, torch.float32)
+    calls = spy_kernel(monkeypatch)
+    for deterministic in (False, True):
+        model = LlamaModel(ckpt.arch, ckpt.weights, torch.float32, torch.device("cpu"), deterministic=deterministic,
+                           cpu_kernels=True)
+        w = model.layers[0].down
+        assert isinstance(w, torch.Tensor)
+        model.linear(torch.randn(2, w.shape[1]), w)
+        assert calls == [2], (deterministic, calls)  # the deterministic model added no call
