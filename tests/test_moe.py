@@ -192,3 +192,44 @@ def test_host_tier_hit_and_retraction_exact(moe_folder: str, det: Engine) -> Non
             exact(out, ref)  # type: ignore[arg-type]
     finally:
         small.shutdown()
+
+
+def few_equals_grouped(few: Any, dtype: torch.dtype) -> bool:
+    """The few-token path against the grouped one, row-invariant linears, 1-8 tokens,
+    top-3 of 6 random experts: every bit equal."""
+    from gpu.batch_invariant import linear_tiled
+    from gpu.moe.routing import softmax_topk
+    from gpu.moe.torch_moe import Experts, TorchMoE
+
+    torch.manual_seed(3)
+    hidden, width = 32, 16
+    experts = Experts(gate_up=[(torch.randn(2 * width, hidden) / 4).to(dtype) for _ in range(6)],
+                      down=[(torch.randn(hidden, width) / 3).to(dtype) for _ in range(6)])
+    for tokens in range(1, 9):
+        x = torch.randn(tokens, hidden).to(dtype)
+        routing = softmax_topk(torch.randn(tokens, 6).to(dtype), 3, True)
+        if not torch.equal(few(linear_tiled, x, routing, experts), TorchMoE._grouped(linear_tiled, x, routing, experts)):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_token_path_gives_the_grouped_bits(dtype: torch.dtype) -> None:
+    from gpu.moe.torch_moe import TorchMoE
+
+    assert few_equals_grouped(TorchMoE._few, dtype)
+
+
+def test_red_few_token_path_in_routing_order() -> None:
+    """Planted: the few-token path adds each token's experts in its routing order (best
+    first), not in expert order: the guard above goes red."""
+    from gpu.moe.torch_moe import swiglu
+
+    def routing_order(linear: Any, x: torch.Tensor, routing: Any, experts: Any) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for t, (chosen, weights) in enumerate(zip(routing.experts.tolist(), routing.weights.tolist())):
+            for e, w in zip(chosen, weights):
+                out[t] += swiglu(linear, x[t : t + 1], experts.gate_up[e], experts.down[e])[0] * w
+        return out
+
+    assert not few_equals_grouped(routing_order, torch.float32)

@@ -27,11 +27,41 @@ class Experts(NamedTuple):
     down: Sequence[LinearWeight]
 
 
+FEW_TOKENS = 8  # up to here (decode steps) the groups are formed on the host, in Python
+
+
 @register("moe", "torch")
 class TorchMoE:
     static_shapes = False  # reads group sizes on the host
 
     def __call__(self, linear: Linear, x: torch.Tensor, routing: Routing, experts: Experts) -> torch.Tensor:
+        if x.shape[0] <= FEW_TOKENS:
+            return self._few(linear, x, routing, experts)
+        return self._grouped(linear, x, routing, experts)
+
+    @staticmethod
+    def _few(linear: Linear, x: torch.Tensor, routing: Routing, experts: Experts) -> torch.Tensor:
+        """A few tokens: one host read of the routing, groups formed in Python, the same
+        expert order and the same products and sums as `_grouped` (equal bits where
+        `linear` is row-invariant), at a fraction of its ops (a decode step's MoE layer is
+        dominated by them)."""
+        groups: dict[int, list[tuple[int, float]]] = {}
+        for t, (chosen, weights) in enumerate(zip(routing.experts.tolist(), routing.weights.tolist())):
+            for e, w in zip(chosen, weights):
+                groups.setdefault(e, []).append((t, w))
+        out = torch.zeros_like(x)
+        for e in sorted(groups):
+            tokens, weights = zip(*groups[e])
+            if len(x) == 1:  # batch 1: the token itself, no gather or scatter
+                out += swiglu(linear, x, experts.gate_up[e], experts.down[e]) * weights[0]
+                continue
+            rows = torch.tensor(tokens)
+            y = swiglu(linear, x.index_select(0, rows), experts.gate_up[e], experts.down[e])
+            out.index_put_((rows,), y * torch.tensor(weights, dtype=x.dtype)[:, None], accumulate=True)
+        return out
+
+    @staticmethod
+    def _grouped(linear: Linear, x: torch.Tensor, routing: Routing, experts: Experts) -> torch.Tensor:
         k = routing.experts.shape[1]
         flat = routing.experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, tokens in order
