@@ -190,3 +190,21 @@ def reference_generate(
             logprobs = torch.stack([torch.log_softmax(step[0].float(), -1) for step in out.logits])
             results.append((ids, logprobs))
     return results
+
+
+def teacher_forced_error(
+    model: HybridModel, prompts: list[list[int]], chunks: list[list[int]], num_decode: int,
+    reference: list[tuple[list[int], torch.Tensor]],
+) -> tuple[float, int, list[list[int]]]:
+    """`run_schedule` teacher-forced on the reference's tokens: the max |Δ logprob| over every
+    position and token, the top-1 flips where the reference's top-2 margin exceeds 1e-2,
+    and our greedy ids."""
+    forced = [ids for ids, _ in reference]
+    ids, logprobs = run_schedule(Driver(model, page_size=16), prompts, chunks, num_decode, forced)
+    worst, flips = 0.0, 0
+    for ours_ids, ours_lp, (ref_ids, ref_lp) in zip(ids, logprobs, reference):
+        worst = max(worst, float((ours_lp - ref_lp).abs().max()))
+        top2 = ref_lp.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 1e-2
+        flips += int((torch.tensor(ours_ids) != torch.tensor(ref_ids))[clear].sum())
+    return worst, flips, ids

@@ -19,7 +19,15 @@ from gpu.batch_invariant import linear_tiled
 from gpu.loader.hf import build_arch_config, load_hf_folder
 from gpu.models.qwen3_5 import Qwen3_5Model
 from kernel.registry import lookup
-from tests.hybrid_driver import Driver, HybridModel, Req, load_model, reference_generate, run_schedule
+from tests.hybrid_driver import (
+    Driver,
+    HybridModel,
+    Req,
+    load_model,
+    reference_generate,
+    run_schedule,
+    teacher_forced_error,
+)
 from tests.tiny_hybrid import VOCAB, build_tiny_lfm2, build_tiny_qwen3_5
 
 FAMILIES = {"qwen3_5_text": build_tiny_qwen3_5, "lfm2": build_tiny_lfm2}
@@ -50,14 +58,7 @@ def test_teacher_forced_matches_transformers(
     sides; measured ~1e-6 on an AMD EPYC AVX2), and the same top-1 wherever transformers'
     top-2 margin exceeds 1e-2. Free-running agreement is printed, not asserted."""
     model = load_model(family[1])
-    forced = [ids for ids, _ in reference]
-    ids, logprobs = run_schedule(Driver(model, page_size=16), PROMPTS, SCHEDULES[schedule], NUM_DECODE, forced)
-    worst, flips = 0.0, 0
-    for ours_ids, ours_lp, (ref_ids, ref_lp) in zip(ids, logprobs, reference):
-        worst = max(worst, float((ours_lp - ref_lp).abs().max()))
-        top2 = ref_lp.topk(2, dim=-1).values
-        clear = (top2[:, 0] - top2[:, 1]) > 1e-2
-        flips += int((torch.tensor(ours_ids) != torch.tensor(ref_ids))[clear].sum())
+    worst, flips, _ = teacher_forced_error(model, PROMPTS, SCHEDULES[schedule], NUM_DECODE, reference)
     free = run_schedule(Driver(model, page_size=16), PROMPTS, SCHEDULES[schedule], NUM_DECODE)[0]
     agree = sum(a == b for ours, (ref, _) in zip(free, reference) for a, b in zip(ours, ref))
     print(f"{family[0]} {schedule}: teacher-forced max |dlogprob| vs transformers over {NUM_DECODE} steps "

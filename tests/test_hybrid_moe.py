@@ -17,7 +17,7 @@ from gpu.loader.hf import build_arch_config, load_hf_folder
 from gpu.models.hybrid_moe import Qwen3_5MoeModel, Qwen3NextModel
 from kernel.registry import lookup
 from tests.conftest import HYBRID_MOE_FAMILIES
-from tests.hybrid_driver import Driver, load_model, reference_generate, run_schedule
+from tests.hybrid_driver import load_model, reference_generate, teacher_forced_error
 
 NUM_DECODE = 16
 PROMPTS = [[(7 * j + 3 * i + 1) % 384 for j in range(n)] for i, n in enumerate((90, 37))]
@@ -47,17 +47,7 @@ def reference(family: tuple[str, str]) -> Reference:
 
 
 def worst_error(folder: str, reference: Reference, schedule: str) -> tuple[float, int]:
-    """Max |Δ logprob| over every position and token, and top-1 flips where transformers'
-    top-2 margin exceeds 1e-2, teacher-forced."""
-    model = load_model(folder)
-    forced = [ids for ids, _ in reference]
-    ids, logprobs = run_schedule(Driver(model, page_size=16), PROMPTS, SCHEDULES[schedule], NUM_DECODE, forced)
-    worst, flips = 0.0, 0
-    for ours_ids, ours_lp, (ref_ids, ref_lp) in zip(ids, logprobs, reference):
-        worst = max(worst, float((ours_lp - ref_lp).abs().max()))
-        top2 = ref_lp.topk(2, dim=-1).values
-        clear = (top2[:, 0] - top2[:, 1]) > 1e-2
-        flips += int((torch.tensor(ours_ids) != torch.tensor(ref_ids))[clear].sum())
+    worst, flips, _ = teacher_forced_error(load_model(folder), PROMPTS, SCHEDULES[schedule], NUM_DECODE, reference)
     return worst, flips
 
 
