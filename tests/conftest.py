@@ -185,6 +185,7 @@ SLOW_FIRST = (
     "test_host_tier_hybrid.py", "test_faults_e2e.py", "test_graph_runner.py", "test_bit_exact_numerics.py",
     "test_parity_transformers.py", "test_leak_check.py", "test_graph_capture.py", "test_http_errors.py",
     "test_optional_deps.py", "test_soak.py", "test_batch_invariance.py", "test_hybrid_models.py",
+    "test_hybrid_moe_engine.py", "test_hybrid_moe.py",
 )
 
 

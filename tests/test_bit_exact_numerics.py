@@ -55,7 +55,7 @@ def test_numerics_are_what_was_asked(det_numerics: tuple[str, Engine]) -> None:
 
 
 def test_red_per_shape_dispatch_in_deterministic_mode(tiny_chat_folder: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    def planted_make_linear(dense_linear: Any, deterministic: bool) -> Any:
+    def planted_make_linear(dense_linear: Any, deterministic: bool, float_linear: Any = None) -> Any:
         def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
             if isinstance(weight, torch.Tensor):
                 return dense_linear(x, weight, bias)
