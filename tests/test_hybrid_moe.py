@@ -73,8 +73,9 @@ def test_arch_config(family: tuple[str, str]) -> None:
     assert all((b.gate_up is None) == (i in arch.sparse_layers) for i, b in enumerate(model.blocks))
 
 
-def test_qwen3_5_moe_config_without_dense_width() -> None:
-    """Qwen3.5-MoE configs have no intermediate_size (no dense MLP) and always renormalize."""
+def test_moe_config_defaults() -> None:
+    """Qwen3.5-MoE configs have no intermediate_size (no dense MLP) and always renormalize;
+    Qwen3-Next's renormalize unless they say not to."""
     config = {"architectures": ["Qwen3_5MoeForCausalLM"], "vocab_size": 10, "hidden_size": 8,
               "num_attention_heads": 2, "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
               "linear_num_key_heads": 1, "linear_num_value_heads": 2, "linear_key_head_dim": 4,
@@ -82,6 +83,12 @@ def test_qwen3_5_moe_config_without_dense_width() -> None:
               "norm_topk_prob": False, "decoder_sparse_step": 2}
     arch = build_arch_config(config)
     assert arch.intermediate_size == 6 and arch.norm_topk_prob and arch.sparse_layers == (0, 1)
+    # Qwen3-Next: norm_topk_prob true unless the config says otherwise (Qwen3NextConfig's default).
+    next_config = {k: v for k, v in config.items() if k != "norm_topk_prob"}
+    next_config.update(architectures=["Qwen3NextForCausalLM"], intermediate_size=12)
+    assert build_arch_config(next_config).norm_topk_prob
+    explicit = build_arch_config({**next_config, "norm_topk_prob": False})
+    assert not explicit.norm_topk_prob and explicit.sparse_layers == (1,)  # decoder_sparse_step 2
 
 
 Plant = Callable[[pytest.MonkeyPatch], None]

@@ -78,11 +78,13 @@ def build_arch_config(config: dict[str, Any]) -> ModelArchConfig:
         # Qwen3.5-MoE: every layer sparse, always renormalized (Qwen3_5MoeTopKRouter).
         every = arch == "qwen3_5_moe_text"
         moe = config if not every else {**config, "decoder_sparse_step": 1, "mlp_only_layers": []}
-        return _moe_fields(_qwen3_5_fields(base, config), moe, always_renormalize=every)
+        # norm_topk_prob defaults to true in Qwen3NextConfig (false in Qwen3MoeConfig).
+        return _moe_fields(_qwen3_5_fields(base, config), moe, always_renormalize=every, renormalize_default=True)
     return base
 
 
-def _moe_fields(base: ModelArchConfig, config: dict[str, Any], always_renormalize: bool) -> ModelArchConfig:
+def _moe_fields(base: ModelArchConfig, config: dict[str, Any], always_renormalize: bool,
+                renormalize_default: bool = False) -> ModelArchConfig:
     """Qwen3-MoE, Qwen3-Next: layer i's MLP is the sparse block unless i is in
     mlp_only_layers, with experts, where (i + 1) % decoder_sparse_step == 0
     (Qwen3MoeDecoderLayer). Mixtral: every layer, experts as wide as intermediate_size,
@@ -100,7 +102,7 @@ def _moe_fields(base: ModelArchConfig, config: dict[str, Any], always_renormaliz
         num_experts=experts,
         num_experts_per_tok=int(config["num_experts_per_tok"]),
         moe_intermediate_size=int(config.get("moe_intermediate_size") or base.intermediate_size),
-        norm_topk_prob=always_renormalize or bool(config.get("norm_topk_prob", False)),
+        norm_topk_prob=always_renormalize or bool(config.get("norm_topk_prob", renormalize_default)),
         sparse_layers=sparse,
     )
 
