@@ -16,6 +16,7 @@ server); it returns None with the reason where the CPU does not grant AMX.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import subprocess
@@ -59,10 +60,15 @@ def cache_root() -> Path:
     return Path(os.environ.get("TIERSERVE_BENCH_CACHE", "~/.cache/tierserve-bench")).expanduser()
 
 
-def fetch_source(cache: Path) -> LlamaCpp:
-    """Download the pinned sdist with pip and unpack its vendored llama.cpp (once)."""
+def fetch_source(cache: Path, only: tuple[str, ...] = ("",)) -> LlamaCpp:
+    """Download the pinned sdist with pip and unpack its vendored llama.cpp (once); `only`:
+    just those paths under it (CONVERTER: the Python converter)."""
     tree = LlamaCpp(cache / f"llama_cpp_python-{LLAMA_CPP_PYTHON}")
-    if (tree.source / "CMakeLists.txt").exists():
+    # NOTE: a marker per selection, written after the whole extraction, so an interrupted
+    # unpack is redone rather than half-used; the full tree serves every selection.
+    marker = tree.root / (".extracted-" + hashlib.sha1("\0".join(only).encode()).hexdigest()[:12])
+    full = tree.root / (".extracted-" + hashlib.sha1(b"").hexdigest()[:12])
+    if marker.exists() or full.exists():
         return tree
     cache.mkdir(parents=True, exist_ok=True)
     archive = cache / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
@@ -70,11 +76,25 @@ def fetch_source(cache: Path) -> LlamaCpp:
         print(f"downloading the llama-cpp-python {LLAMA_CPP_PYTHON} sdist (vendored llama.cpp)")
         run_checked([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
                      f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(cache)])
-    prefix = f"{tree.root.name}/vendor/llama.cpp/"
+    prefixes = tuple(f"{tree.root.name}/vendor/llama.cpp/{path}" for path in only)
     with tarfile.open(archive) as tar:
-        members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+        members = [m for m in tar.getmembers() if m.name.startswith(prefixes)]
         tar.extractall(cache, members=members, filter="data")
+    marker.touch()
     return tree
+
+
+# The pinned converter and what it imports from its own tree (its gguf-py comes first on its path).
+CONVERTER = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+
+
+def convert_hf(folder: Path, out: Path, outtype: str = "f32", cache: Path | None = None) -> Path:
+    """A Hugging Face checkpoint folder converted to GGUF by the pinned llama.cpp's
+    `convert_hf_to_gguf.py` (its tokenizer must be one the converter knows)."""
+    tree = fetch_source(cache or cache_root(), CONVERTER)
+    run_checked([sys.executable, str(tree.source / CONVERTER[0]), str(folder), "--outfile", str(out),
+                 "--outtype", outtype])
+    return out
 
 
 def run_checked(cmd: list[str], **kwargs: object) -> str:

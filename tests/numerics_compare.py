@@ -165,6 +165,31 @@ def hf_scorer(model: Any) -> Scorer:
     return scorer
 
 
+def hf_greedy(model: Any, ids: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation of `ids` by full forwards (no cache)."""
+    import torch
+
+    seq = list(ids)
+    with torch.inference_mode():
+        for _ in range(n):
+            seq.append(int(torch.argmax(model(torch.tensor([seq])).logits[0, -1])))
+    return seq[len(ids) :]
+
+
+def against_transformers(engine: Any, folder: Any, prompt_ids: list[list[int]], gap: float,
+                         new_tokens: int = 8) -> Report:
+    """`engine` against transformers' float32 model from the checkpoint `folder`, its greedy
+    tokens the fixed reference (both directions, `evaluate`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True, "return_logprob": True,
+              "top_logprobs_num": TOP}
+    greedy = [hf_greedy(model, ids, new_tokens) for ids in prompt_ids]
+    return evaluate(engine, fixed_reference(hf_scorer(model), prompt_ids, greedy, params), gap)
+
+
 def fixed_reference(scorer: Scorer, prompt_ids: list[list[int]], output_ids: list[list[int]],
                     params: dict[str, Any]) -> Reference:
     """A reference from given greedy tokens (e.g. transformers' generate), scored by `scorer`."""

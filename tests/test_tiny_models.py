@@ -8,25 +8,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
 
 from kernel import Engine
 from tests.conftest import FLOAT32
-from tests.numerics_compare import TOP, Bounds, check_report, evaluate, fixed_reference, hf_scorer
+from tests.numerics_compare import Bounds, against_transformers, check_report
 from tests.tiny_models import VOCAB, build_tiny
 
 BOUNDS = Bounds(mean=1e-5, p99=1e-4, agreement=1.0, gap=1e-3)
-
-
-def reference_greedy(model: Any, ids: list[int], n: int) -> list[int]:
-    seq = list(ids)
-    with torch.inference_mode():
-        for _ in range(n):
-            seq.append(int(torch.argmax(model(torch.tensor([seq])).logits[0, -1])))
-    return seq[len(ids) :]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
@@ -48,14 +38,8 @@ def test_tiny_checkpoint_matches_transformers(arch: str, tmp_path: Path) -> None
             "debug.check_invariants": True,
         },
     )
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True, "return_logprob": True,
-              "top_logprobs_num": TOP}
-    ref = fixed_reference(hf_scorer(model), prompts, [reference_greedy(model, ids, 8) for ids in prompts], params)
     try:
-        report = evaluate(engine, ref, BOUNDS.gap)
+        report = against_transformers(engine, folder, prompts, BOUNDS.gap)
     finally:
         engine.shutdown()
     check_report(report, BOUNDS)

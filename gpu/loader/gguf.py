@@ -4,13 +4,20 @@ Weights are dequantized once at load time (the engine computes in a float dtype)
 dimensions innermost-first (ggml `ne` order), and llama.cpp's converter interleaved the rows of
 Llama q/k projections for its rotary layout; both are undone here so model code sees exactly
 what a Hugging Face checkpoint would give it.
+
+Mixture-of-experts files (`qwen3moe`; `llama` with `expert_count`: Mixtral) store each sparse
+layer's experts stacked, `blk.{i}.ffn_{gate,up,down}_exps` [experts, rows, cols], and the router
+as `ffn_gate_inp`; they are split back into the per-expert Hugging Face tensors (raw Q4 blocks
+too: a block never crosses a row, so an expert's blocks are its rows). llama.cpp renormalizes
+the top-k routing weights of both architectures (build_moe_ffn's norm_w), so the config says so.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -28,7 +35,17 @@ from gpu.tokenizer import Tokenizer
 
 log = structlog.get_logger("tierserve")
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
+_REGISTRY_NAMES = {"qwen3moe": "qwen3_moe"}  # GGUF architecture -> model registry name
+_ROPE_PERMUTED = ("llama", "mixtral")  # the converter interleaved their q/k rows
+
+# Per architecture with experts: the sparse block's Hugging Face name and each expert
+# projection's (gpu/moe/layers.py ExpertNames: HF_NAMES, Mixtral's).
+_EXPERT_NAMES = {
+    "qwen3_moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
+    "mixtral": ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}),
+}
+_EXPERTS_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 
 _TOP_LEVEL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -91,13 +108,13 @@ def load_q4_blocks(tensors: list[ReaderTensor], arch: ModelArchConfig) -> dict[s
     blocks: dict[str, Q4Blocks] = {}
     for t in tensors:
         kind = t.tensor_type.name
-        if t.name in _IGNORED or not is_q4(kind) or len(t.shape) != 2:
+        if t.name in _IGNORED or not is_q4(kind) or len(t.shape) not in (2, 3):
             continue
-        name = hf_name(t.name)
-        data = torch.from_numpy(np.array(t.data, dtype=np.uint8))
-        if arch.architecture == "llama":
-            data = _undo_rope_permutation(name, data, arch)
-        blocks[name] = Q4Blocks(kind, data)
+        data = torch.from_numpy(np.array(t.data, dtype=np.uint8))  # [(experts,) rows, row bytes]
+        for name, rows in hf_tensors(t.name, data, arch):
+            if arch.architecture in _ROPE_PERMUTED:
+                rows = _undo_rope_permutation(name, rows, arch)
+            blocks[name] = Q4Blocks(kind, rows)
     return blocks
 
 
@@ -118,8 +135,9 @@ def build_arch_config(meta: Mapping[str, Any], tensors: list[ReaderTensor]) -> M
     names = {t.name for t in tensors}
     hidden = int(meta[f"{arch}.embedding_length"])
     heads = int(meta[f"{arch}.attention.head_count"])
-    return ModelArchConfig(
-        architecture=arch,
+    experts = int(meta.get(f"{arch}.expert_count", 0))
+    config = ModelArchConfig(
+        architecture="mixtral" if arch == "llama" and experts else _REGISTRY_NAMES.get(arch, arch),
         vocab_size=_vocab_size(meta, tensors),
         hidden_size=hidden,
         intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
@@ -134,6 +152,16 @@ def build_arch_config(meta: Mapping[str, Any], tensors: list[ReaderTensor]) -> M
         attention_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         rope_scaling=_rope_scaling(meta, arch),
+    )
+    if not experts:
+        return config
+    return dataclasses.replace(
+        config,
+        num_experts=experts,
+        num_experts_per_tok=int(meta[f"{arch}.expert_used_count"]),
+        moe_intermediate_size=int(meta.get(f"{arch}.expert_feed_forward_length", config.intermediate_size)),
+        norm_topk_prob=True,  # llama.cpp's qwen3moe and llama graphs renormalize (norm_w)
+        sparse_layers=tuple(i for i in range(config.num_layers) if f"blk.{i}.ffn_gate_inp.weight" in names),
     )
 
 
@@ -150,16 +178,17 @@ def load_weights(
     with ThreadPoolExecutor(max_workers=workers) as pool:
         loaded = list(pool.map(lambda t: to_torch(t, dtype), wanted))
     weights: dict[str, torch.Tensor] = {}
-    for t, w in zip(wanted, loaded):
-        name = hf_name(t.name)
-        if arch.architecture == "llama":
-            w = _undo_rope_permutation(name, w, arch)
-        weights[name] = w
+    for t, stacked in zip(wanted, loaded):
+        for name, w in hf_tensors(t.name, stacked, arch):
+            if arch.architecture in _ROPE_PERMUTED:
+                w = _undo_rope_permutation(name, w, arch)
+            weights[name] = w
     return weights
 
 
 def to_torch(t: ReaderTensor, dtype: torch.dtype) -> torch.Tensor:
-    """One tensor dequantized to float32, shaped [out, in], then cast to `dtype`."""
+    """One tensor dequantized to float32, shaped [out, in] ([experts, out, in] when stacked), then
+    cast to `dtype`."""
     values = dequantize(t.data, t.tensor_type)
     values = values.reshape([int(n) for n in reversed(t.shape)])  # ne order is innermost-first
     if not values.flags.writeable:
@@ -169,11 +198,28 @@ def to_torch(t: ReaderTensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(values).to(dtype)
 
 
-def hf_name(gguf_name: str) -> str:
-    """Hugging Face parameter name of a GGUF tensor name."""
+def hf_tensors(gguf_name: str, w: torch.Tensor, arch: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """The Hugging Face tensors of one GGUF tensor: itself under its name, or (stacked
+    experts) each expert's slice under its own."""
+    match = _EXPERTS_RE.fullmatch(gguf_name)
+    if match is None:
+        yield hf_name(gguf_name, arch.architecture), w
+        return
+    block, projections = _EXPERT_NAMES[arch.architecture]
+    layer, projection = match.groups()
+    if w.shape[0] != arch.num_experts:
+        raise ValueError(f"GGUF tensor {gguf_name!r} holds {w.shape[0]} experts, the config {arch.num_experts}")
+    for e in range(arch.num_experts):
+        yield f"model.layers.{layer}.{block}.experts.{e}.{projections[projection]}.weight", w[e]
+
+
+def hf_name(gguf_name: str, architecture: str = "llama") -> str:
+    """Hugging Face parameter name of a GGUF tensor name (one tensor; not stacked experts)."""
     if gguf_name in _TOP_LEVEL_NAMES:
         return _TOP_LEVEL_NAMES[gguf_name]
     match = _BLOCK_RE.fullmatch(gguf_name)
+    if match is not None and match.group(2) == "ffn_gate_inp" and architecture in _EXPERT_NAMES:
+        return f"model.layers.{match.group(1)}.{_EXPERT_NAMES[architecture][0]}.gate.{match.group(3)}"
     if match is None or match.group(2) not in _BLOCK_NAMES:
         raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
     layer, part, kind = match.groups()
