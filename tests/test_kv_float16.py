@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from cache.kv_pool import KVPool
+from gpu.kernels import cpu
 from kernel.config import ConfigError, load_config
 from kernel.numerics_choice import resolve_kv_dtype
 from tests.conftest import CONFIG, TEST_OVERRIDES
@@ -77,7 +78,9 @@ def engines(smollm_engine: Any) -> Iterator[dict[str, Any]]:
 
 def test_float16_pool_is_within_its_bounds_of_the_float32_one(engines: dict[str, Any]) -> None:
     half = engines["float16"].engine.parts.runner
-    assert half.pool.k[0].dtype == torch.float16 and half.attention._use_kernel
+    assert half.pool.k[0].dtype == torch.float16
+    # The C++ decode kernel reads the float16 rows where it runs; without it the torch path widens them.
+    assert half.attention._use_kernel == bool(cpu.load("paged_attention"))
     report = evaluate(engines["float16"], engines["reference"], BOUNDS.gap)
     print(report)
     check_report(report, BOUNDS)
