@@ -12,6 +12,8 @@ Measured (mean / p99 |Δ logprob|; top-1 agreement past the gap (positions)):
 | AMD EPYC AVX2 (bf16 emulated), off | 0.027 / 0.154; 1.0 (187) | 0.023 / 0.113; 1.0 (124) |
 | Intel Xeon AVX-512 + AVX512-BF16 + AMX, auto | 0.027 / 0.137; 1.0 (187) | 0.022 / 0.108; 1.0 (122) |
 | Intel Xeon AVX-512 + AVX512-BF16 + AMX, off | 0.029 / 0.130; 1.0 (187) | 0.020 / 0.118; 1.0 (122) |
+| AMD EPYC AVX-512 + AVX512-BF16 (Zen 4, no AMX), auto | 0.027 / 0.134; 0.995 (187) | 0.020 / 0.103; 1.0 (121) |
+| AMD EPYC AVX-512 + AVX512-BF16 (Zen 4, no AMX), off | 0.027 / 0.134; 0.995 (187) | 0.021 / 0.102; 1.0 (123) |
 
 (With 8 prompts x 32 tokens, on the same EPYC: forward 0.027-0.029 / 0.168, reverse
 0.021-0.024 / 0.113-0.123.) Free-running (printed only) on that EPYC: first divergences

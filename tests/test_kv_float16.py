@@ -4,7 +4,9 @@ the C++ kernels run a dense Llama-family model), against the same engine storing
 What it changes, teacher-forced on the packaged SmolLM2 (tests/numerics_compare.py, float32
 weights both), measured on an AMD EPYC AVX2 over the first three prompts: prefill mean
 |Δ logprob| 5.1e-4, p99 4.6e-3; decode 3.6e-4, 1.7e-3 (all six prompts: prefill 4.2e-4,
-2.9e-3; decode 3.7e-4, 2.4e-3); free-running greedy outputs equal — a K/V element
+2.9e-3; decode 3.7e-4, 2.4e-3); on an AMD EPYC AVX-512/BF16 (Zen 4) prefill 4.9e-4, 4.6e-3;
+decode 3.7e-4, 2.3e-3 (kernels off, the torch path widening the rows: 5.2e-4, 4.2e-3; 3.8e-4,
+2.0e-3); free-running greedy outputs equal — a K/V element
 rounded to float16 moves by at most 2^-11 of itself, ~100x what float32 rounding alone
 moves a logprob. Bounds: mean < 2e-3, p99 < 1e-2, every top-1 equal past a 5e-2 margin;
 the planted 1% error in K measures decode mean 5.4e-3, p99 3.7e-2. Deterministic mode and

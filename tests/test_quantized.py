@@ -29,6 +29,16 @@ The same on an Intel Xeon with AVX-512, AVX512-BF16 and AMX (granted; bf16 nativ
 | bfloat16 + int8 | 0.027 / 0.137; 1.0 (187) | 0.045 / 0.236; 1.0 (122) |
 | bfloat16 + int8, kernels off | 0.029 / 0.130; 1.0 (187) | 0.033 / 0.179; 1.0 (122) |
 
+And on an AMD EPYC with AVX-512 and AVX512-BF16 (Zen 4 class, no AMX; bf16 native):
+
+| setting | forward | reverse |
+|---|---|---|
+| float32 + int4 | 0.036 / 0.215; 1.0 (187) | 0.040 / 0.276; 0.992 (129) |
+| bfloat16 + int4 | 0.045 / 0.220; 1.0 (187) | 0.041 / 0.262; 0.985 (130) |
+| bfloat16 + int4, kernels off | 0.027 / 0.134; 0.995 (187) | 0.029 / 0.179; 1.0 (122) |
+| bfloat16 + int8 | 0.027 / 0.134; 0.995 (187) | 0.042 / 0.197; 1.0 (122) |
+| bfloat16 + int8, kernels off | 0.027 / 0.134; 0.995 (187) | 0.036 / 0.146; 1.0 (123) |
+
 The bf16 bounds were p99 < 0.5 and agreement >= 0.95 until that Xeon's bfloat16 + int4 decode
 (p99 0.311, 3 of 125 confident positions flipped) left 1.6x and 2x: now 0.6 and 0.92.
 
