@@ -15,7 +15,7 @@ import torch
 
 from kernel import Engine
 from kernel.config import ConfigError
-from tests.conftest import FLOAT32
+from tests.conftest import FLOAT32, GRAPHS_EMULATE, graph_replays
 from tests.tiny_models import VOCAB, build_tiny
 
 PARAMS = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True, "return_logprob": True,
@@ -141,6 +141,38 @@ def test_tokens_per_expert_are_counted(det: Engine) -> None:
         assert sum(after[layer]) - sum(before[layer]) == k * (11 + 3)
     family = next(m for m in counters(det.engine.stats()) if m.name == "tierserve_moe_expert_tokens")
     assert sum(s.value for s in family.samples if s.name.endswith("_total")) == sum(map(sum, after.values()))
+
+
+def test_graph_padding_rows_are_not_counted(moe_folder: str) -> None:
+    """Under the graph runner (`model.moe: dense`, emulated) a bucket's padding rows are routed
+    like tokens: only the live ones are counted, and the capture's warm-up forwards not at all."""
+    counts = graph_counts(moe_folder)
+    assert counts["prefill"] > 0 and counts["decode"] > 0  # both kinds of bucket replayed
+    assert counts["start"] == 0  # the warm-up forwards of every bucket
+    assert counts["routed"] == 3 * (11 + 3)  # k x (prompt + decode steps), per sparse layer
+
+
+def test_red_padding_rows_counted(moe_folder: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted: the replay counts every row of the bucket."""
+    from gpu.moe.layers import MoeLayers
+
+    count = MoeLayers.count
+    monkeypatch.setattr(MoeLayers, "count", lambda self, routes, tokens: count(self, routes, 1 << 30))
+    assert graph_counts(moe_folder)["routed"] > 3 * (11 + 3)
+
+
+def graph_counts(folder: str) -> dict[str, int]:
+    engine = make(folder, **GRAPHS_EMULATE, **{"model.moe": "dense", "model.attention": "deterministic"})
+    try:
+        start = engine.engine.stats()["moe"]
+        engine.generate(prompt(9, 11), {**PARAMS, "max_new_tokens": 4})
+        after = engine.engine.stats()["moe"]
+        replays = graph_replays(engine)
+    finally:
+        engine.shutdown()
+    routed = {sum(after[layer]) - sum(start[layer]) for layer in after}
+    assert len(routed) == 1  # the same in every sparse layer
+    return {"start": sum(map(sum, start.values())), "routed": routed.pop(), **replays}
 
 
 def test_sliding_window_configs() -> None:

@@ -92,6 +92,9 @@ class Graph:
     cuda_graph: Any = None
     logits: torch.Tensor | None = None
     control: dict[str, Any] = dataclasses.field(default_factory=dict)  # host values of the capture
+    # A MoE model's chosen experts per sparse layer, as its last forward left them (on CUDA the
+    # captured outputs): replays count their live rows only.
+    routes: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 class GraphRunner:
@@ -238,6 +241,8 @@ class GraphRunner:
             graph.cuda_graph.replay()
             assert graph.logits is not None
             logits = graph.logits
+        if graph.routes:
+            self.model.moe.count(graph.routes, len(batch.input_ids))
         return logits[: len(batch.sample_rows)]
 
     def _stage(self, graph: Graph, batch: ForwardBatch) -> HybridStep | None:
@@ -279,6 +284,15 @@ class GraphRunner:
         return live
 
     def _model_forward(self, graph: Graph, step: HybridStep | None) -> torch.Tensor:
+        moe = getattr(self.model, "moe", None)
+        if moe is None:
+            return self._forward(step)
+        with moe.deferred() as routes:  # the bucket's padding rows are routed too: counted by `replay`
+            logits = self._forward(step)
+        graph.routes = routes
+        return logits
+
+    def _forward(self, step: HybridStep | None) -> torch.Tensor:
         v = self._views
         if self.states is None:
             return self.model.forward(v["input_ids"], v["positions"], self.attention, v["sample_index"])  # type: ignore[no-any-return]

@@ -10,6 +10,8 @@ qwen3_next.py) own a `MoeLayers` and call it for the layers in `arch.sparse_laye
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import torch
@@ -59,6 +61,7 @@ class MoeLayers:
         # Tokens routed to each expert of each sparse layer since start (metrics: routing
         # skew); counted on the device (no host read in the step), read by `expert_tokens`.
         self._routed = {i: torch.zeros(arch.num_experts, dtype=torch.int64, device=w.device) for i in self.blocks}
+        self._deferred: dict[int, torch.Tensor] | None = None  # see `deferred`
 
     def _load(self, w: Weights, p: str, names: ExpertNames, shared: bool) -> SparseBlock:
         n = self.arch.num_experts
@@ -85,8 +88,10 @@ class MoeLayers:
         """The sparse block's output for the normed hidden states x [T, hidden]."""
         block = self.blocks[layer]
         routing = self.route(linear(x, block.router), block)
-        flat = routing.experts.reshape(-1)
-        self._routed[layer].index_add_(0, flat, torch.ones_like(flat))
+        if self._deferred is None:
+            self.count({layer: routing.experts}, len(x))
+        else:
+            self._deferred[layer] = routing.experts
         out = self.impl(linear, x, routing, block.experts)
         if block.shared is None:
             return out  # type: ignore[no-any-return]
@@ -99,6 +104,24 @@ class MoeLayers:
             return sigmoid_topk(logits, arch.num_experts_per_tok, arch.norm_topk_prob, block.expert_bias,
                                 arch.routed_scaling_factor)
         return softmax_topk(logits, arch.num_experts_per_tok, arch.norm_topk_prob)
+
+    @contextmanager
+    def deferred(self) -> Iterator[dict[int, torch.Tensor]]:
+        """Within it, `forward` counts nothing and records each layer's chosen experts [T, k]
+        in the dict it yields; the caller counts the live rows with `count` (NOTE: a
+        static-shape forward's padding rows are routed like tokens and must not be counted;
+        a captured graph's records are its static outputs, rewritten by every replay)."""
+        self._deferred = {}
+        try:
+            yield self._deferred
+        finally:
+            self._deferred = None
+
+    def count(self, routes: dict[int, torch.Tensor], tokens: int) -> None:
+        """Add the first `tokens` rows of each layer's chosen experts to its counts."""
+        for layer, experts in routes.items():
+            flat = experts[:tokens].reshape(-1)
+            self._routed[layer].index_add_(0, flat, torch.ones_like(flat))
 
     def expert_tokens(self) -> dict[str, list[int]]:
         """Per sparse layer (its index, as text: a JSON key), the tokens routed to each expert so far."""
