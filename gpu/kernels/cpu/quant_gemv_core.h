@@ -351,9 +351,7 @@ void int8_scalar(const Problem<Out>& p, const QInput& in, int64_t rows, int64_t 
 #if defined(QG_AVX2)
 // Group g's int32 dot products of R rows of x with the tile's 32 bytes a pair of k at `base`
 // (sum[m][0]: rows 0-7, sum[m][1]: rows 8-15).
-// `Vnni`: vpdpwssd instead of vpmaddwd and an add (the same integers; one dependency chain
-// per sum measured faster here than two, unlike q4's).
-template <int R, bool Vnni>
+template <int R>
 inline void int8_group_dots(const QInput& in, int64_t k, const uint8_t* base, int64_t g, int64_t m0, __m256i (*sum)[2]) {
   for (int m = 0; m < R; ++m) sum[m][0] = sum[m][1] = _mm256_setzero_si256();
   const int32_t* words = in.words + g * kGroup / 2;
@@ -362,26 +360,86 @@ inline void int8_group_dots(const QInput& in, int64_t k, const uint8_t* base, in
     const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + j * 32 + 16)));
     for (int m = 0; m < R; ++m) {
       const __m256i xw = _mm256_set1_epi32(words[(m0 + m) * k / 2 + j]);
-#if defined(QG_VNNI)
-      if constexpr (Vnni) {
-        sum[m][0] = _mm256_dpwssd_epi32(sum[m][0], w0, xw);
-        sum[m][1] = _mm256_dpwssd_epi32(sum[m][1], w1, xw);
-        continue;
-      }
-#endif
       sum[m][0] = _mm256_add_epi32(sum[m][0], _mm256_madd_epi16(w0, xw));
       sum[m][1] = _mm256_add_epi32(sum[m][1], _mm256_madd_epi16(w1, xw));
     }
   }
 }
 
+#if defined(QG_VNNI)
+// int8 with vpdpbusd, four products a lane (vpmaddwd / vpdpwssd take two): vpdpbusd wants
+// one operand unsigned, so the weight's bytes are flipped to w + 128 (XOR 0x80) and a lane
+// sums I + 128 S against x's signed quads (S: the group's sum of xq, exact in QInput.total);
+// I is that minus 128 S, the very integers of the AVX2 path.
+// Quad u (k = 4u .. 4u + 3) of the group at `base`: pair chunks 2u and 2u + 1 interleaved by
+// row into 4-byte lanes (a: rows [0-3 | 8-11], b: [4-7 | 12-15], madd's order), flipped.
+inline void int8_quad(const uint8_t* base, int u, __m256i& a, __m256i& b) {
+  const __m256i c0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 2 * u * 32));
+  const __m256i c1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + (2 * u + 1) * 32));
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  a = _mm256_xor_si256(_mm256_unpacklo_epi16(c0, c1), flip);
+  b = _mm256_xor_si256(_mm256_unpackhi_epi16(c0, c1), flip);
+}
+
+// Group g's I for R rows of x in madd's order (i0: rows [0-3 | 8-11], i1: [4-7 | 12-15]),
+// from the tile's flipped split copy (int8_unpack) where there is one, else from `base`;
+// quads u and u + 1 in sums of their own (two dependency chains a row), added at the end.
+template <int R>
+inline void int8_group_dots_vnni(const QInput& in, int64_t k, const uint8_t* base, const uint8_t* split, int64_t g,
+                                 int64_t m0, __m256i* i0, __m256i* i1) {
+  __m256i e0[R], e1[R], o0[R], o1[R];
+  for (int m = 0; m < R; ++m) e0[m] = e1[m] = o0[m] = o1[m] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+  for (int u = 0; u < kGroup / 4; u += 2) {
+    __m256i a0, b0, a1, b1;
+    if (split) {
+      const uint8_t* q = split + (g * 8 + u) * 64;
+      a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+      b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32));
+      a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64));
+      b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 96));
+    } else {
+      int8_quad(base, u, a0, b0);
+      int8_quad(base, u + 1, a1, b1);
+    }
+    for (int m = 0; m < R; ++m) {
+      const int32_t* xq = in.quads + (m0 + m) * k / 4 + g * kGroup / 4 + u;
+      const __m256i x0 = _mm256_set1_epi32(xq[0]), x1 = _mm256_set1_epi32(xq[1]);
+      e0[m] = _mm256_dpbusd_epi32(e0[m], a0, x0);
+      e1[m] = _mm256_dpbusd_epi32(e1[m], b0, x0);
+      o0[m] = _mm256_dpbusd_epi32(o0[m], a1, x1);
+      o1[m] = _mm256_dpbusd_epi32(o1[m], b1, x1);
+    }
+  }
+  const int64_t groups = k / kGroup;
+  for (int m = 0; m < R; ++m) {
+    const __m256i bias = _mm256_set1_epi32(in.total[(m0 + m) * groups + g] * 128);
+    i0[m] = _mm256_sub_epi32(_mm256_add_epi32(e0[m], o0[m]), bias);
+    i1[m] = _mm256_sub_epi32(_mm256_add_epi32(e1[m], o1[m]), bias);
+  }
+}
+
+// Tile t's quads split and flipped (int8_quad): 512 bytes a group, read by every chunk.
+inline void int8_unpack(const uint8_t* tile, int64_t groups, uint8_t* out) {
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int u = 0; u < kGroup / 4; ++u) {
+      __m256i a, b;
+      int8_quad(tile + g * kInt8GroupBytes, u, a, b);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (g * 8 + u) * 64), a);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (g * 8 + u) * 64 + 32), b);
+    }
+  }
+}
+#endif
+
 // R rows of x from row m0 against tile t (R <= kChunkRows: 2R int32 sums and 2R float
-// accumulators, the latter touched once a group).
+// accumulators, the latter touched once a group). `unpacked` (VNNI): the tile's flipped
+// split copy, or null.
 template <int R, bool Vnni, class Out>
-void int8_tile_rows(const Problem<Out>& p, const QInput& in, int64_t t, int64_t m0) {
+void int8_tile_rows(const Problem<Out>& p, const QInput& in, int64_t t, int64_t m0, const uint8_t* unpacked) {
   const int64_t groups = p.K / kGroup;
   const uint8_t* tile = p.w + t * p.stride;
-  __m256 acc[R][2];  // rows 0-7 and 8-15
+  __m256 acc[R][2];  // rows 0-7 and 8-15 (VNNI: [0-3 | 8-11] and [4-7 | 12-15], madd's order)
   for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* base = tile + g * kInt8GroupBytes;
@@ -389,7 +447,18 @@ void int8_tile_rows(const Problem<Out>& p, const QInput& in, int64_t t, int64_t 
       for (int64_t line = 0; line < kInt8GroupBytes; line += 64) prefetch(base + kPrefetchBytes + line);
     }
     __m256i sum[R][2];
-    int8_group_dots<R, Vnni>(in, p.K, base, g, m0, sum);
+#if defined(QG_VNNI)
+    if constexpr (Vnni) {
+      __m256i i0[R], i1[R];
+      int8_group_dots_vnni<R>(in, p.K, base, unpacked, g, m0, i0, i1);
+      for (int m = 0; m < R; ++m) sum[m][0] = i0[m], sum[m][1] = i1[m];
+    } else {
+      int8_group_dots<R>(in, p.K, base, g, m0, sum);
+    }
+#else
+    (void)unpacked;
+    int8_group_dots<R>(in, p.K, base, g, m0, sum);
+#endif
     for (int m = 0; m < R; ++m) {
       const __m256 s = _mm256_set1_ps(in.scale[(m0 + m) * groups + g]);
       acc[m][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[m][0]), s, acc[m][0]);
@@ -399,24 +468,47 @@ void int8_tile_rows(const Problem<Out>& p, const QInput& in, int64_t t, int64_t 
   const int64_t n0 = t * kTile, live = std::min(kTile, p.N - n0);
   for (int m = 0; m < R; ++m) {
     float rows[kTile];
-    _mm256_storeu_ps(rows, acc[m][0]);
-    _mm256_storeu_ps(rows + 8, acc[m][1]);
+    if constexpr (Vnni) {
+      _mm256_storeu_ps(rows, _mm256_permute2f128_ps(acc[m][0], acc[m][1], 0x20));
+      _mm256_storeu_ps(rows + 8, _mm256_permute2f128_ps(acc[m][0], acc[m][1], 0x31));
+    } else {
+      _mm256_storeu_ps(rows, acc[m][0]);
+      _mm256_storeu_ps(rows + 8, acc[m][1]);
+    }
     for (int64_t r = 0; r < live; ++r) p.out[(m0 + m) * p.N + n0 + r] = static_cast<Out>(rows[r] * p.scales[n0 + r]);
   }
 }
 
 template <bool Vnni, class Out>
+void int8_chunk(const Problem<Out>& p, const QInput& in, int64_t t, int64_t m, int64_t rows, const uint8_t* unpacked) {
+  switch (rows) {
+    case 1: return int8_tile_rows<1, Vnni>(p, in, t, m, unpacked);
+    case 2: return int8_tile_rows<2, Vnni>(p, in, t, m, unpacked);
+    case 3: return int8_tile_rows<3, Vnni>(p, in, t, m, unpacked);
+    default: return int8_tile_rows<kChunkRows, Vnni>(p, in, t, m, unpacked);
+  }
+}
+
+template <bool Vnni, class Out>
 void int8_avx2(const Problem<Out>& p, const QInput& in, int64_t rows, int64_t t0, int64_t t1) {
+  const uint8_t* unpacked = nullptr;
+#if defined(QG_VNNI)
+  // VNNI over more than a chunk of rows: each tile split and flipped once, read by every chunk
+  thread_local std::vector<uint8_t> scratch;
+  const int64_t groups = p.K / kGroup;
+  if (Vnni && rows > kChunkRows) {
+    if (static_cast<int64_t>(scratch.size()) < groups * 512) scratch.resize(groups * 512);
+    unpacked = scratch.data();
+  }
+#endif
   for (int64_t b0 = 0; b0 < rows; b0 += kBlockRows) {
     const int64_t b1 = std::min(rows, b0 + kBlockRows);
     for (int64_t t = t0; t < t1; ++t) {
+#if defined(QG_VNNI)
+      if (unpacked) int8_unpack(p.w + t * p.stride, groups, scratch.data());
+#endif
       for (int64_t m = b0; m < b1; m += kChunkRows) {
-        switch (std::min<int64_t>(kChunkRows, b1 - m)) {
-          case 1: int8_tile_rows<1, Vnni>(p, in, t, m); break;
-          case 2: int8_tile_rows<2, Vnni>(p, in, t, m); break;
-          case 3: int8_tile_rows<3, Vnni>(p, in, t, m); break;
-          default: int8_tile_rows<kChunkRows, Vnni>(p, in, t, m);
-        }
+        int8_chunk<Vnni>(p, in, t, m, std::min<int64_t>(kChunkRows, b1 - m), unpacked);
       }
     }
   }

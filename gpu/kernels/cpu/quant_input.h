@@ -31,6 +31,7 @@ struct QInput {
   const int32_t* quads;  // [rows, K / 4]: xq[4j .. 4j + 3] as bytes (q4's vpdpbusd)
   const float* scale;    // [rows, K / 32]: s
   const float* sum;      // [rows, K / 32]: s * the group's sum of xq (q4's offsets)
+  const int32_t* total;  // [rows, K / 32]: the group's sum of xq (int8's vpdpbusd correction)
 };
 
 // x's rows quantized in both layouts (a 32-bit broadcast of either gives every lane of a
@@ -38,20 +39,21 @@ struct QInput {
 struct Quantized {
   std::vector<int32_t> pairs, words, quads;
   std::vector<float> scale, sum;
+  std::vector<int32_t> total;
 
   void resize(int64_t rows, int64_t k) {
     const int64_t groups = rows * (k / kGroup);
     if (static_cast<int64_t>(pairs.size()) < rows * k / 2) {
       pairs.resize(rows * k / 2), words.resize(rows * k / 2), quads.resize(rows * k / 4);
     }
-    if (static_cast<int64_t>(scale.size()) < groups) scale.resize(groups), sum.resize(groups);
+    if (static_cast<int64_t>(scale.size()) < groups) scale.resize(groups), sum.resize(groups), total.resize(groups);
   }
 
   // Rows [r0, r1) of x [rows, k] (resize first); callers may split rows among threads.
   void quantize_rows(const float* x, int64_t k, int64_t r0, int64_t r1) {
     for (int64_t g = r0 * (k / kGroup); g < r1 * (k / kGroup); ++g) {
       quantize_group(x + g * kGroup, pairs.data() + g * kGroup / 2, words.data() + g * kGroup / 2,
-                     quads.data() + g * kGroup / 4, scale[g], sum[g]);
+                     quads.data() + g * kGroup / 4, scale[g], sum[g], total[g]);
     }
   }
 
@@ -60,9 +62,10 @@ struct Quantized {
     quantize_rows(x, k, 0, rows);
   }
 
-  QInput input() const { return {pairs.data(), words.data(), quads.data(), scale.data(), sum.data()}; }
+  QInput input() const { return {pairs.data(), words.data(), quads.data(), scale.data(), sum.data(), total.data()}; }
 
-  static void quantize_group(const float* x, int32_t* pair, int32_t* word, int32_t* quad, float& s, float& ssum) {
+  static void quantize_group(const float* x, int32_t* pair, int32_t* word, int32_t* quad, float& s, float& ssum,
+                             int32_t& xsum) {
 #if defined(QG_AVX2)
     const __m256 sign = _mm256_set1_ps(-0.0f), big = _mm256_set1_ps(std::numeric_limits<float>::max());
     __m256 v[4], amax8 = _mm256_setzero_ps(), ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
@@ -90,6 +93,7 @@ struct Quantized {
       std::fill(word, word + kGroup / 2, 0);
       std::fill(quad, quad + kGroup / 4, 0);
       s = ssum = finite ? 0.0f : std::numeric_limits<float>::quiet_NaN();
+      xsum = 0;
       return;
     }
     const float inv = 127.0f / amax;
@@ -130,6 +134,7 @@ struct Quantized {
 #endif
     s = amax / 127.0f;
     ssum = s * static_cast<float>(total);
+    xsum = total;
   }
 };
 
