@@ -22,6 +22,7 @@ from gpu.graphs import cpu_step
 from gpu.graphs.cpu_step import CpuStepRunner
 from gpu.kernels import cpu
 from gpu.models import llama_cpu_step
+from gpu.quant import gemv
 from kernel import Engine
 from kernel.components import _graph_runner
 from kernel.config import ConfigError
@@ -168,11 +169,13 @@ def test_auto_picks_the_native_step_where_it_runs(native_engine: Engine, monkeyp
     auto = SimpleNamespace(**{**vars(config), "graphs": SimpleNamespace(**{**vars(config.graphs), "mode": "auto"})})
     picked = _graph_runner(auto, runner.model, runner.attention, None, torch.device("cpu"))  # type: ignore[arg-type]
     # the int8 head's row limit bounds the step (the 4-bit kernel takes any): 12 rows in
-    # bfloat16, 64 in float32 (gpu/quant/linears.py), so buckets up to 8 / 64
+    # bfloat16 (any where the int8 kernel outruns bf16 GEMMs: then max_running_requests), 64
+    # in float32 (gpu/quant/linears.py), so buckets up to 8 / 64
     limit = min(runner.model.lm_head.quant.max_rows, config.scheduler.max_running_requests)
     assert isinstance(picked, CpuStepRunner)
     assert picked.max_rows == max(b for b in config.graphs.decode_buckets if b <= limit)
-    assert picked.max_rows == (64 if runner.model.dtype == torch.float32 else 8)
+    wide = runner.model.dtype == torch.float32 or gemv.int8_outruns_bf16_gemms()
+    assert picked.max_rows == (64 if wide else 8)
     monkeypatch.setattr(runner.model, "fused", False)  # as in deterministic mode or with the kernels off
     assert cpu_step.unsupported(runner.model, runner.attention) is not None
     assert _graph_runner(auto, runner.model, runner.attention, None, torch.device("cpu")) is None  # type: ignore[arg-type]

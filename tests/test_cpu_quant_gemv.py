@@ -180,6 +180,26 @@ def test_layers_run_the_kernel_and_match_the_torch_ops() -> None:
     assert relative_error(int8(rows), Int8Linear.quantize(w, torch.float32)(rows)) < 2e-2  # x quantized
 
 
+@pytest.mark.parametrize(("isas", "flags", "granted", "every_batch"), [
+    (["vnni", "avx2", "scalar"], {"avx512_vnni", "avx512_bf16"}, False, True),  # Zen 4: no AMX
+    (["vnni", "avx2", "scalar"], {"avx512_vnni", "amx_bf16", "amx_tile"}, True, False),  # bf16 GEMMs on AMX
+    (["vnni", "avx2", "scalar"], {"avx512_vnni", "amx_bf16", "amx_tile"}, False, True),  # AMX not granted
+    (["avx2", "scalar"], {"avx2"}, False, False),  # vpmaddwd: the crossover
+])
+def test_int8_takes_every_bf16_batch_only_with_vnni_and_no_amx(monkeypatch: pytest.MonkeyPatch, isas: list[str],
+                                                              flags: set[str], granted: bool, every_batch: bool) -> None:
+    from gpu import numerics
+    from gpu.quant.linears import UNLIMITED
+
+    monkeypatch.setattr(gemv, "compiled_isas", lambda: isas)
+    monkeypatch.setattr(numerics, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(numerics, "amx_permitted", lambda: granted)
+    assert gemv.int8_outruns_bf16_gemms() == every_batch
+    layer = Int8Linear.quantize(torch.randn(32, 64), torch.bfloat16, kernels=True)
+    assert layer.max_rows == (UNLIMITED if every_batch else Int8Linear.kernel_max_rows)
+    assert Int8Linear.quantize(torch.randn(32, 64), torch.float32, kernels=True).max_rows == 64
+
+
 def test_without_kernels_the_torch_ops_run() -> None:
     layer, _, _ = q4_case("Q4_0", 576, 96)
     plain = Int4Linear.quantize(layer.dequantize(), torch.bfloat16)

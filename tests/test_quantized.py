@@ -100,7 +100,8 @@ def check_layers(model: Any, quantization: str, kernels: bool) -> None:
     for weight in (layer.qkv, layer.o, layer.gate_up, layer.down):
         assert isinstance(weight, QuantizedWeight) and isinstance(weight.quant, expected)
         assert runs_kernel(weight.quant) == kernels
-        if expected is Int4Linear and kernels:  # the 4-bit kernel takes every batch: no dense copy
+        # the 4-bit kernel takes every batch, the int8 one where it outruns bf16 GEMMs: no dense copy
+        if kernels and (expected is Int4Linear or (model.dtype == torch.bfloat16 and gemv.int8_outruns_bf16_gemms())):
             assert weight.dense is None and weight.quant.max_rows == UNLIMITED
         else:  # many-row steps run the dense copy
             assert weight.dense is not None and weight.dense.dtype == model.dtype

@@ -16,7 +16,8 @@ the dense weight plus the quantized one (+25 % over bf16 for int4, +50 % for int
 With `QuantSpec.cpu_kernels` (model.cpu_kernels on, never in deterministic mode) the
 quantized linears run tierserve's C++ kernels instead of torch's ops (gpu/quant/gemv.py), in
 the same number of bytes, both on int8 activations: int8 up to its crossover (12 rows against
-bfloat16 GEMMs, 64 against float32 ones), 4-bit at every batch size (it beats float32 GEMMs at
+bfloat16 GEMMs, every batch where the kernel has AVX512-VNNI and the GEMMs no AMX; 64 against
+float32 ones), 4-bit at every batch size (it beats float32 GEMMs at
 prefill shapes too: `benchmarks/quant_linear.py --model --force-quant`), so a 4-bit layer then
 keeps no dense copy.
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from gpu import numerics
 from gpu.kernels import cpu
 
 KERNELS = "quant_gemv"
@@ -63,6 +64,23 @@ def unpack_int8(packed: torch.Tensor, n: int) -> torch.Tensor:
     k = packed.shape[1] // TILE
     tiles = packed.view(torch.int8).reshape(-1, k // 2, 2, 8, 2).permute(0, 2, 3, 1, 4)
     return tiles.reshape(-1, k)[:n]
+
+
+def int8_outruns_bf16_gemms() -> bool:
+    """Whether the int8 kernel beats a bfloat16 GEMM at every batch size here: where it sums
+    with vpdpbusd (its `vnni` path) and torch's bf16 GEMMs have no AMX to run on. Measured
+    on a Zen 4 EPYC (AVX512-VNNI + BF16, no AMX), all of SmolLM2's linears at 16 / 64 / 256
+    rows: 15.2 / 42.2 / 141 ms against bf16 GEMMs' 28.3 / 59.5 / 175 ms
+    (`benchmarks/quant_linear.py --model --force-quant`). Elsewhere the int8 layer keeps
+    its crossover (Int8Linear.kernel_max_rows)."""
+    if "vnni" not in compiled_isas():
+        return False
+    return not ({"amx_bf16", "amx_tile"} <= numerics.cpu_flags() and numerics.amx_permitted())
+
+
+def compiled_isas() -> list[str]:
+    """The kernels' code paths built here, best first (none where they do not build)."""
+    return list(torch.ops.tierserve_cpu.quant_gemv_isas()) if cpu.load(KERNELS) else []
 
 
 def q4_matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:

@@ -41,6 +41,7 @@ class Int8Linear:
     # GEMMs 12 rows; against float32 ones (no native bf16) up to 64 rows (2-core AVX2 EPYC,
     # 2 threads: the 49152 x 576 head 1 row 1.15 vs 14.0 ms, 32 rows 17.1 vs 58.6 ms, 64 rows
     # 29.9 vs 59.3 ms; SmolLM2's 576 x 1536 and 1536 x 576 even at 64 rows, 0.8-0.9x at 256).
+    # With AVX512-VNNI and no AMX for torch's bf16 GEMMs, every batch size (gemv.int8_outruns_bf16_gemms).
     kernel_max_rows = 12
     kernel_max_rows_float32 = 64
 
@@ -55,7 +56,10 @@ class Int8Linear:
             self.kernel_scales = self.scales.float()
             self.packed = gemv.pack_int8(self.qweight)
             self.qweight = torch.empty(0, dtype=torch.int8)  # only the format the layer runs is kept
-            self.max_rows = self.kernel_max_rows_float32 if scales.dtype == torch.float32 else self.kernel_max_rows
+            if scales.dtype == torch.float32:
+                self.max_rows = self.kernel_max_rows_float32
+            else:
+                self.max_rows = UNLIMITED if gemv.int8_outruns_bf16_gemms() else self.kernel_max_rows
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, dtype: torch.dtype, kernels: bool = False) -> Int8Linear:
