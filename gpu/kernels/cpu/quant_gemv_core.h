@@ -199,19 +199,20 @@ inline void q4_group_dots(const QInput& in, int64_t k, const uint8_t* base, cons
 }
 
 #if defined(QG_VNNI)
-// The same integers with vpdpbusd (a row's four weights against x's quad), quads u and u + 1
-// into sums of their own (two dependency chains a row: one would be bound by vpdpbusd's
+// vpdpbusd sums of R rows of x's quads (group g) against a tile's quads in VNNI's split form
+// (`quad(u, a, b)`: quad u's a: rows [0-3 | 8-11], b: [4-7 | 12-15], each lane a row's four
+// unsigned weights), one int32 lane an output row in madd's order; quads u and u + 1 into
+// sums of their own (two dependency chains a row: one would be bound by vpdpbusd's
 // latency), added at the end.
-template <int R>
-inline void q4_group_dots_vnni(const QInput& in, int64_t k, const uint8_t* base, const uint8_t* split, int64_t g,
-                               int64_t m0, __m256i* i0, __m256i* i1) {
+template <int R, class Quad>
+inline void dpbusd_group(const QInput& in, int64_t k, int64_t g, int64_t m0, Quad quad, __m256i* i0, __m256i* i1) {
   __m256i e0[R], e1[R], o0[R], o1[R];
   for (int m = 0; m < R; ++m) e0[m] = e1[m] = o0[m] = o1[m] = _mm256_setzero_si256();
 #pragma GCC unroll 4
   for (int u = 0; u < kGroup / 4; u += 2) {
     __m256i a0, b0, a1, b1;
-    q4_quad<true>(base, split, g, u, a0, b0);
-    q4_quad<true>(base, split, g, u + 1, a1, b1);
+    quad(u, a0, b0);
+    quad(u + 1, a1, b1);
     for (int m = 0; m < R; ++m) {
       const int32_t* xq = in.quads + (m0 + m) * k / 4 + g * kGroup / 4 + u;
       const __m256i x0 = _mm256_set1_epi32(xq[0]), x1 = _mm256_set1_epi32(xq[1]);
@@ -222,6 +223,13 @@ inline void q4_group_dots_vnni(const QInput& in, int64_t k, const uint8_t* base,
     }
   }
   for (int m = 0; m < R; ++m) i0[m] = _mm256_add_epi32(e0[m], o0[m]), i1[m] = _mm256_add_epi32(e1[m], o1[m]);
+}
+
+// The same integers as q4_group_dots with vpdpbusd (a row's four weights against x's quad).
+template <int R>
+inline void q4_group_dots_vnni(const QInput& in, int64_t k, const uint8_t* base, const uint8_t* split, int64_t g,
+                               int64_t m0, __m256i* i0, __m256i* i1) {
+  dpbusd_group<R>(in, k, g, m0, [base, split, g](int u, __m256i& a, __m256i& b) { q4_quad<true>(base, split, g, u, a, b); }, i0, i1);
 }
 #endif
 
@@ -382,40 +390,23 @@ inline void int8_quad(const uint8_t* base, int u, __m256i& a, __m256i& b) {
 }
 
 // Group g's I for R rows of x in madd's order (i0: rows [0-3 | 8-11], i1: [4-7 | 12-15]),
-// from the tile's flipped split copy (int8_unpack) where there is one, else from `base`;
-// quads u and u + 1 in sums of their own (two dependency chains a row), added at the end.
+// from the tile's flipped split copy (int8_unpack, q4's split layout) where there is one,
+// else from `base`.
 template <int R>
 inline void int8_group_dots_vnni(const QInput& in, int64_t k, const uint8_t* base, const uint8_t* split, int64_t g,
                                  int64_t m0, __m256i* i0, __m256i* i1) {
-  __m256i e0[R], e1[R], o0[R], o1[R];
-  for (int m = 0; m < R; ++m) e0[m] = e1[m] = o0[m] = o1[m] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-  for (int u = 0; u < kGroup / 4; u += 2) {
-    __m256i a0, b0, a1, b1;
+  dpbusd_group<R>(in, k, g, m0, [base, split, g](int u, __m256i& a, __m256i& b) {
     if (split) {
-      const uint8_t* q = split + (g * 8 + u) * 64;
-      a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-      b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32));
-      a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64));
-      b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 96));
+      a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(split + (g * 8 + u) * 64));
+      b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(split + (g * 8 + u) * 64 + 32));
     } else {
-      int8_quad(base, u, a0, b0);
-      int8_quad(base, u + 1, a1, b1);
+      int8_quad(base, u, a, b);
     }
-    for (int m = 0; m < R; ++m) {
-      const int32_t* xq = in.quads + (m0 + m) * k / 4 + g * kGroup / 4 + u;
-      const __m256i x0 = _mm256_set1_epi32(xq[0]), x1 = _mm256_set1_epi32(xq[1]);
-      e0[m] = _mm256_dpbusd_epi32(e0[m], a0, x0);
-      e1[m] = _mm256_dpbusd_epi32(e1[m], b0, x0);
-      o0[m] = _mm256_dpbusd_epi32(o0[m], a1, x1);
-      o1[m] = _mm256_dpbusd_epi32(o1[m], b1, x1);
-    }
-  }
+  }, i0, i1);
   const int64_t groups = k / kGroup;
-  for (int m = 0; m < R; ++m) {
+  for (int m = 0; m < R; ++m) {  // the weights were read as w + 128
     const __m256i bias = _mm256_set1_epi32(in.total[(m0 + m) * groups + g] * 128);
-    i0[m] = _mm256_sub_epi32(_mm256_add_epi32(e0[m], o0[m]), bias);
-    i1[m] = _mm256_sub_epi32(_mm256_add_epi32(e1[m], o1[m]), bias);
+    i0[m] = _mm256_sub_epi32(i0[m], bias), i1[m] = _mm256_sub_epi32(i1[m], bias);
   }
 }
 
