@@ -1,5 +1,5 @@
 """Mixture-of-experts serving: tierserve vs transformers' batched `generate` on a random
-Qwen3-MoE-shaped model (default ~1.0 B total / ~0.23 B active parameters), same run.
+Qwen3-MoE-shaped model (default ~1.15 B total / ~0.244 B active parameters), same run.
 
 The model is built once with transformers (random weights, seeded) and cached under
 ~/.cache/tierserve-bench/moe/. Measured, one invocation:
