@@ -1,7 +1,8 @@
-"""The few-row float32 linear (gpu/quant/few_rows.py over gpu/kernels/cpu/dense_gemv.cpp):
-the same products as F.linear up to float32 summation order, for every row count its
-passes take (1-8, then passes of 8 and a rest; more than MAX_ROWS go to F.linear), widths
-with and without a scalar tail, and biases; the Llama family's float weights use it."""
+"""The few-row float32 / bfloat16 linear (gpu/quant/few_rows.py over
+gpu/kernels/cpu/dense_gemv.cpp): the same products as F.linear up to float32 summation order
+(bf16: rounded once at the end), for every row count its passes take (1-8, then passes of 8
+and a rest; more than MAX_ROWS[dtype] go to F.linear), widths with and without a scalar
+tail, and biases; the Llama family's float weights use it."""
 
 from __future__ import annotations
 
@@ -31,6 +32,30 @@ def test_matches_f_linear(rows: int, k: int) -> None:
     assert agrees(few_rows.linear, rows, k, 37, bias=rows % 2 == 1)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9])
+@pytest.mark.parametrize("k", [8, 64, 1027])
+def test_bf16_is_the_float32_sum_rounded_once(rows: int, k: int) -> None:
+    """bf16 x and w: the kernel's output is the exact product sum (float64 of the bf16
+    inputs) rounded to bf16, but for float32 summation error: within one bf16 step."""
+    torch.manual_seed(rows * 1000 + k)
+    x, w = torch.randn(rows, k).bfloat16(), torch.randn(37, k).bfloat16()
+    exact = torch.nn.functional.linear(x.double(), w.double())
+    out = torch.ops.tierserve_cpu.dense_gemv(x, w)
+    assert out.dtype == torch.bfloat16
+    step = exact.abs().clamp(min=1e-3) * 2.0**-7  # a bf16 ulp at the value (8 significant bits)
+    assert ((out.double() - exact).abs() <= step + 1e-5 * k**0.5).all()
+
+
+def test_red_bf16_weights_read_as_truncated_floats(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guard above against a kernel that drops the weights' last mantissa bits: red."""
+    torch.manual_seed(5)
+    x, w = torch.randn(3, 64).bfloat16(), torch.randn(37, 64).bfloat16()
+    exact = torch.nn.functional.linear(x.double(), w.double())
+    coarse = (w.view(torch.int16) & ~0x7).view(torch.bfloat16)  # 3 of 7 mantissa bits lost
+    out = torch.ops.tierserve_cpu.dense_gemv(x, coarse)
+    assert not ((out.double() - exact).abs() <= exact.abs().clamp(min=1e-3) * 2.0**-7 + 1e-5 * 8).all()
+
+
 def spy_kernel(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Rows of every call of the kernel."""
     calls: list[int] = []
@@ -44,11 +69,13 @@ def spy_kernel(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-def test_the_kernel_runs_for_few_rows_only(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("dtype", few_rows.DTYPES)
+def test_the_kernel_runs_for_few_rows_only(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
     calls = spy_kernel(monkeypatch)
-    for rows in (1, few_rows.MAX_ROWS, few_rows.MAX_ROWS + 1):
-        few_rows.linear(torch.randn(rows, 16), torch.randn(4, 16))
-    assert calls == [1, few_rows.MAX_ROWS]
+    most = few_rows.MAX_ROWS[dtype]
+    for rows in (1, most, most + 1):
+        few_rows.linear(torch.randn(rows, 16, dtype=dtype), torch.randn(4, 16, dtype=dtype))
+    assert calls == [1, most]
 
 
 def test_red_a_dropped_tail(monkeypatch: pytest.MonkeyPatch) -> None:

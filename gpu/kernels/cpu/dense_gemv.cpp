@@ -1,5 +1,5 @@
-// float32 matmuls of a few rows, out = x @ w^T, reading each weight row once for all the
-// rows of x. Decode steps (and a MoE step's expert groups of a few tokens each) multiply a
+// float32 and bfloat16 matmuls of a few rows, out = x @ w^T, reading each weight row once
+// for all the rows of x. Decode steps (and a MoE step's expert groups of a few tokens each) multiply a
 // handful of rows by weights far larger than the caches, so the time is one read of the
 // weight; torch's GEMMs at 1-8 rows read it at a fraction of the machine's bandwidth here
 // (benchmarks/moe.py's notes: 1 row of [1024 x 1024] ~300 us, 5 rows ~600 us, where one
@@ -7,11 +7,17 @@
 //
 // Each output element is a dot product of a weight row and an x row in 8 float32 lanes
 // (FMA), the lanes summed at the end, then the scalar tail: not torch's summation order,
-// so it is used outside deterministic mode only, like every kernel here.
+// so it is used outside deterministic mode only, like every kernel here. bfloat16: x is
+// widened to float32 once, each weight element as it is read (exact: a bf16 is the top half
+// of a float32), the products summed in float32 as torch's bf16 GEMMs do, and the output
+// rounded to bf16 (nearest even) at the end. torch's bf16 GEMMs at 1 row of a [1024 x 1024]
+// weight read it at ~6 GB/s on a Zen 4 EPYC that reads 35.
 
 #include <torch/all.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
+
+#include <c10/util/BFloat16.h>
 
 #include <algorithm>
 
@@ -32,14 +38,24 @@ inline float lanes_sum(__m256 v) {
 }
 #endif
 
-// out[m * ldo + j] for j in [n0, n1), m < M: rows of x (stride k) against rows of w (stride k).
-// NOTE: U independent accumulators per row of x (4 for one row, 2 for two or three): one
-// FMA chain per row would wait on the FMA's latency every 8 floats, slower than the read.
-template <int M>
-void rows(const float* x, const float* w, float* out, int64_t k, int64_t ldo, int64_t n0, int64_t n1) {
+#ifdef TIERSERVE_DENSE_AVX2
+// 8 weights as float32 lanes (bf16: widened exactly).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
+
+// out[m * ldo + j] for j in [n0, n1), m < M: rows of x (float32, stride k) against rows of w
+// (stride k). NOTE: U independent accumulators per row of x (4 for one row, 2 for two or
+// three): one FMA chain per row would wait on the FMA's latency every 8 floats, slower than
+// the read.
+template <int M, class W>
+void rows(const float* x, const W* w, float* out, int64_t k, int64_t ldo, int64_t n0, int64_t n1) {
   constexpr int U = M == 1 ? 4 : (M < 4 ? 2 : 1);
   for (int64_t j = n0; j < n1; ++j) {
-    const float* wr = w + j * k;
+    const W* wr = w + j * k;
     int64_t i = 0;
     float sums[M];
 #ifdef TIERSERVE_DENSE_AVX2
@@ -48,12 +64,12 @@ void rows(const float* x, const float* w, float* out, int64_t k, int64_t ldo, in
       for (int u = 0; u < U; ++u) acc[m][u] = _mm256_setzero_ps();
     for (; i + 8 * U <= k; i += 8 * U) {
       for (int u = 0; u < U; ++u) {
-        const __m256 wv = _mm256_loadu_ps(wr + i + 8 * u);
+        const __m256 wv = load8(wr + i + 8 * u);
         for (int m = 0; m < M; ++m) acc[m][u] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * k + i + 8 * u), acc[m][u]);
       }
     }
     for (; i + 8 <= k; i += 8) {
-      const __m256 wv = _mm256_loadu_ps(wr + i);
+      const __m256 wv = load8(wr + i);
       for (int m = 0; m < M; ++m) acc[m][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * k + i), acc[m][0]);
     }
     for (int m = 0; m < M; ++m) {
@@ -65,35 +81,48 @@ void rows(const float* x, const float* w, float* out, int64_t k, int64_t ldo, in
     for (int m = 0; m < M; ++m) sums[m] = 0.0f;
 #endif
     for (; i < k; ++i)
-      for (int m = 0; m < M; ++m) sums[m] += wr[i] * x[m * k + i];
+      for (int m = 0; m < M; ++m) sums[m] += static_cast<float>(wr[i]) * x[m * k + i];
     for (int m = 0; m < M; ++m) out[m * ldo + j] = sums[m];
   }
 }
 
-using RowsFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
-constexpr RowsFn kRows[kMaxRows] = {rows<1>, rows<2>, rows<3>, rows<4>, rows<5>, rows<6>, rows<7>, rows<8>};
+template <class W>
+using RowsFn = void (*)(const float*, const W*, float*, int64_t, int64_t, int64_t, int64_t);
+template <class W>
+constexpr RowsFn<W> kRows[kMaxRows] = {rows<1, W>, rows<2, W>, rows<3, W>, rows<4, W>,
+                                       rows<5, W>, rows<6, W>, rows<7, W>, rows<8, W>};
 
-// x [M, K], w [N, K] (float32, contiguous) -> [M, N]; passes of up to 8 rows of x each.
-at::Tensor dense_gemv(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "dense_gemv: float32 only");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "dense_gemv: x [M, K] and w [N, K]");
-  TORCH_CHECK(w.is_contiguous(), "dense_gemv: the weight must be contiguous");
-  const at::Tensor xc = x.contiguous();
-  const int64_t m = xc.size(0), k = xc.size(1), n = w.size(0);
-  at::Tensor out = at::empty({m, n}, xc.options());
-  if (m == 0 || n == 0) return out;
-  const float* xp = xc.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+template <class W>
+void run(const float* xp, const W* wp, float* op, int64_t m, int64_t k, int64_t n) {
   // NOTE: at least ~32 KB of weight per thread's range (small matrices skip the threads).
-  const int64_t grain = std::max<int64_t>(1, (32 << 10) / (k * 4));
+  const int64_t grain = std::max<int64_t>(1, (32 << 10) / (k * static_cast<int64_t>(sizeof(W))));
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t r = 0; r < m; r += kMaxRows) {
       const int64_t rows_now = std::min(kMaxRows, m - r);
-      kRows[rows_now - 1](xp + r * k, wp, op + r * n, k, n, n0, n1);
+      kRows<W>[rows_now - 1](xp + r * k, wp, op + r * n, k, n, n0, n1);
     }
   });
-  return out;
+}
+
+// x [M, K], w [N, K] (both float32 or both bfloat16; w contiguous) -> [M, N] in their dtype;
+// passes of up to 8 rows of x each.
+at::Tensor dense_gemv(const at::Tensor& x, const at::Tensor& w) {
+  const auto dtype = w.scalar_type();
+  TORCH_CHECK(x.scalar_type() == dtype && (dtype == at::kFloat || dtype == at::kBFloat16),
+              "dense_gemv: x and w both float32 or both bfloat16");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "dense_gemv: x [M, K] and w [N, K]");
+  TORCH_CHECK(w.is_contiguous(), "dense_gemv: the weight must be contiguous");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();  // bf16: widened once (exact)
+  const int64_t m = xf.size(0), k = xf.size(1), n = w.size(0);
+  at::Tensor out = at::empty({m, n}, xf.options());
+  if (m > 0 && n > 0) {
+    if (dtype == at::kFloat) {
+      run(xf.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), m, k, n);
+    } else {
+      run(xf.data_ptr<float>(), w.data_ptr<c10::BFloat16>(), out.data_ptr<float>(), m, k, n);
+    }
+  }
+  return out.to(dtype);  // bf16: rounded to nearest even once
 }
 
 }  // namespace
