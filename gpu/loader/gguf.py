@@ -30,6 +30,7 @@ from gguf.quants import dequantize
 from gpu.loader.checkpoint import Checkpoint
 from gpu.loader.gguf_tokenizer import build_gguf_tokenizer
 from gpu.model_config import ModelArchConfig
+from gpu.moe.names import HF_NAMES, MIXTRAL_NAMES
 from gpu.quant.gguf_blocks import Q4Blocks, is_q4
 from gpu.tokenizer import Tokenizer
 
@@ -39,12 +40,8 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
 _REGISTRY_NAMES = {"qwen3moe": "qwen3_moe"}  # GGUF architecture -> model registry name
 _ROPE_PERMUTED = ("llama", "mixtral")  # the converter interleaved their q/k rows
 
-# Per architecture with experts: the sparse block's Hugging Face name and each expert
-# projection's (gpu/moe/layers.py ExpertNames: HF_NAMES, Mixtral's).
-_EXPERT_NAMES = {
-    "qwen3_moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
-    "mixtral": ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}),
-}
+# Per architecture with experts: its checkpoint names, as the model reads them.
+_EXPERT_NAMES = {"qwen3_moe": HF_NAMES, "mixtral": MIXTRAL_NAMES}
 _EXPERTS_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 
 _TOP_LEVEL_NAMES = {
@@ -205,12 +202,12 @@ def hf_tensors(gguf_name: str, w: torch.Tensor, arch: ModelArchConfig) -> Iterat
     if match is None:
         yield hf_name(gguf_name, arch.architecture), w
         return
-    block, projections = _EXPERT_NAMES[arch.architecture]
+    names = _EXPERT_NAMES[arch.architecture]
     layer, projection = match.groups()
     if w.shape[0] != arch.num_experts:
         raise ValueError(f"GGUF tensor {gguf_name!r} holds {w.shape[0]} experts, the config {arch.num_experts}")
     for e in range(arch.num_experts):
-        yield f"model.layers.{layer}.{block}.experts.{e}.{projections[projection]}.weight", w[e]
+        yield f"model.layers.{layer}.{names.block}.experts.{e}.{getattr(names, projection)}.weight", w[e]
 
 
 def hf_name(gguf_name: str, architecture: str = "llama") -> str:
@@ -219,7 +216,7 @@ def hf_name(gguf_name: str, architecture: str = "llama") -> str:
         return _TOP_LEVEL_NAMES[gguf_name]
     match = _BLOCK_RE.fullmatch(gguf_name)
     if match is not None and match.group(2) == "ffn_gate_inp" and architecture in _EXPERT_NAMES:
-        return f"model.layers.{match.group(1)}.{_EXPERT_NAMES[architecture][0]}.gate.{match.group(3)}"
+        return f"model.layers.{match.group(1)}.{_EXPERT_NAMES[architecture].block}.gate.{match.group(3)}"
     if match is None or match.group(2) not in _BLOCK_NAMES:
         raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
     layer, part, kind = match.groups()

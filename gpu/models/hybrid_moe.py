@@ -25,7 +25,8 @@ from gpu.models.hybrid_base import HybridBlock
 from gpu.models.hybrid_common import Weights
 from gpu.models.lfm2 import Lfm2Model
 from gpu.models.qwen3_5 import Qwen3_5Model
-from gpu.moe.layers import HF_NAMES, ExpertNames, MoeLayers
+from gpu.moe.layers import MoeLayers
+from gpu.moe.names import HF_NAMES, ExpertNames
 from kernel.registry import register
 
 

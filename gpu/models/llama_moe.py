@@ -15,7 +15,8 @@ import torch
 from gpu.model_config import ModelArchConfig
 from gpu.models.hybrid_common import Weights
 from gpu.models.llama import LlamaModel, _Layer
-from gpu.moe.layers import HF_NAMES, ExpertNames, MoeLayers
+from gpu.moe.layers import MoeLayers
+from gpu.moe.names import HF_NAMES, MIXTRAL_NAMES
 from kernel.registry import register
 
 
@@ -43,4 +44,4 @@ class Qwen3MoeModel(LlamaModel):
 
 @register("model", "mixtral")
 class MixtralModel(Qwen3MoeModel):
-    NAMES = ExpertNames(block="block_sparse_moe", gate="w1", up="w3", down="w2")
+    NAMES = MIXTRAL_NAMES

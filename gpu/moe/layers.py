@@ -18,22 +18,11 @@ import torch
 
 from gpu.model_config import ModelArchConfig
 from gpu.models.hybrid_common import Linear, Weights, sigmoid, swiglu
+from gpu.moe.names import HF_NAMES, ExpertNames
 from gpu.moe.routing import Routing, sigmoid_topk, softmax_topk
 from gpu.moe.torch_moe import Experts
 from gpu.quant.dispatch import LinearWeight
 from kernel.registry import lookup
-
-
-class ExpertNames(NamedTuple):
-    """Checkpoint names: the block after `model.layers.{i}.`, each expert's three projections."""
-
-    block: str = "mlp"
-    gate: str = "gate_proj"
-    up: str = "up_proj"
-    down: str = "down_proj"
-
-
-HF_NAMES = ExpertNames()  # Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE
 
 
 class SharedExpert(NamedTuple):
