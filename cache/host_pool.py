@@ -37,8 +37,10 @@ def pin_default(pin_memory: bool | None) -> bool:
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
-    """`t`'s elements as bytes, C order, native byte order (any dtype, bfloat16 included)."""
-    return t.contiguous().view(torch.uint8).numpy().tobytes()
+    """`t`'s elements as bytes, C order, native byte order (any dtype, bfloat16 included).
+    A device tensor (a `StatePool` slot on CUDA) is copied to host first, blocking: the
+    writes it must see have to be complete, or queued on the current stream."""
+    return t.cpu().contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def tensor_from_bytes(data: bytes | bytearray | memoryview, expected: int, what: str) -> torch.Tensor:

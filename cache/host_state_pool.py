@@ -82,8 +82,8 @@ class HostStatePool(PooledIds):
 
 
 def slot_to_bytes(tensors: Sequence[torch.Tensor], slot: int) -> bytes:
-    """One slot of per-slot `tensors` (canonical order: `StatePool.tensors()`,
-    `HostStatePool.tensors()`) as bytes: what the storage tier keeps for a state."""
+    """One slot of per-slot `tensors` (canonical order: `StatePool.tensors()`, on the
+    device, or `HostStatePool.tensors()`) as bytes: what the storage tier keeps for a state."""
     return b"".join(tensor_bytes(t[slot]) for t in tensors)
 
 

@@ -204,7 +204,7 @@ def test_cuda_hybrid_decode_graphs_equal_emulation(hybrid_folders: dict[str, str
     prompts = [tokens(40 + i, 6 + 11 * i) for i in range(5)]
     results = {}
     for mode in ("emulate", "cuda"):
-        engine = make(hybrid_folders[family], strategy, **GRAPHS_EMULATE, **{"model.device": "cuda", "graphs.mode": mode})
+        engine = make(hybrid_folders[family], strategy, **{**GRAPHS_EMULATE, "model.device": "cuda", "graphs.mode": mode})
         try:
             first = engine.generate(prompts, [GREEDY] * 5)
             second = engine.generate([p + [7, 8, 9] for p in prompts], [GREEDY] * 5)

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 import cache.host_pool as host_pool_mod
-from cache.host_state_pool import HostStatePool, load_states_back, offload_states
+from cache.host_state_pool import (
+    HostStatePool,
+    load_states_back,
+    offload_states,
+    slot_from_bytes,
+    slot_to_bytes,
+)
 from cache.state_pool import RECURRENT_DTYPE, LayerStateShape, StatePool
 
 # A conv-only layer between two delta-rule layers; odd conv sizes put the float32
@@ -92,6 +98,21 @@ def test_state_bytes_are_canonical_and_round_trip(dtype: torch.dtype) -> None:
     assert same(slot_of(host, 3), before)
     with pytest.raises(IndexError):
         host.state_bytes(0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_device_slot_bytes_and_back(dtype: torch.dtype) -> None:
+    """The storage tier reads and fills state slots of the device pool (a hybrid node's
+    state never leaves it): on CUDA too, the same bytes as the slot read on the host."""
+    cpu = filled(dtype)
+    device = StatePool(LAYERS, SLOTS, dtype, torch.device("cuda"))
+    for dst, src in zip(device.tensors(), cpu.tensors(), strict=True):
+        dst.copy_(src)
+    data = slot_to_bytes(device.tensors(), 2)
+    assert data == slot_to_bytes(cpu.tensors(), 2) and len(data) == device.bytes_per_slot
+    slot_from_bytes(device.tensors(), 5, data, device.bytes_per_slot)
+    assert same([t.cpu() for t in slot_of(device, 5)], slot_of(cpu, 2))
 
 
 def test_state_allocator_and_refusals() -> None:

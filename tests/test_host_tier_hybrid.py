@@ -27,6 +27,7 @@ from kernel.request import Request
 from kernel.tiers.host_tier import HostTier, Load
 from tests import leaks
 from tests.conftest import HYBRID_FAMILIES, HYBRID_OVERRIDES
+from tests.test_host_tier import one_page_early
 from tests.tiny_hybrid import VOCAB
 
 STRATEGIES = ("no_buffer", "extra_buffer", "extra_buffer_lazy")
@@ -345,15 +346,17 @@ def test_red_resume_from_the_wrong_state(
 def test_red_a_page_copied_to_the_wrong_host_page(
     hybrid_folders: dict[str, str], monkeypatch: pytest.MonkeyPatch, strategy: str
 ) -> None:
-    """The state is right but a node's KV pages land in each other's host pages."""
+    """The state is right but a node's KV pages land one host page early."""
     import kernel.tiers.host_tier as tier_mod
 
     real = tier_mod.offload
 
-    def swapped(kv_pool: Any, device_pages: list[int], host_pool: Any, host_pages: list[int], *rest: Any) -> int:
-        return real(kv_pool, device_pages[::-1], host_pool, host_pages, *rest)  # planted: pages swapped
+    def shifted(kv_pool: Any, device_pages: list[int], host_pool: Any, host_pages: list[int], *rest: Any) -> int:
+        # planted: each page in the host page before its own (a permutation would change
+        # the output by rounding only: tests/test_host_tier.py `one_page_early`)
+        return one_page_early(lambda d, h: real(kv_pool, d, host_pool, h, *rest), device_pages, host_pages)
 
-    monkeypatch.setattr(tier_mod, "offload", swapped)
+    monkeypatch.setattr(tier_mod, "offload", shifted)
     engine = make(hybrid_folders["qwen3_5_text"], strategy)
     try:
         refs = [cold(engine, HEAD), cold(engine, PROMPT)]

@@ -10,11 +10,13 @@ from __future__ import annotations
 import errno
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from cache.host_pool import HostPool
 from kernel import Engine
 from kernel.tiers.storage_tier import Fetch, StorageTier
 from tests import leaks
@@ -100,7 +102,9 @@ def test_red_pages_written_under_the_wrong_keys(
 
     def swapped(self: Any, node: Any, items: list[tuple[str, bytes]]) -> None:
         keys, payloads = zip(*items, strict=True)
-        real(self, node, list(zip(keys, payloads[::-1], strict=True)))  # planted: bytes under another key
+        # planted: each page's bytes under the key before its own (the first page's are
+        # lost). NOTE: not a permutation: tests/test_host_tier.py `one_page_early`.
+        real(self, node, list(zip(keys, [*payloads[1:], payloads[-1]], strict=True)))
 
     monkeypatch.setattr(storage_mod.StorageTier, "write", swapped)
     engine = make(tiny_chat_folder, tmp_path)
@@ -110,6 +114,55 @@ def test_red_pages_written_under_the_wrong_keys(
         assert not same(warm, ref)  # the bit-exact compare goes red
     finally:
         leaks.excuse(engine.engine)
+        engine.shutdown()
+
+
+class QueuedCopies:
+    """The copy worker's CUDA stream, emulated on CPU: a copy queued on it (by `offload`,
+    `load_back`) runs only when the stream is synchronized, as a non-blocking transfer to
+    or from pinned memory lands only once the stream got to it."""
+
+    def __init__(self) -> None:
+        self.queued: list[Callable[[], int]] = []
+
+    def synchronize(self) -> None:
+        while self.queued:
+            self.queued.pop(0)()
+
+
+def queue_tier_copies(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Give the host tier's copy worker a `QueuedCopies` stream: its copies land late."""
+    import kernel.tiers.host_tier as tier_mod
+
+    stream = QueuedCopies()
+    for name in ("offload", "load_back"):
+        real = getattr(tier_mod, name)
+
+        def queued(src: Any, src_ids: list[int], dst: Any, dst_ids: list[int], s: Any, real: Any = real) -> int:
+            assert s is stream
+            stream.queued.append(lambda: real(src, src_ids, dst, dst_ids))
+            host_pool = src if isinstance(src, HostPool) else dst
+            return len(src_ids) * host_pool.bytes_per_page
+
+        monkeypatch.setattr(tier_mod, name, queued)
+    host = engine.engine.host
+    assert host is not None
+    host.worker.stream = stream  # before any job: only the worker thread reads it then
+
+
+def test_storage_reads_a_host_copy_once_it_landed(
+    tiny_chat_folder: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CUDA a host copy is only queued when `offload` returns; the storage write that
+    reads its host pages must wait for the copy stream (without that wait, storage kept
+    whatever the host pages held before: a stale hit, caught by the bit-exact compare)."""
+    engine = make(tiny_chat_folder, tmp_path)
+    queue_tier_copies(engine, monkeypatch)
+    try:
+        ref, warm = cold_then_storage_hit(engine)
+        assert warm["meta_info"]["cached_tokens_by_tier"]["storage"] == 64
+        assert same(warm, ref)
+    finally:
         engine.shutdown()
 
 

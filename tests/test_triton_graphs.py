@@ -6,15 +6,28 @@ entries past the live ones keep the registry's sentinel (row 0, count 0), which 
 program reads or writes for. What that promises, checked here: a request's output in a
 padded step is the eager step's, bit for bit, after a larger step left its rows in the
 buffers; padding tokens' output rows are zero and their K/V land in the reserved page
-only. Planted: an unused entry that counts one key (sentinel 1) writes into a live
-token's row and the check goes red. End to end: a tiny Llama with `model.attention:
-triton` under `graphs.mode: emulate` agrees with the eager engine teacher-forced.
+only; and the decode kernel alone (the output as it leaves it, before the extend kernel)
+writes the eager step's rows only. Planted: an unused entry that counts one key (sentinel
+1) writes into a live token's row and the check goes red. End to end: a tiny Llama with
+`model.attention: triton` under `graphs.mode: emulate` agrees with the eager engine
+teacher-forced.
+
+Why the check after the decode kernel: an unused entry writes token 0's row (its token
+sentinel). Where token 0 is a live decode, its own program writes that row in the same
+launch, and which write lands last is up to the scheduler: the interpreter runs programs
+in order (the unused entry, later in the grid, wins), a GPU runs them at once (on an H200
+the final output came out the eager one; likely the live program, first in the grid and
+with more splits to merge, writes last).
+Where token 0 belongs to an extend request, the extend kernel overwrites it afterwards.
+Only the output between the two launches shows a stray decode write on every device,
+and a step whose token 0 is an extend token leaves that row to unused entries alone.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -40,6 +53,8 @@ BUCKET = {"tokens": 48, "requests": 6}
 # (prefix, extend, padding): a large mixed step, then a small one staged after it.
 LARGE: list[Req] = [(30, 1, False), (5, 9, False), (61, 1, False), (0, 17, False), (12, 1, False), (40, 6, False)]
 SMALL: list[Req] = [(22, 1, False), (3, 5, False)]
+# Token 0 an extend token: after the decode kernel its row is the unused decode entries' alone.
+EXTEND_FIRST: list[Req] = [(3, 5, False), (22, 1, False)]
 
 
 def registry(backend: TritonAttention) -> StaticBuffers:
@@ -55,14 +70,30 @@ def padded(t: torch.Tensor, rows: int, seed: int) -> torch.Tensor:
     return torch.cat([t, extra.to(t.device, t.dtype)])
 
 
+def after_decode(backend: TritonAttention) -> list[torch.Tensor]:
+    """Record the output as the decode kernel leaves it (before the extend kernel), per
+    forward of `backend`: its kernels module wrapped, here in the test."""
+    real, seen = backend.kernels, []
+
+    def decode_attention(out: torch.Tensor, *args: Any) -> None:
+        real.decode_attention(out, *args)
+        seen.append(out.clone())
+
+    backend.kernels = SimpleNamespace(  # type: ignore[assignment]
+        store_kv=real.store_kv, decode_attention=decode_attention, extend_attention=real.extend_attention
+    )
+    return seen
+
+
 def eager_and_static(reqs: Sequence[Req], group: int = 2, head_dim: int = 16, split: int = 16) -> dict[str, Any]:
     """One layer of `reqs` eagerly and in the bucket (after LARGE was staged in the same
-    buffers); the outputs and the pools after each."""
+    buffers); the outputs (final, and after the decode kernel) and the pools after each."""
     reqs = list(reqs)
     pools, table, rows = build(4, head_dim, LARGE + reqs, list(range(len(LARGE + reqs))), 0, torch.float32)
     eager, static = TritonAttention(pools[0], table), TritonAttention(pools[1], table)
     for b in (eager, static):
         b.decode_split, b.decode_block_n = split, 16
+    decoded = {"eager": after_decode(eager), "static": after_decode(static)}
     buffers = registry(static)
     big = len(LARGE)
     stale = static.static_metadata(rows[:big], [r[0] for r in LARGE], [r[1] for r in LARGE])
@@ -76,19 +107,37 @@ def eager_and_static(reqs: Sequence[Req], group: int = 2, head_dim: int = 16, sp
     static.bind_static(views)
     tokens = BUCKET["tokens"]
     out_static = static.forward(0, padded(q, tokens, 1), padded(k, tokens, 2), padded(v, tokens, 3))
-    return {"eager": out_eager, "static": out_static, "pools": pools, "live": q.shape[0], "backend": static}
+    (eager_decoded,), (static_decoded,) = decoded["eager"], decoded["static"]
+    return {
+        "eager": out_eager, "static": out_static, "pools": pools, "live": q.shape[0], "backend": static,
+        "eager_decoded": eager_decoded, "static_decoded": static_decoded,
+    }
 
 
-@pytest.mark.parametrize("reqs", [SMALL, LARGE[:5], [(0, 1, False)], [(7, 40, False)]], ids=["small", "five", "one", "long"])
-def test_static_step_gives_the_eager_bits(reqs: list[Req]) -> None:
-    got = eager_and_static(reqs)
-    n = got["live"]
-    assert torch.equal(got["static"][:n], got["eager"])
-    assert torch.equal(got["static"][n:], torch.zeros_like(got["static"][n:]))  # padding tokens
+def eager_bits_broken(got: dict[str, Any]) -> list[str]:
+    """What of the static step's promise `got` breaks (empty: none)."""
+    n, broken = got["live"], []
+    for what in ("", "_decoded"):  # the final output, and the output after the decode kernel
+        static, eager = got["static" + what], got["eager" + what]
+        if not torch.equal(static[:n], eager):
+            broken.append(f"live rows{what} differ from the eager step's")
+        if not torch.equal(static[n:], torch.zeros_like(static[n:])):
+            broken.append(f"padding rows{what} are not zero")
     eager_pool, static_pool = got["pools"]
     # The same K/V everywhere but the reserved page 0 (slots 0-3), where padding tokens write.
-    assert torch.equal(static_pool.k[0][4:], eager_pool.k[0][4:])
-    assert torch.equal(static_pool.v[0][4:], eager_pool.v[0][4:])
+    for name in ("k", "v"):
+        if not torch.equal(getattr(static_pool, name)[0][4:], getattr(eager_pool, name)[0][4:]):
+            broken.append(f"{name.upper()} outside the reserved page differs")
+    return broken
+
+
+STEPS = {"small": SMALL, "extend_first": EXTEND_FIRST, "five": LARGE[:5], "one": [(0, 1, False)],
+         "long": [(7, 40, False)]}
+
+
+@pytest.mark.parametrize("reqs", list(STEPS.values()), ids=list(STEPS))
+def test_static_step_gives_the_eager_bits(reqs: list[Req]) -> None:
+    assert eager_bits_broken(eager_and_static(reqs)) == []
 
 
 def test_static_grids_cover_the_table_and_the_bucket() -> None:
@@ -104,10 +153,19 @@ def test_split_size_is_fixed_by_the_table() -> None:
     assert -(-100_000 // split_size(100_000)) <= 64
 
 
-@pytest.mark.parametrize("field", ["dec_lens", "ext_lens"])
-def test_red_unused_entries_that_count_keys(monkeypatch: pytest.MonkeyPatch, field: str) -> None:
-    """Planted: the unused entries' count sentinel is 1, not 0. They attend and write their
-    output into token 0's row (their token sentinel), and the eager bits are gone."""
+# Each planted field with a step where its stray writes land in a row no live program of
+# the same launch writes (module docstring): unused decode entries write token 0's row in
+# the decode launch, so token 0 is an extend token; unused extend entries (2 tokens) write
+# rows 0 and 1 in the extend launch, so token 0 is a decode token (written the launch before).
+@pytest.mark.parametrize(
+    ("field", "reqs"), [("dec_lens", EXTEND_FIRST), ("ext_lens", SMALL)], ids=["dec_lens", "ext_lens"]
+)
+def test_red_unused_entries_that_count_keys(
+    monkeypatch: pytest.MonkeyPatch, field: str, reqs: list[Req]
+) -> None:
+    """Planted: the unused entries' count sentinel is 1 (decode) / 2 (extend), not 0. They
+    attend and write their output into token 0's row (their token sentinel), and the eager
+    bits are gone, on every device."""
     real = TritonAttention.static_specs
 
     def counting(self: TritonAttention) -> dict[str, BufferSpec]:
@@ -116,8 +174,8 @@ def test_red_unused_entries_that_count_keys(monkeypatch: pytest.MonkeyPatch, fie
         return specs
 
     monkeypatch.setattr(TritonAttention, "static_specs", counting)
-    got = eager_and_static(SMALL)
-    assert not torch.equal(got["static"][: got["live"]], got["eager"])
+    broken = eager_bits_broken(eager_and_static(reqs))
+    assert any(b.startswith("live rows") for b in broken), broken
 
 
 def components(folder: str, **extra: Any) -> Any:
@@ -211,17 +269,22 @@ def test_engine_emulated_matches_eager(tiny_chat_folder: str) -> None:
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA: captured graphs")
 def test_cuda_graphs_match_emulation(tiny_chat_folder: str) -> None:
-    """On a GPU: the triton backend captured and replayed against the emulated run, teacher-forced."""
+    """On a GPU: the triton backend captured and replayed against the emulated run, teacher-forced.
+
+    At most `prefill_max_requests` prompts per batch: the scoring pass caches every prompt,
+    so each batch's plain greedy run prefills all its prompts (their uncached tails) in one
+    step, and a step with more requests than a prefill bucket's slots runs eagerly (five
+    prompts gave no prefill replay at all, emulated or captured)."""
     from tests.test_bit_exact import tokens
 
-    prompts = [tokens(80 + i, 4 + 15 * i) for i in range(5)]
+    prompts = [tokens(80 + i, 4 + 15 * i) for i in range(GRAPHS_EMULATE["graphs.prefill_max_requests"])]
     engines = [Engine(None, {**TINY_OVERRIDES, "model.path": tiny_chat_folder, "model.attention": "triton",
                              "model.device": "cuda", "cache.prefix": "radix", **GRAPHS_EMULATE, "graphs.mode": mode})
                for mode in ("emulate", "cuda")]
     emulated, cuda = engines
     try:
-        teacher_forced(cuda, emulated, [prompts])
-        assert all(graph_replays(cuda).values())
+        teacher_forced(cuda, emulated, [prompts, [p + [5, 6, 7] for p in prompts]])
+        assert all(graph_replays(cuda).values()), graph_replays(cuda)
     finally:
         for engine in engines:
             engine.shutdown()

@@ -8,7 +8,8 @@ whether its prefix's KV came from the cache:
   weights are exactly 0 and the rescale factor exactly 1), so padding to the batch's
   longest request changes nothing;
 - query rows go through fixed [QUERY_TILE * group, head_dim] x [head_dim, KEY_BLOCK]
-  batched GEMMs, whose rows do not depend on their neighbours (see gpu/batch_invariant.py);
+  batched GEMMs, whose rows do not depend on their neighbours nor on the batch count
+  (gpu/batch_invariant.py: torch's on CPU, a fixed-tile Triton GEMM on CUDA);
 - the softmax denominator comes out of the same GEMM as the values (V gets a ones
   column), so no reduction over keys depends on the block count.
 Because blocks sit on absolute positions, a prefix hit of any page-aligned length needs
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 
 from cache.kv_pool import KVPool
 from gpu.attention.base import AttentionBackend
+from gpu.batch_invariant import bmm
 from gpu.graphs.static_buffers import BufferSpec
 from gpu.upload import to_device
 from kernel.registry import register
@@ -141,12 +143,12 @@ class DeterministicAttention(AttentionBackend):
             vb = v_cache.index_select(0, slots).view(tiles, KEY_BLOCK, num_kv, head_dim)
             kb = kb.permute(0, 2, 3, 1).reshape(tiles * num_kv, head_dim, KEY_BLOCK).float()
             vb = F.pad(vb.float(), (0, 1), value=1.0).permute(0, 2, 1, 3).reshape(tiles * num_kv, KEY_BLOCK, head_dim + 1)
-            s = torch.bmm(qt, kb).view(tiles, num_kv, QUERY_TILE, group, KEY_BLOCK)
+            s = bmm(qt, kb).view(tiles, num_kv, QUERY_TILE, group, KEY_BLOCK)
             s = s.masked_fill(~self._mask[:, j][:, None, :, None, :], float("-inf"))
             s = s.view(tiles * num_kv, rows, KEY_BLOCK)
             m_new = torch.maximum(m, s.amax(-1))
             p = torch.exp(s - m_new[..., None])
-            acc = acc * torch.exp(m - m_new)[..., None] + torch.bmm(p, vb)
+            acc = acc * torch.exp(m - m_new)[..., None] + bmm(p, vb)
             m = m_new
         o = (acc[..., :head_dim] / acc[..., head_dim:]).to(q.dtype)
         o = o.view(tiles, num_kv, QUERY_TILE, group, head_dim).permute(0, 2, 1, 3, 4)

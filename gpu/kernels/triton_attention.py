@@ -33,8 +33,8 @@ from triton import knobs
 
 INTERPRETED: bool = bool(knobs.runtime.interpret)
 
-_NEG = -1.0e30  # finite start of a running max: exp(_NEG - m) is exactly 0, never NaN
-_PRECISION = "ieee"  # no TF32 on fp32 inputs: results comparable to the torch backend
+_NEG = tl.constexpr(-1.0e30)  # finite start of a running max: exp(_NEG - m) is exactly 0, never NaN
+_PRECISION = tl.constexpr("ieee")  # no TF32 on fp32 inputs: results comparable to the torch backend
 _STATE_BLOCK = 1024
 
 

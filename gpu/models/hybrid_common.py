@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from gpu.batch_invariant import mean_of_squares
 from gpu.quant.dispatch import LinearWeight, QuantSpec, build_linear
 
 Linear = Callable[..., torch.Tensor]
@@ -55,7 +56,7 @@ class Weights:
 
 
 def _inv_rms(xf: torch.Tensor, eps: float) -> torch.Tensor:
-    return 1.0 / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return 1.0 / torch.sqrt(mean_of_squares(xf) + eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

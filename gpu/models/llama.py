@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu.attention.base import AttentionBackend
-from gpu.batch_invariant import linear_tiled
+from gpu.batch_invariant import linear_tiled, mean_of_squares
 from gpu.model_config import ModelArchConfig
 from gpu.models import llama_glue as glue
 from gpu.models.hybrid_common import Weights, swiglu
@@ -185,7 +185,7 @@ class LlamaModel:
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.arch.rms_norm_eps)
+        xf = xf * torch.rsqrt(mean_of_squares(xf) + self.arch.rms_norm_eps)
         return weight * xf.to(x.dtype)
 
 

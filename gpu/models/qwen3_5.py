@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from cache.state_pool import LayerStateShape, StatePool
 from gpu.attention.base import AttentionBackend
+from gpu.batch_invariant import sum_last
 from gpu.kernels.gated_delta import DeltaInputs, gated_delta_varlen
 from gpu.models.hybrid_base import BlockNames, HybridDecoder
 from gpu.models.hybrid_common import Weights, gated_rms_norm, rms_norm_zero_centred, softplus
@@ -160,4 +161,4 @@ class Qwen3_5Model(HybridDecoder[_Attention, _DeltaNet]):
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / |x| per head, as the reference (and FLA) do: eps inside the root."""
-    return x * (1.0 / torch.sqrt((x * x).sum(-1, keepdim=True) + eps))
+    return x * (1.0 / torch.sqrt(sum_last(x, square=True) + eps))

@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 import torch
 
+from gpu.batch_invariant import sum_last
 from gpu.models.hybrid_common import sigmoid
 
 
@@ -21,7 +22,7 @@ def softmax_topk(logits: torch.Tensor, k: int, normalize: bool) -> Routing:
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     top, experts = torch.topk(probs, k, dim=-1)
     if normalize:
-        top = top / top.sum(dim=-1, keepdim=True)
+        top = top / sum_last(top)
     return Routing(experts, top.to(logits.dtype))
 
 
@@ -39,5 +40,5 @@ def sigmoid_topk(logits: torch.Tensor, k: int, normalize: bool, bias: torch.Tens
         experts = torch.topk(scores + bias, k, dim=-1).indices
         top = torch.gather(scores, 1, experts)
     if normalize:
-        top = top / (top.sum(dim=-1, keepdim=True) + 1e-6)
+        top = top / (sum_last(top) + 1e-6)
     return Routing(experts, top * scale)

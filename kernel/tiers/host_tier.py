@@ -153,8 +153,14 @@ class HostTier:
         items: list[tuple[str, bytes]] = []
 
         def job() -> int:
-            copied = offload(self.kv_pool, pages, self.host_pool, host, self.worker.stream)  # type: ignore[arg-type]
+            stream = self.worker.stream
+            copied = offload(self.kv_pool, pages, self.host_pool, host, stream)  # type: ignore[arg-type]
             if capture is not None:
+                # NOTE: on CUDA `offload` only queued the copies into the host pages (pinned,
+                # non-blocking): storage reads those pages, so they must have landed first.
+                # (The worker's own wait comes after the job, too late for this read.)
+                if stream is not None:
+                    stream.synchronize()
                 items.extend(capture())
             return copied
 
@@ -176,6 +182,8 @@ class HostTier:
         else:
             self.host_pool.free(host)
             self.counters.failures["copy" if not ok else "copy_revoked"] += 1
+            if not ok and not fut.cancelled():  # a bug or a shutdown, never a race: say which
+                log.warning("host_copy_failed", error=repr(fut.exception()))
         self.tree.unlock(node)
 
     # ---- load back ------------------------------------------------------------------
