@@ -134,9 +134,12 @@ def test_matches_torch_backend(page_size: int, group: int, head_dim: int, reqs: 
     for r, t in zip(ref, tri):
         assert torch.isfinite(t).all()
         torch.testing.assert_close(t, r, atol=ATOL, rtol=RTOL)
+    # NOTE: padding rows all write slot 0 of the reserved page 0; which of two padding
+    # rows' values lands there last is unspecified on a GPU (seen differing on an H200),
+    # so the pools are compared past page 0.
     for layer in range(2):
-        assert torch.equal(pools[0].k[layer], pools[1].k[layer])
-        assert torch.equal(pools[0].v[layer], pools[1].v[layer])
+        assert torch.equal(pools[0].k[layer][page_size:], pools[1].k[layer][page_size:])
+        assert torch.equal(pools[0].v[layer][page_size:], pools[1].v[layer][page_size:])
 
 
 def test_random_shapes_match_torch_backend() -> None:

@@ -83,16 +83,19 @@ def test_bmm_rows_are_batch_invariant(dtype: torch.dtype) -> None:
     assert rows_invariant(triton_invariant.bmm, dtype)
 
 
-def test_red_a_block_size_chosen_by_the_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Planted: the K blocking follows the row count (as cuBLAS's split-K does). The K
-    sums then run in another order for many rows, and the invariance check goes red."""
-    real = triton_invariant.bmm
+def test_red_a_split_k_chosen_by_the_row_count() -> None:
+    """Planted: K split in two partial products summed afterwards when there are many rows
+    (what cuBLAS's split-K does for some shapes). The K sums then run in another order for
+    those rows, and the invariance check goes red. (Another BLOCK_K alone would not: on
+    CUDA a float32 tile accumulates K in order by FMA whatever the block.)"""
 
-    def by_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        monkeypatch.setattr(triton_invariant, "BLOCK_K", 16 if a.shape[1] > 32 else 64)
-        return real(a, b)
+    def split_by_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if a.shape[1] <= 32:
+            return triton_invariant.bmm(a, b)
+        half = a.shape[2] // 2
+        return triton_invariant.bmm(a[..., :half], b[:, :half]) + triton_invariant.bmm(a[..., half:], b[:, half:])
 
-    assert not rows_invariant(by_rows, torch.float32)
+    assert not rows_invariant(split_by_rows, torch.float32)
 
 
 @pytest.mark.parametrize("square", [False, True])
