@@ -6,7 +6,9 @@
    of the radix, hybrid and tier issues — on a CUDA machine the engines in these tests
    pick `model.device: auto` -> cuda and `graphs.mode: auto` -> cuda.
 2. A short throughput run, graphs on vs off, for the packaged SmolLM2 and a ~0.5B
-   random-weight Llama (SmolLM2's tokenizer), printed as one table.
+   random-weight Llama (SmolLM2's tokenizer), printed as one table; overlap on vs off.
+3. The speculative table (issue 23): `benchmarks/speculative.py --quick --no-llama
+   --no-exactness` — tierserve with and without n-gram drafts, and whether the texts match.
 
 Installs nothing beyond the project. Bounded: each part has a timeout (`--tests-timeout`,
 `--bench-timeout`; each test 150 s at most), the whole well under 8 minutes on one H200.
@@ -33,7 +35,8 @@ TESTS = [
     "tests/test_bit_exact.py", "tests/test_bit_exact_hybrid.py", "tests/test_host_tier.py",
     "tests/test_host_tier_hybrid.py", "tests/test_storage_tier.py", "tests/test_storage_tier_hybrid.py",
     "tests/test_triton_invariant.py", "tests/test_batch_invariant.py", "tests/test_triton_globals.py",
-    "tests/test_host_state_pool.py",
+    "tests/test_host_state_pool.py", "tests/test_speculative.py", "tests/test_speculative_tree.py",
+    "tests/test_speculative_hybrid.py", "tests/test_speculative_tiers.py",
 ]
 # ~0.49B parameters with SmolLM2's 49k vocabulary.
 LLAMA_05B = {"hidden_size": 1280, "intermediate_size": 3584, "num_hidden_layers": 24,
@@ -116,6 +119,9 @@ def main() -> int:
     packaged_on = rows[0][1]
     vs = f"{packaged_on / serial:.2f}x" if packaged_on and serial else "n/a"
     print(f"\nSmolLM2, graphs on: overlap on {packaged_on or 'failed'} tok/s, off {serial or 'failed'} tok/s -> {vs}")
+    spec_rc, out, secs = run([sys.executable, "benchmarks/speculative.py", "--quick", "--no-llama", "--no-exactness",
+                              "--no-progress"], timeout=4 * args.bench_timeout)
+    print(f"\nspeculative table: exit {spec_rc} in {secs:.0f}s\n{out[-3000:]}")
     return rc
 
 
