@@ -62,6 +62,9 @@ class Report:
     rss_after_mib: float = 0.0
     seconds: float = 0.0
     exit_code: int | None = None
+    ttft_p50_s: float | None = None  # streamed requests that got text
+    ttft_p99_s: float | None = None
+    audit: dict[str, Any] | None = None  # the server's audit stats after the run (--audit-rate)
     violations: list[str] = field(default_factory=list)
 
 
@@ -74,6 +77,7 @@ def soak_config(args: argparse.Namespace, model: str, storage_dir: Path) -> dict
         "scheduler": {"chunked_prefill_size": 64, "max_num_batched_tokens": 256, "max_running_requests": 32},
         "server": {"max_queued_requests": 4 * args.concurrency},
         "deterministic": True,
+        "audit": {"sample_rate": args.audit_rate},
         "debug": {"check_invariants": args.check_invariants},
         "logging": {"level": "warning"},
     }
@@ -124,8 +128,17 @@ async def reference(session: aiohttp.ClientSession, url: str, jobs: list[Job]) -
     return dict(await asyncio.gather(*(one(j) for j in jobs)))
 
 
+def quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ranked = sorted(values)
+    return ranked[min(len(ranked) - 1, int(q * len(ranked)))]
+
+
 def tally(report: Report, outcomes: list[Outcome]) -> None:
     report.requests = len(outcomes)
+    ttfts = [o.ttft_s for o in outcomes if o.ttft_s is not None]
+    report.ttft_p50_s, report.ttft_p99_s = quantile(ttfts, 0.5), quantile(ttfts, 0.99)
     report.disconnects = sum(o.cut and o.job.disconnect_after is not None for o in outcomes)
     report.aborts = sum(o.cut and o.job.abort_after_s is not None for o in outcomes)
     report.server_errors = sum(o.server_error for o in outcomes)
@@ -161,6 +174,11 @@ def check_idle(report: Report, stats: dict[str, Any], check: dict[str, Any]) -> 
                     "storage_read_pages": storage["read_pages"] if storage else 0}
     if not (report.tiers["device_hit_tokens"] and report.tiers["storage_written_pages"]):
         report.violations.append(f"the run did not exercise the prefix cache and the file tier: {report.tiers}")
+    report.audit = stats.get("audit")
+    if report.audit is not None:
+        bad = sum(report.audit["mismatched"].values()) + report.audit["errors"]
+        if bad or not sum(report.audit["checked"].values()):
+            report.violations.append(f"the audit: {report.audit}")
 
 
 def compare(report: Report, outcomes: list[Outcome], expected: dict[int, tuple[str, Any]]) -> None:
@@ -222,6 +240,13 @@ def rss_line(report: Report, bound_mib: float) -> str:
     return f"{report.rss_warm_mib:.0f} / {report.rss_after_mib:.0f} MiB (+{growth:.0f}, bound {bound_mib:.0f})"
 
 
+def audit_line(audit: dict[str, Any] | None) -> str:
+    if audit is None:
+        return "off"
+    return (f"checked {audit['checked']}, mismatched {audit['mismatched']}, dropped {audit['dropped']}, "
+            f"errors {audit['errors']} (rate {audit['sample_rate']})")
+
+
 def summary(report: Report, args: argparse.Namespace) -> str:
     rows = [
         ("requests sent", f"{report.requests} of {args.requests} (concurrency {args.concurrency})"),
@@ -234,6 +259,8 @@ def summary(report: Report, args: argparse.Namespace) -> str:
         ("tier traffic", ", ".join(f"{k} {v}" for k, v in report.tiers.items())),
         ("RSS after warm-up / after run", rss_line(report, args.rss_bound_mib)),
         ("soak duration", f"{report.seconds:.1f} s"),
+        ("TTFT p50 / p99 (streamed)", f"{report.ttft_p50_s or 0:.3f} / {report.ttft_p99_s or 0:.3f} s"),
+        ("audit", audit_line(report.audit)),
         ("exit status after SIGTERM", report.exit_code),
         ("violations", len(report.violations)),
     ]
@@ -249,6 +276,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=64, help="requests before the RSS baseline is read")
     p.add_argument("--duration-limit", type=float, default=1800.0, help="seconds; no request starts later")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--audit-rate", type=float, default=0.0, help="the server's audit.sample_rate (0: off)")
     p.add_argument("--model", default=None, help="model path (default: a tiny random model built now)")
     p.add_argument("--num-pages", type=int, default=192, help=f"device pool, pages of {PAGE} tokens")
     p.add_argument("--host-pages", type=int, default=256, help="host pool: smaller than the working set, so the file tier serves hits too")

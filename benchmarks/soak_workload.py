@@ -63,6 +63,8 @@ class Outcome:
     error: str | None = None  # a transport error or an error event in the stream
     cut: bool = False  # the client hung up / gave up as planned
     latency_s: float = 0.0
+    started: float = 0.0  # time.perf_counter() when it was sent
+    ttft_s: float | None = None  # streamed: until the first chunk with text
 
     @property
     def server_error(self) -> bool:
@@ -122,7 +124,7 @@ def make_job(index: int, rng: random.Random, mix: Mix, prefixes: list[list[int]]
 async def send(session: aiohttp.ClientSession, base_url: str, job: Job, timeout_s: float) -> Outcome:
     """Run one job against the server; never raises (problems land in the outcome)."""
     out = Outcome(job)
-    t0 = time.perf_counter()
+    t0 = out.started = time.perf_counter()
     try:
         if job.abort_after_s is not None:
             try:
@@ -161,6 +163,8 @@ async def _read_stream(resp: aiohttp.ClientResponse, job: Job, out: Outcome) -> 
             out.error = str(event["error"])
             return
         for choice in event.get("choices", []):
+            if out.ttft_s is None and choice.get("text"):
+                out.ttft_s = time.perf_counter() - out.started
             out.text += choice.get("text", "")
             out.finish_reason = choice.get("finish_reason") or out.finish_reason
         if event.get("usage"):

@@ -19,6 +19,7 @@ import torch
 from gpu.device_thread import DeviceThread
 from kernel import registry
 from kernel.admission import Admission, BadPrompt, ContextOverflow, EngineUnavailable, RequestError
+from kernel.audit import Auditor, Replayed, Served
 from kernel.components import Components, build_components, pick_device
 from kernel.config import Config, load_config
 from kernel.logging_setup import setup_logging
@@ -93,6 +94,10 @@ class AsyncEngine:
             if self.host.storage is not None:
                 self.host.storage.wake = self.loop.wake.set
         self._loop_task = asyncio.get_running_loop().create_task(self.loop.run())
+        self.auditor: Auditor | None = None
+        if config.audit.sample_rate > 0:
+            self.auditor = Auditor(config.audit, config.deterministic, self._replay, self._live_waiting)
+            self.output.on_finished = self.auditor.offer
 
     @classmethod
     async def create(
@@ -120,12 +125,19 @@ class AsyncEngine:
         rid: str | None = None, priority: int = 0, namespace: str | None = None,
     ) -> str:
         """Validate and queue a request; raises RequestError without side effects."""
+        return self._add(prompt, params, rid, priority, namespace).rid
+
+    def _add(
+        self, prompt: str | Sequence[int], params: SamplingParams | Mapping[str, Any] | None, rid: str | None,
+        priority: int, namespace: str | None, audit: bool = False,
+    ) -> Request:
         if self._closed:
             why = f"engine halted: {self.halt_reason}" if self.halt_reason else "engine is shut down"
             raise EngineUnavailable(why)
         if rid is not None and rid in self.output.streams:
             raise RequestError(f"request id {rid!r} is already in use")
         req = self.admission.build(prompt, params, rid, priority, namespace)
+        req.audit = audit
         key = self.grammars.check(req.params)
         detok = None
         if self.tokenizer is not None:
@@ -134,20 +146,22 @@ class AsyncEngine:
         if req.params.max_new_tokens == 0 and req.params.logprob_start_len < 0:  # done without a step
             req.finish("length")
             stream.end()
-            return req.rid
+            return req
         if key is not None:
             self.grammars.admit(req, key)  # queued now, or parked until its grammar is compiled
         else:
             self._queue(req)
-        return req.rid
+        return req
 
     def _queue(self, req: Request) -> None:
         self.scheduler.add(req)
+        self.loop.wake.set()
+        if req.audit:  # no served traffic
+            return
         self.prompt_tokens += len(req.prompt_ids)
         log.debug("request_queued", rid=req.rid, prompt_tokens=len(req.prompt_ids))
         if self.events.active:
             self.events.emit("queued", req.rid, prompt_tokens=len(req.prompt_ids))
-        self.loop.wake.set()
 
     async def prepare_grammars(self, params: Iterable[SamplingParams]) -> None:
         """Compile the grammars `params` name (off the loop, cached; kernel/structured/grammar_gate.py);
@@ -183,6 +197,17 @@ class AsyncEngine:
             result.add(chunk)
         return result.native(params.return_logprob, params.top_logprobs_num > 0)
 
+    async def _replay(self, job: Served) -> Replayed:
+        """The auditor's cold run of a served request (kernel/audit.py)."""
+        req = self._add(job.prompt_ids, job.params, None, 0, job.namespace, audit=True)
+        async for _ in self.stream(req.rid):
+            pass
+        return Replayed(list(req.output_ids), list(req.output_logprobs))
+
+    def _live_waiting(self) -> bool:
+        """Whether a live (not audit) request waits for admission or its grammar."""
+        return bool(self.grammars.parked) or any(not r.audit for r in self.scheduler.waiting)
+
     def abort(self, rid: str) -> None:
         """Stop `rid`; a consumer of its stream gets a final chunk (finish_reason "abort")."""
         st = self.output.streams.get(rid)
@@ -198,8 +223,9 @@ class AsyncEngine:
 
     # ---- public surface for plugins (admin socket, metrics, HTTP) ---------------
     def is_idle(self) -> bool:
-        """No request queued or running, and no tier copy in flight."""
+        """No request queued or running, no tier copy in flight and no audit replay due."""
         idle = not self.scheduler.has_work() and not self.grammars.parked
+        idle = idle and (self.auditor is None or not self.auditor.pending())
         return idle and (self.host is None or not self.host.busy)
 
     def num_requests(self) -> int:
@@ -249,6 +275,7 @@ class AsyncEngine:
             "cache": cache,
             "num_retractions": sched.num_retractions,
             "speculative": sched.speculator.stats() if sched.speculator is not None else None,
+            "audit": self.auditor.stats() if self.auditor is not None else None,
             # Mixture-of-experts models: tokens routed to each expert, per sparse layer.
             "moe": self.loop.runner.model.expert_tokens() if hasattr(self.loop.runner.model, "expert_tokens") else None,
             "policies": self.policies(),
@@ -336,6 +363,8 @@ class AsyncEngine:
     # ---- stopping ---------------------------------------------------------------
     async def shutdown(self) -> None:
         self._closed = True
+        if self.auditor is not None:
+            self.auditor.close()
         self._loop_task.cancel()
         await asyncio.gather(self._loop_task, return_exceptions=True)  # a dead loop's error was reported
         for st in list(self.output.streams.values()):

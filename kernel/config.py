@@ -310,6 +310,27 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class AuditConfig:
+    """The online audit (kernel/audit.py): a `sample_rate` share of the requests served
+    with a cache hit are replayed cold when no live request waits, and their tokens and
+    logprobs compared: bitwise in deterministic mode, else logprobs within `tolerance`
+    up to the first token where the two runs part. At most `queue` replays wait; more
+    are dropped (counted). `seed` seeds the sampling draw."""
+
+    sample_rate: float = 0.0
+    queue: int = 16
+    tolerance: float = 1e-3
+    seed: int = 0
+
+    def validate(self) -> None:
+        if not 0.0 <= self.sample_rate <= 1.0:
+            raise ConfigError(f"audit.sample_rate must be in [0, 1], got {self.sample_rate}")
+        _positive("audit.queue", self.queue)
+        if not self.tolerance >= 0.0:
+            raise ConfigError(f"audit.tolerance must be >= 0, got {self.tolerance}")
+
+
+@dataclass(frozen=True)
 class DebugConfig:
     check_invariants: bool = False
 
@@ -336,6 +357,7 @@ class Config:
     graphs: GraphsConfig = field(default_factory=GraphsConfig)
     structured: StructuredConfig = field(default_factory=StructuredConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    audit: AuditConfig = field(default_factory=AuditConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     deterministic: bool = False
@@ -343,7 +365,7 @@ class Config:
 
     def validate(self) -> None:
         sections = (self.model, self.cache, self.hicache, self.scheduler, self.server, self.graphs,
-                    self.structured, self.speculative, self.debug, self.logging)
+                    self.structured, self.speculative, self.audit, self.debug, self.logging)
         for section in sections:
             section.validate()
         if self.speculative.enabled and self.scheduler.overlap == "on":

@@ -36,6 +36,10 @@ class Request:
     seed: int
     priority: int = 0
     namespace: str | None = None  # requests in different namespaces never share cached KV
+    # An audit replay (kernel/audit.py): a cold run of a served request. It matches and
+    # caches nothing, probes no storage, is admitted after every live request, retracted
+    # before any, and counted in no served-traffic counter or lifecycle event.
+    audit: bool = False
     arrival: int = field(default_factory=lambda: next(_arrival))
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)

@@ -89,6 +89,8 @@ def counters(stats: dict[str, Any]) -> Iterable[Metric]:
     spec = stats["speculative"]
     if spec is not None:
         yield from speculative_metrics(spec)
+    if stats["audit"] is not None:
+        yield from audit_metrics(stats["audit"])
     if stats.get("moe"):
         routed = CounterMetricFamily("tierserve_moe_expert_tokens", "Tokens routed to each expert of each "
                                      "mixture-of-experts layer (routing skew).", labels=["layer", "expert"])
@@ -125,6 +127,21 @@ def speculative_metrics(spec: dict[str, Any]) -> Iterable[Metric]:
                                 labels=["method"])
     resting.add_metric(method, spec["resting_requests"])
     yield resting
+
+
+def audit_metrics(audit: dict[str, Any]) -> Iterable[Metric]:
+    """The online audit (kernel/audit.py): replays of served cache hits, per tier of the hit."""
+    for name, key, doc in (
+        ("tierserve_audit_checked", "checked", "Served cache hits replayed cold and compared."),
+        ("tierserve_audit_mismatched", "mismatched", "Replays that did not match what was served."),
+    ):
+        family = CounterMetricFamily(name, doc, labels=["tier"])
+        for tier, n in audit[key].items():
+            family.add_metric([tier], n)
+        yield family
+    yield CounterMetricFamily("tierserve_audit_dropped", "Sampled hits not replayed: the audit queue was full.",
+                              audit["dropped"])
+    yield CounterMetricFamily("tierserve_audit_errors", "Replays that failed to run.", audit["errors"])
 
 
 def gauges(stats: dict[str, Any]) -> Iterable[Metric]:

@@ -9,7 +9,8 @@ from typing import Any
 from benchmarks.soak import Report, check_idle, compare, parse_args, soak, tally
 from benchmarks.soak_workload import COMPLETIONS, Job, Mix, Outcome, make_jobs
 
-SHORT = ["--requests", "60", "--concurrency", "16", "--warmup", "16", "--quiet"]
+# The online audit replays half the hits (kernel/audit.py): every replay must match.
+SHORT = ["--requests", "60", "--concurrency", "16", "--warmup", "16", "--quiet", "--audit-rate", "0.5"]
 
 
 async def test_short_soak_has_no_violation(tiny_chat_folder: str, tmp_path: Path) -> None:
@@ -20,6 +21,7 @@ async def test_short_soak_has_no_violation(tiny_chat_folder: str, tmp_path: Path
     assert report.disconnects > 0 and report.completed > 30 and report.greedy_compared > 10, report
     assert report.tiers["host_hit_tokens"] > 0 and report.tiers["storage_written_pages"] > 0, report
     assert report.exit_code == 0
+    assert report.audit is not None and sum(report.audit["checked"].values()) > 0, report.audit
 
 
 def test_workload_mixes_every_kind_of_request() -> None:
@@ -59,6 +61,16 @@ def test_idle_check_goes_red_on_each_leak() -> None:
     broken = Report()
     check_idle(broken, IDLE, {"ok": False, "message": "node 3 lock_ref -1"})
     assert broken.violations and "integrity" in broken.violations[0]
+    audited = {"checked": {"device": 3, "host": 1, "storage": 0}, "mismatched": {"device": 0, "host": 0, "storage": 0},
+               "errors": 0}
+    clean = Report()
+    check_idle(clean, {**IDLE, "audit": audited}, {"ok": True})
+    assert clean.violations == []
+    for bad in ({**audited, "mismatched": {"device": 0, "host": 1, "storage": 0}}, {**audited, "errors": 1},
+                {**audited, "checked": {"device": 0, "host": 0, "storage": 0}}):
+        report = Report()
+        check_idle(report, {**IDLE, "audit": bad}, {"ok": True})
+        assert len(report.violations) == 1 and "audit" in report.violations[0], report.violations
 
 
 def outcome(job: Job, **fields: Any) -> Outcome:

@@ -158,6 +158,7 @@ class OutputProcessor:
         self.events = events
         self.stop_text = stop_text
         self.generation_tokens = 0
+        self.on_finished: Callable[[Request], None] | None = None  # the audit's sampling (kernel/audit.py)
 
     def open(self, req: Request, detok: IncrementalDetokenizer | None) -> RequestStream:
         stream = RequestStream(req, detok)
@@ -177,8 +178,12 @@ class OutputProcessor:
         text = self._detokenize(st, new_ids) if st.detok is not None else ""
         new_ids = req.output_ids[start:]  # a stop string may have cut them
         st.emitted = len(req.output_ids)
-        self.generation_tokens += len(new_ids)
         st.put(st.chunk(text, new_ids, start))
+        if req.audit:  # a replay is no served traffic: no counter, no event
+            if req.finished:
+                st.finish_published = True
+            return
+        self.generation_tokens += len(new_ids)
         if self.events.active:
             self.events.emit("tokens", req.rid, count=len(new_ids), first=start == 0)
         if req.finished:
@@ -207,7 +212,7 @@ class OutputProcessor:
     def publish_admitted(self, reqs: Iterable[Request]) -> None:
         for req in reqs:
             st = self.streams.get(req.rid)
-            if st is not None and not st.admitted:
+            if st is not None and not st.admitted and not req.audit:
                 st.admitted = True
                 if self.events.active:
                     self.events.emit("admitted", req.rid, cached_tokens=req.cached_tokens)
@@ -218,6 +223,10 @@ class OutputProcessor:
         if st is None or st.finish_published:
             return
         st.finish_published = True
+        if req.audit:
+            return
+        if self.on_finished is not None:
+            self.on_finished(req)
         if self.events.active:
             self.events.emit(
                 "finished", req.rid, reason=req.finish_reason, prompt_tokens=len(req.prompt_ids),

@@ -78,7 +78,7 @@ class PrefixReuse:
         """Before admission: whether `req` waits while its prefix comes in from storage
         (the first call probes storage past what the tree holds; see kernel/tiers/storage_tier.py)."""
         storage = self.host.storage if self.host is not None else None
-        if storage is None:
+        if storage is None or req.audit:
             return False
 
         def matched_pages() -> int:  # on any tier; hybrid: also KV whose state is not cached
@@ -87,11 +87,16 @@ class PrefixReuse:
         return storage.wait(req, lambda: self._matchable(req), matched_pages)
 
     def count_admission(self, req: Request) -> None:
-        """Count an admission whose first chunk is planned (a refused one is not)."""
+        """Count an admission whose first chunk is planned (a refused one is not; an
+        audit replay is no served traffic)."""
+        if req.audit:
+            return
         self.query_tokens += req.total_len
         self.hit_tokens += req.kv_len
 
     def _matchable(self, req: Request) -> list[int]:
+        if req.audit:  # NOTE: a replay must run cold, or it would check the cache against itself
+            return []
         # At least one token must be computed to sample from: cap below the last token.
         usable = req.total_len - 1
         cap = match_cap(req)
@@ -118,6 +123,8 @@ class PrefixReuse:
 
     def _insert(self, req: Request, full: int, state_slot: int | None) -> bool:
         assert req.row is not None, f"request {req.rid} reached the prefix cache without its table row"
+        if req.audit:  # a replay leaves the cache as it found it: its pages stay its own
+            return False
         mine = req.pages[:full]
         tokens = req.token_slice(0, full * self.page_size)
         result = self.cache.insert(tokens, mine, req.namespace, req.priority, state_slot=state_slot)

@@ -29,6 +29,12 @@ from kernel.states.hybrid_state import HybridState
 from kernel.structured.grammar_gate import advance_grammar
 
 
+def live_first(ordered: list[Request]) -> list[Request]:
+    """The policy's order with audit replays moved behind every live request (admission
+    stops at the first request that does not fit, so a replay never holds one up)."""
+    return [r for r in ordered if not r.audit] + [r for r in ordered if r.audit]
+
+
 def _shared_pages(a: list[int], b: list[int], page_size: int) -> int:
     """Tokens in the whole pages that `a` and `b` share from the start."""
     n, limit = 0, min(len(a), len(b)) // page_size * page_size
@@ -139,7 +145,7 @@ class Scheduler:
                 if length:
                     chunks.append(self._chunk(req, length))
                     budget -= length
-        for req in self.policy.order(self.waiting, self.prefix):
+        for req in live_first(self.policy.order(self.waiting, self.prefix)):
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
             if self.req_table.num_free == 0:
@@ -300,7 +306,7 @@ class Scheduler:
         writes its pages: None then, and `drain` asks the loop to land the steps in
         flight before it plans again, so the same victim is retracted then."""
         candidates = [r for r in self.running if id(r) not in exclude]
-        victim = max(candidates, key=lambda r: r.arrival)
+        victim = max(candidates, key=lambda r: (r.audit, r.arrival))  # audit replays go first
         if victim.inflight:
             self.drain = True
             return None

@@ -33,7 +33,8 @@ answered with `{"type": "error", "message": "..."}`; the socket stays open.
   evictable, held}, `requests` {waiting, running}, `idle`, `counters` {steps,
   prompt_tokens, generation_tokens}, `cache` (prefix query/hit tokens, cached/evictable
   pages), `num_retractions`, `speculative` (drafted / accepted tokens, verify steps, the
-  adaptive rule's state; null without speculation), `policies` {schedule, evict},
+  adaptive rule's state; null without speculation), `audit` (the online audit's counts
+  per tier and last mismatch; null while audit.sample_rate is 0), `policies` {schedule, evict},
   `halt_reason` (null while the step loop runs).
 - `{"type": "flush"}` → `{"type": "flush", "ok", "reason"}`: empties the prefix cache;
   refused (ok false) while requests are in flight.

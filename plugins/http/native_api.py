@@ -157,6 +157,7 @@ async def server_info(request: web.Request) -> web.Response:
         "storage": stats["storage"],  # storage tier capacity and traffic (None without one)
         "counters": stats["counters"],
         "speculative": stats["speculative"],  # drafted / accepted tokens (None without speculation)
+        "audit": stats["audit"],  # the online audit, its last mismatch (None while audit.sample_rate is 0)
         "config": config,
     })
 

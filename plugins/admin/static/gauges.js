@@ -67,6 +67,17 @@ function states(st) {
   ], st.usable);
 }
 
+function audit(a) {
+  const sum = (counts) => Object.values(counts).reduce((x, y) => x + y, 0);
+  const last = a.last_mismatch;
+  const note = last
+    ? ` · LAST MISMATCH: ${last.rid} (${last.tier} hit) at token ${last.first_divergence}`
+    : "";
+  return el("p", { class: "gauge-legend", "data-gauge": "audit" },
+    `audit (${a.compare}) checked ${sum(a.checked)} · mismatched ${sum(a.mismatched)}`
+    + ` · pending ${a.pending} · dropped ${a.dropped}${note}`);
+}
+
 export function renderGauges(container, stats) {
   const boxes = [devicePages(stats.pages)];
   if (stats.host) boxes.push(hostPages(stats.host));
@@ -77,5 +88,6 @@ export function renderGauges(container, stats) {
   boxes.push(el("p", { class: "gauge-legend", "data-gauge": "requests" },
     `requests running ${r.running} · waiting ${r.waiting} · steps ${stats.counters.steps}`
     + ` · retractions ${stats.num_retractions}${halted}`));
+  if (stats.audit) boxes.push(audit(stats.audit));
   container.replaceChildren(...boxes);
 }
