@@ -190,3 +190,48 @@ def test_hybrid_hits_check_out(hybrid_folders: dict[str, str], strategy: str) ->
         assert engine.engine.check() is None
     finally:
         engine.shutdown()
+
+
+async def test_the_audit_on_metrics_server_info_and_the_admin_stats(tiny_chat_folder: str) -> None:
+    """Through the real HTTP app: the counters on /metrics, the audit in /server_info and
+    the admin stats, with the official OpenAI client as the traffic."""
+    import asyncio
+
+    import openai
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.inprocess import serve_http
+
+    overrides = {"deterministic": True, "cache.prefix": "radix", "audit.sample_rate": 1.0}
+    async with serve_http(tiny_chat_folder, overrides) as (engine, http):
+        client = openai.AsyncOpenAI(base_url=str(http.make_url("/v1")), api_key="x", max_retries=0)
+        prompt = "The lighthouse keeper counted the ships that passed in the night, one by one, until"
+        for tail in ("", " the dawn came"):
+            await client.completions.create(model=engine.info.model_name, prompt=prompt + tail, max_tokens=8,
+                                            temperature=0, logprobs=1)
+        await client.close()
+        for _ in range(500):
+            info = await (await http.get("/server_info")).json()
+            if info["audit"]["pending"] == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert info["audit"]["checked"]["device"] == 1 and info["audit"]["mismatched"]["device"] == 0, info["audit"]
+        assert info["audit"]["compare"] == "bitwise"
+        assert (await (await http.get("/admin/stats")).json())["audit"]["checked"]["device"] == 1
+        samples = {(s.name, s.labels.get("tier")): s.value
+                   for f in text_string_to_metric_families(await (await http.get("/metrics")).text())
+                   for s in f.samples}
+        assert samples[("tierserve_audit_checked_total", "device")] == 1.0
+        assert samples[("tierserve_audit_mismatched_total", "host")] == 0.0
+
+
+def test_outside_deterministic_mode_within_the_tolerance(tiny_chat_folder: str) -> None:
+    """Default numerics: hits are checked against the tolerance and say so."""
+    engine = make(tiny_chat_folder, 1.0, deterministic=False)
+    try:
+        serve(engine, conversation(4))
+        audit = wait_audit(engine)
+        assert audit["compare"] == "logprobs within 0.001"
+        assert audit["checked"]["device"] == 2 and sum(audit["mismatched"].values()) == 0, audit
+    finally:
+        engine.shutdown()
