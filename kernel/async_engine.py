@@ -52,6 +52,7 @@ class EngineInfo(NamedTuple):
     page_size: int
     pool_tokens: int  # tokens the KV pool can hold (the reserved page excluded)
     vocab_size: int
+    architecture: str  # the registry name of the model's architecture ("llama", "qwen3_5_text", ...)
 
 
 class PolicyError(ValueError):
@@ -71,7 +72,7 @@ class AsyncEngine:
         self.info = EngineInfo(
             model_name=parts.model_name, context_length=parts.context_length, num_pages=parts.num_pages,
             page_size=page_size, pool_tokens=(parts.num_pages - 1) * page_size,
-            vocab_size=parts.runner.vocab_size,
+            vocab_size=parts.runner.vocab_size, architecture=parts.runner.model.arch.architecture,
         )
         self.halt_reason: str | None = None  # set when the step loop stopped for good
         self._closed = False

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, ClassVar, cast
 
 from aiohttp import web
 
+from kernel.async_engine import AsyncEngine
+from kernel.config import Config
 from kernel.sampling_params import SamplingParams, SamplingParamsError
 from plugins.http.choice import collect_choices, new_choices
 from plugins.http.errors import APIError, bad_request, halted, sampling_error
@@ -120,6 +123,28 @@ def version() -> str:
         return "0.1.0"
 
 
+def tokenizer_path(model_path: str) -> str | None:
+    """The model's folder when it holds a Hugging Face tokenizer a router can load."""
+    folder = os.path.expanduser(model_path)
+    return folder if os.path.isfile(os.path.join(folder, "tokenizer.json")) else None
+
+
+def router_fields(config: Config, engine: AsyncEngine) -> dict[str, Any]:
+    """What SGLang's and vLLM's routers read from a worker's server info."""
+    info = engine.info
+    return {
+        "model_path": config.model.path,
+        "served_model_name": info.model_name,
+        "tokenizer_path": tokenizer_path(config.model.path),
+        "max_running_requests": config.scheduler.max_running_requests,
+        "max_total_num_tokens": info.pool_tokens,
+        "max_prefill_tokens": config.scheduler.chunked_prefill_size,
+        "block_size": info.page_size,  # vLLM's router indexes KV blocks of this many tokens
+        "dp_size": 1,
+        "tp_size": 1,
+    }
+
+
 def pool_summary(stats: dict[str, Any]) -> dict[str, int]:
     """`/server_info`'s flat pool view of `engine.stats()` (which does the accounting)."""
     pages, requests = stats["pages"], stats["requests"]
@@ -146,6 +171,7 @@ async def server_info(request: web.Request) -> web.Response:
     return json_response({
         "version": version(),
         "model": engine.info.model_name,
+        **router_fields(state.config, engine),
         "context_length": engine.info.context_length,
         "num_pages": engine.info.num_pages,
         "page_size": engine.info.page_size,

@@ -82,6 +82,13 @@ ROUTE_DOCS: dict[tuple[str, str], RouteDoc] = {
     # 503 {"status": "starting" | "draining"}, or an error object once halted: not one schema.
     ("GET", "/health"): RouteDoc("Liveness: 200 ok; 503 starting, draining or halted"),
     ("GET", "/server_info"): RouteDoc("Config (without keys), pool usage, counters", errors=(503,)),
+    # The routes routers call on a worker (plugins/http/worker_api.py).
+    ("GET", "/get_server_info"): RouteDoc("/server_info, under SGLang's name", errors=(503,)),
+    ("GET", "/model_info"): RouteDoc("The served model: path, tokenizer, type (SGLang's router reads it)",
+                                     errors=(503,)),
+    ("GET", "/get_model_info"): RouteDoc("/model_info, under SGLang's older name", errors=(503,)),
+    ("GET", "/get_load"): RouteDoc("Load per data-parallel rank: requests and KV tokens held", errors=(503,)),
+    ("POST", "/flush_cache"): RouteDoc("Empty the prefix cache (400 while requests run)", errors=(400, 503)),
     ("GET", "/openapi.json"): RouteDoc("This document", errors=(503,)),
     ("GET", "/metrics"): RouteDoc("Prometheus metrics", errors=(503,), media="text/plain"),
     ("GET", "/admin"): RouteDoc("Redirects to /admin/", errors=ADMIN_ERRORS, media="text/html"),

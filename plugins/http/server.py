@@ -9,18 +9,20 @@ then closes connections and the engine.
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import time
 
 import structlog
 import uvloop
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 from aiohttp.typedefs import Middleware
 
 from kernel.async_engine import AsyncEngine
 from kernel.config import Config
 from kernel.results.events import log_lifecycle
-from plugins.http import native_api, openai_api, openapi
+from plugins.http import native_api, openai_api, openapi, worker_api
 from plugins.http.auth import auth_middleware
 from plugins.http.engine_routes import ENGINE_ROUTES, EngineRoutes
 from plugins.http.errors import error_middleware
@@ -41,6 +43,7 @@ def build_app(state: ServerState) -> web.Application:
     app[STATE] = state
     openai_api.add_routes(app)
     native_api.add_routes(app)
+    worker_api.add_routes(app)
     openapi.add_routes(app)
     routes = EngineRoutes()
     routes.mount(app)
@@ -54,7 +57,18 @@ def run_server(config: Config) -> int:
         return runner.run(serve(config))
 
 
+class Http2Probe(logging.Filter):
+    """Routers probe a worker for gRPC first (an HTTP/2 preface, `PRI * HTTP/2.0`); aiohttp
+    answers 400 and would log a traceback per probe. The probe is expected: its record is
+    dropped (sglang-router does this at every worker it registers)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(exc, BadHttpMessage) and "PRI" in str(exc))
+
+
 async def serve(config: Config) -> int:
+    logging.getLogger("aiohttp.server").addFilter(Http2Probe())
     state = ServerState(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -1,0 +1,103 @@
+"""Two tierserve replicas behind the routers people run: SGLang's `sglang-router` and vLLM's
+`vllm-router` (both from PyPI, real processes). The routers register the replicas under
+the served model (from /model_info and /server_info), every request sent through them
+with the official OpenAI client is answered, and each answer equals what one replica
+gives alone (deterministic mode: the replica and the batch do not change tokens). SGLang's
+router also reads the replicas' load (/get_load) and flushes their caches (/flush_cache).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import requests
+
+from tests.test_http_fixtures import ServerProcess, free_port
+
+BIN = Path(sys.executable).parent
+ROUTERS = {
+    "sglang": lambda port, workers: [str(BIN / "sglang-router"), "launch", "--worker-urls", *workers,
+                                     "--policy", "cache_aware", "--port", str(port), "--host", "127.0.0.1"],
+    "vllm": lambda port, workers: [str(BIN / "vllm-router"), "--worker-urls", *workers, "--policy", "cache_aware",
+                                   "--port", str(port), "--host", "127.0.0.1"],
+}
+PROMPTS = [f"Request {i}: the lighthouse keeper wrote in the log that" for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_chat_folder: str) -> Iterator[list[ServerProcess]]:
+    servers = [ServerProcess(tiny_chat_folder, "deterministic=true", "cache.prefix=radix") for _ in range(2)]
+    yield servers
+    for s in servers:
+        s.stop()
+
+
+class Router:
+    def __init__(self, kind: str, workers: list[str]) -> None:
+        if not (BIN / f"{kind}-router").exists():
+            pytest.fail(f"{kind}-router is not installed (make test installs it: tierserve[test])")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"{kind}-router-", suffix=".log")  # noqa: SIM115
+        self.proc = subprocess.Popen(ROUTERS[kind](self.port, workers), stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_models(self, timeout_s: float = 60.0) -> list[str]:
+        """The model ids the router lists once it serves."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"router exited with {self.proc.returncode}:\n{self.log_text()}")
+            try:
+                resp = requests.get(f"{self.url}/v1/models", timeout=2)
+                if resp.status_code == 200 and resp.json().get("data"):
+                    return [m["id"] for m in resp.json()["data"]]
+            except (requests.ConnectionError, requests.Timeout):
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"router not serving after {timeout_s} s:\n{self.log_text()}")
+
+    def log_text(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text()[-4000:]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def completions(base_url: str, model: str) -> list[str]:
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0, timeout=60)
+    return [client.completions.create(model=model, prompt=p, max_tokens=12, temperature=0).choices[0].text
+            for p in PROMPTS]
+
+
+@pytest.mark.parametrize("kind", ["sglang", "vllm"])
+def test_two_replicas_behind_a_router(replicas: list[ServerProcess], kind: str) -> None:
+    model = replicas[0].info()["served_model_name"]
+    alone = completions(replicas[0].url, model)
+    router = Router(kind, [r.url for r in replicas])
+    try:
+        models = router.wait_models()
+        assert model in models, (models, router.log_text())
+        assert completions(router.url, model) == alone
+        if kind == "sglang":  # the gateway's own views of its workers
+            loads = requests.get(f"{router.url}/get_loads", timeout=10).json()
+            assert sorted(w["worker"] for w in loads["workers"]) == sorted(r.url for r in replicas)
+            assert all(w["load"] >= 0 for w in loads["workers"]), loads  # /get_load parsed
+            flushed = requests.post(f"{router.url}/flush_cache", timeout=10).json()
+            assert flushed.get("workers_flushed") == 2, flushed
+            assert all(r.info()["pool"]["cached_pages"] == 0 for r in replicas)
+    finally:
+        router.stop()
