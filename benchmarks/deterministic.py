@@ -1,0 +1,51 @@
+"""Deterministic mode's cost, side by side in one run (issue 27): the default config against
+`deterministic: true` on the throughput workload (benchmarks/throughput.py, the packaged
+model), alternating `--rounds` times, each run in its own process; then the ratio of the
+median output tok/s (target >= 0.75x). The hybrid side (cold and hit TTFT per state
+strategy, with and without deterministic mode) is benchmarks/hybrid_prefix.py.
+
+    .venv/bin/python benchmarks/deterministic.py                       # 48 requests, 2 rounds
+    .venv/bin/python benchmarks/deterministic.py --num-requests 24 --output-max 64 --rounds 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def output_tok_per_s(deterministic: bool, args: argparse.Namespace, json_path: Path) -> float:
+    cmd = [sys.executable, "benchmarks/throughput.py", "--skip-baseline", "--num-requests", str(args.num_requests),
+           "--output-max", str(args.output_max), "--json", str(json_path),
+           "--set", f"deterministic={str(deterministic).lower()}"]
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True)
+    return float(json.loads(json_path.read_text())["systems"]["tierserve"]["output_tok_per_s"])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-requests", type=int, default=48)
+    p.add_argument("--output-max", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=2)
+    args = p.parse_args()
+    runs: dict[bool, list[float]] = {False: [], True: []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for det in (False, True):
+                tok_s = output_tok_per_s(det, args, Path(tmp) / f"{r}-{det}.json")
+                runs[det].append(tok_s)
+                print(f"round {r + 1}: {'deterministic' if det else 'default':>13} {tok_s:8.1f} output tok/s", flush=True)
+    default, det = statistics.median(runs[False]), statistics.median(runs[True])
+    print(f"\ndeterministic / default output tok/s: {det:.1f} / {default:.1f} = {det / default:.2f}x (target >= 0.75x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
