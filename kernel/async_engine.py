@@ -230,8 +230,10 @@ class AsyncEngine:
         return idle and (self.host is None or not self.host.busy)
 
     def num_requests(self) -> int:
-        """Requests queued or running (what a queue limit counts)."""
-        return len(self.scheduler.waiting) + len(self.scheduler.running) + len(self.grammars.parked)
+        """Requests queued or running (what a queue limit counts; an audit replay is not one)."""
+        sched = self.scheduler
+        live = sum(not r.audit for r in sched.waiting) + sum(not r.audit for r in sched.running)
+        return live + len(self.grammars.parked)
 
     def cache_stats(self) -> dict[str, int]:
         """Engine-wide prefix-cache counters, in tokens (rates are for the reader)."""
