@@ -310,6 +310,24 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class KvEventsConfig:
+    """The prefix cache's KV events for KV-aware routers (plugins/kv_events_zmq.py):
+    `publisher: zmq` publishes them on a ZMQ PUB socket at `endpoint` in vLLM's wire
+    format, under `topic`; `replay_endpoint` (optional) answers a subscriber that missed
+    batches from the last `buffer` batches."""
+
+    publisher: str = "none"  # none | zmq
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    topic: str = ""
+    buffer: int = 10000
+
+    def validate(self) -> None:
+        _choice("kv_events.publisher", self.publisher, ("none", "zmq"))
+        _positive("kv_events.buffer", self.buffer)
+
+
+@dataclass(frozen=True)
 class AuditConfig:
     """The online audit (kernel/audit.py): a `sample_rate` share of the requests served
     with a cache hit are replayed cold when no live request waits, and their tokens and
@@ -358,6 +376,7 @@ class Config:
     structured: StructuredConfig = field(default_factory=StructuredConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
+    kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     deterministic: bool = False
@@ -365,7 +384,8 @@ class Config:
 
     def validate(self) -> None:
         sections = (self.model, self.cache, self.hicache, self.scheduler, self.server, self.graphs,
-                    self.structured, self.speculative, self.audit, self.debug, self.logging)
+                    self.structured, self.speculative, self.audit, self.kv_events, self.debug,
+                    self.logging)
         for section in sections:
             section.validate()
         if self.speculative.enabled and self.scheduler.overlap == "on":

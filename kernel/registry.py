@@ -58,7 +58,7 @@ _handlers: dict[str, dict[str, Any]] = {kind: {} for kind in KINDS}
 
 # The optional imports of the built-in handlers, by module, with the extra (pyproject.toml
 # `[project.optional-dependencies]`) that installs each.
-OPTIONAL_MODULES: dict[str, str] = {"redis": "redis", "triton": "cuda"}
+OPTIONAL_MODULES: dict[str, str] = {"redis": "redis", "triton": "cuda", "zmq": "kv-events", "msgspec": "kv-events"}
 
 
 class RegistryError(LookupError):

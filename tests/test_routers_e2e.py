@@ -8,6 +8,7 @@ router also reads the replicas' load (/get_load) and flushes their caches (/flus
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 import tempfile
@@ -33,20 +34,28 @@ PROMPTS = [f"Request {i}: the lighthouse keeper wrote in the log that" for i in 
 
 @pytest.fixture(scope="module")
 def replicas(tiny_chat_folder: str) -> Iterator[list[ServerProcess]]:
-    servers = [ServerProcess(tiny_chat_folder, "deterministic=true", "cache.prefix=radix") for _ in range(2)]
+    """Each publishing its KV events on a ZMQ endpoint of its own (`kv_endpoint`)."""
+    servers = []
+    for _ in range(2):
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
+        server = ServerProcess(tiny_chat_folder, "deterministic=true", "cache.prefix=radix",
+                               "kv_events.publisher=zmq", f"kv_events.endpoint={endpoint}")
+        server.kv_endpoint = endpoint  # type: ignore[attr-defined]
+        servers.append(server)
     yield servers
     for s in servers:
         s.stop()
 
 
 class Router:
-    def __init__(self, kind: str, workers: list[str]) -> None:
+    def __init__(self, kind: str, workers: list[str], extra: tuple[str, ...] = ()) -> None:
         if not (BIN / f"{kind}-router").exists():
             pytest.fail(f"{kind}-router is not installed (make test installs it: tierserve[test])")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"{kind}-router-", suffix=".log")  # noqa: SIM115
-        self.proc = subprocess.Popen(ROUTERS[kind](self.port, workers), stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen([*ROUTERS[kind](self.port, workers), *extra], stdout=self.log,
+                                     stderr=subprocess.STDOUT)
 
     def wait_models(self, timeout_s: float = 60.0) -> list[str]:
         """The model ids the router lists once it serves."""
@@ -99,5 +108,31 @@ def test_two_replicas_behind_a_router(replicas: list[ServerProcess], kind: str) 
             flushed = requests.post(f"{router.url}/flush_cache", timeout=10).json()
             assert flushed.get("workers_flushed") == 2, flushed
             assert all(r.info()["pool"]["cached_pages"] == 0 for r in replicas)
+    finally:
+        router.stop()
+
+
+def test_vllm_router_kv_aware_follows_the_kv_events(replicas: list[ServerProcess]) -> None:
+    """vLLM's router subscribed to both replicas' ZMQ KV events (`--policy kv_aware`): a
+    prompt one replica has cached is routed to that replica, whichever it is."""
+    info = replicas[0].info()
+    model, page = info["served_model_name"], info["block_size"]
+    sources = [arg for r in replicas for arg in ("--kv-event-source", f"{r.url}={r.kv_endpoint}")]  # type: ignore[attr-defined]
+    router = Router("vllm", [r.url for r in replicas],
+                    ("--policy", "kv_aware", *sources, "--kv-event-block-size", str(page), "--kv-event-model", model))
+    try:
+        router.wait_models()
+        time.sleep(1.0)  # the router's SUB sockets join before the first events
+        rng = random.Random(3)
+        for trial in range(4):
+            warm = replicas[trial % 2]
+            ids = [rng.randint(100, 40000) for _ in range(120)]
+            body = {"model": model, "prompt": ids, "max_tokens": 2, "temperature": 0}
+            requests.post(f"{warm.url}/v1/completions", json=body, timeout=60).raise_for_status()
+            time.sleep(0.3)  # the events reach the router
+            routed = requests.post(f"{router.url}/v1/completions", json={**body, "prompt": ids + [7, 8]}, timeout=60)
+            routed.raise_for_status()
+            cached = routed.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached >= 100, (trial, cached, router.log_text())  # it ran where the prefix was
     finally:
         router.stop()

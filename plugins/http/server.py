@@ -28,6 +28,7 @@ from plugins.http.engine_routes import ENGINE_ROUTES, EngineRoutes
 from plugins.http.errors import error_middleware
 from plugins.http.protocol import MAX_BODY_BYTES
 from plugins.http.state import STATE, ServerState
+from plugins.kv_events_zmq import start_kv_events
 
 log = structlog.get_logger("tierserve")
 
@@ -85,6 +86,7 @@ async def serve(config: Config) -> int:
         state.engine = await AsyncEngine.create(config)
         app[ENGINE_ROUTES].bind(state.engine)
         state.engine.events.subscribe(log_lifecycle)
+        kv_events = start_kv_events(config.kv_events, state.engine.subscribe_kv_events)
     except Exception as exc:  # noqa: BLE001 - a taken port or a model that fails to load: exit 1
         log.error("server_start_failed", error=str(exc))
         await runner.cleanup()
@@ -97,6 +99,8 @@ async def serve(config: Config) -> int:
     await drain(state, config.server.drain_grace_s)
     await runner.cleanup()
     await state.engine.shutdown()
+    if kv_events is not None:
+        kv_events.close()
     log.info("server_stopped")
     return 0
 

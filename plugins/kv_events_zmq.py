@@ -1,0 +1,150 @@
+"""KV events on ZMQ in vLLM's wire format, for KV-aware routers (`kv_events.publisher: zmq`).
+
+What the prefix cache publishes (cache/kv_events.py: pages as blocks, chained hashes a
+client recomputes from token ids) leaves the process as vLLM's publisher sends it:
+
+- PUB socket at `kv_events.endpoint`, multipart `[topic, seq, payload]`: `seq` an 8-byte
+  big-endian count from 0 (a restart starts again at 0, visibly), `payload` a msgpack
+  `KVEventBatch` as vLLM's msgspec structs encode it: the batch a positional array
+  `[ts, [event, ...], data_parallel_rank]`, each event a map tagged under "type":
+  `{"type": "BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
+  lora_id, medium, lora_name}`, `{"type": "BlockRemoved", block_hashes, medium}`,
+  `{"type": "AllBlocksCleared"}` (vllm-router 0.1.17 decodes exactly this; it rejects
+  positional events: "KV event must be a tagged map").
+- `medium` names the tier: "device" or "host" on `BlockStored`; on `BlockRemoved`, the
+  copy that left ("device": still matchable from its host copy; "host": the device copy
+  stays) or null when the block left the cache entirely.
+- ROUTER socket at `kv_events.replay_endpoint` (optional): a request `[start seq]`
+  (8 bytes, big-endian) is answered with `[seq, payload]` for each kept batch from there
+  on (the last `kv_events.buffer`), then `[-1 (8 bytes, signed), b""]`.
+
+Hybrid trees' StateStored / StateRemoved have no place in vLLM's schema and are not sent.
+The cache calls `publish` on the event loop; encoding happens there (cheap), the sockets
+live on one thread of their own (ZMQ sockets are not thread-safe).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import structlog
+
+from cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kernel.config import KvEventsConfig
+from kernel.registry import optional_module
+
+log = structlog.get_logger("tierserve")
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+POLL_MS = 50
+
+
+def event_row(event: KVEvent) -> dict[str, Any] | None:
+    """One event as vLLM's tagged map; None for events outside its schema."""
+    if isinstance(event, BlockStored):
+        return {"type": "BlockStored", "block_hashes": event.block_hashes, "parent_block_hash": event.parent_block_hash,
+                "token_ids": event.token_ids, "block_size": event.block_size, "lora_id": event.lora_id,
+                "medium": event.medium or "device", "lora_name": None}
+    if isinstance(event, BlockRemoved):
+        return {"type": "BlockRemoved", "block_hashes": event.block_hashes, "medium": event.medium}
+    if isinstance(event, AllBlocksCleared):
+        return {"type": "AllBlocksCleared"}
+    return None
+
+
+class ZmqKvPublisher:
+    """Started once the engine runs; `close()` stops the thread and closes the sockets."""
+
+    def __init__(self, config: KvEventsConfig) -> None:
+        self.zmq = optional_module("zmq", "kv_events.publisher: zmq")
+        self.msgpack = optional_module("msgspec", "kv_events.publisher: zmq").msgpack.Encoder()
+        self.config = config
+        self.seq = 0
+        self._out: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="tierserve-kv-events", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:  # the endpoint could not be bound: a start-up error
+            raise self._error
+
+    def publish(self, events: list[KVEvent]) -> None:
+        rows = [r for r in (event_row(e) for e in events) if r is not None]
+        if rows:
+            self._out.put(self.msgpack.encode([time.time(), rows, None]))
+
+    def close(self) -> None:
+        self._out.put(None)
+        self._thread.join(timeout=5)
+
+    def _main(self) -> None:
+        ctx = self.zmq.Context()
+        pub = replay = None
+        try:
+            pub = ctx.socket(self.zmq.PUB)
+            pub.bind(self.config.endpoint)
+            if self.config.replay_endpoint:
+                replay = ctx.socket(self.zmq.ROUTER)
+                replay.bind(self.config.replay_endpoint)
+        except Exception as exc:  # noqa: BLE001 - reported to the constructor
+            self._error = exc
+        self._ready.set()
+        if self._error is None:
+            self._serve(pub, replay)
+        for sock in (pub, replay):
+            if sock is not None:
+                sock.close(linger=0)
+        ctx.term()
+
+    def _serve(self, pub: Any, replay: Any) -> None:
+        topic = self.config.topic.encode("utf-8")
+        kept: deque[tuple[int, bytes]] = deque(maxlen=self.config.buffer)
+        poller = self.zmq.Poller()
+        if replay is not None:
+            poller.register(replay, self.zmq.POLLIN)
+        while True:
+            try:
+                payload = self._out.get(timeout=POLL_MS / 1000 if replay is None else 0.0)
+            except queue.Empty:
+                payload = b""
+            if payload is None:
+                return
+            if payload:
+                seq = self.seq.to_bytes(8, "big")
+                pub.send_multipart((topic, seq, payload))
+                kept.append((self.seq, payload))
+                self.seq += 1
+                continue
+            if replay is not None and poller.poll(POLL_MS):
+                self._answer(replay, kept)
+
+    def _answer(self, replay: Any, kept: deque[tuple[int, bytes]]) -> None:
+        frames = replay.recv_multipart()
+        if len(frames) != 3:
+            log.warning("kv_events_replay_bad_request", frames=len(frames))
+            return
+        client, empty, start = frames
+        first = int.from_bytes(start, "big")
+        for seq, payload in list(kept):
+            if seq >= first:
+                replay.send_multipart((client, empty, seq.to_bytes(8, "big"), payload))
+        replay.send_multipart((client, empty, END_SEQ, b""))
+
+
+def start_kv_events(config: KvEventsConfig, subscribe: Any) -> ZmqKvPublisher | None:
+    """The publisher `config` asks for, following the cache through `subscribe`
+    (`AsyncEngine.subscribe_kv_events`); None when off. Raises when the endpoint cannot be
+    bound or there is no prefix cache to follow (a start-up error, exit 1)."""
+    if config.publisher == "none":
+        return None
+    publisher = ZmqKvPublisher(config)
+    if subscribe(publisher.publish) is None:
+        publisher.close()
+        raise ValueError("kv_events.publisher: zmq needs a prefix cache (cache.prefix: radix)")
+    log.info("kv_events_publishing", endpoint=config.endpoint, replay=config.replay_endpoint, topic=config.topic)
+    return publisher

@@ -1,0 +1,145 @@
+"""KV events on ZMQ (plugins/kv_events_zmq.py), read the way a vLLM subscriber reads them:
+msgspec structs declared as vLLM declares its KVEventBatch (the batch array-like, each
+event a map tagged by its type name under "type"), a SUB socket on the topic, a DEALER on
+the replay socket."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+from cache.kv_events import page_hashes
+from kernel import Engine
+from kernel.config import KvEventsConfig
+from plugins.kv_events_zmq import END_SEQ, ZmqKvPublisher, start_kv_events
+from tests.conftest import TINY_OVERRIDES
+from tests.test_http_fixtures import free_port
+
+
+class BlockStored(msgspec.Struct, omit_defaults=True, tag=True):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None = None
+
+
+class BlockRemoved(msgspec.Struct, omit_defaults=True, tag=True):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class AllBlocksCleared(msgspec.Struct, omit_defaults=True, tag=True):
+    pass
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+PAGE = TINY_OVERRIDES["cache.page_size"]
+
+
+def endpoints() -> tuple[str, str]:
+    return f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+
+
+def receive(sub: Any, until: float) -> list[tuple[bytes, int, KVEventBatch]]:
+    got = []
+    while time.monotonic() < until and sub.poll(100):
+        topic, seq, payload = sub.recv_multipart()
+        got.append((topic, int.from_bytes(seq, "big"), DECODER.decode(payload)))
+    return got
+
+
+def test_published_batches_decode_as_vllm_reads_them(tiny_chat_folder: str) -> None:
+    pub_at, replay_at = endpoints()
+    config = KvEventsConfig(publisher="zmq", endpoint=pub_at, replay_endpoint=replay_at, topic="kv@w1")
+    engine = Engine(None, {"model.path": tiny_chat_folder, **TINY_OVERRIDES, "cache.prefix": "radix"})
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.connect(pub_at)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@w1")
+    publisher = start_kv_events(config, engine.engine.subscribe_kv_events)
+    assert publisher is not None
+    try:
+        time.sleep(0.3)  # a SUB socket misses what is sent before it has joined
+        prompt = list(range(100, 123))
+        engine.generate(prompt, {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+        assert engine.flush_cache()
+        got = receive(sub, time.monotonic() + 5)
+        assert [g[0] for g in got] == [b"kv@w1"] * len(got) and len(got) >= 2
+        assert [g[1] for g in got] == list(range(len(got)))  # from 0, no gaps
+        stored = [e for _, _, b in got for e in b.events if isinstance(e, BlockStored)]
+        hashes = [h for e in stored for h in e.block_hashes]
+        tokens = [t for e in stored for t in e.token_ids]
+        expected = page_hashes(prompt, PAGE)  # the prompt's whole pages at least
+        assert hashes[: len(expected)] == expected, (hashes, expected)
+        assert tokens[: len(expected) * PAGE] == prompt[: len(expected) * PAGE]
+        assert all(e.block_size == PAGE and e.medium == "device" for e in stored)
+        assert stored[0].parent_block_hash is None
+        assert isinstance(got[-1][2].events[-1], AllBlocksCleared)
+
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(replay_at)
+        dealer.send_multipart((b"", (1).to_bytes(8, "big")))  # everything from seq 1 on
+        replayed = []
+        while True:
+            assert dealer.poll(5000), "no replay answer"
+            _, seq, payload = dealer.recv_multipart()
+            if seq == END_SEQ:
+                assert payload == b""
+                break
+            replayed.append((int.from_bytes(seq, "big"), DECODER.decode(payload)))
+        assert [s for s, _ in replayed] == [g[1] for g in got[1:]]
+        assert [b.events for _, b in replayed] == [g[2].events for g in got[1:]]
+        dealer.close(linger=0)
+    finally:
+        publisher.close()
+        sub.close(linger=0)
+        ctx.term()
+        engine.shutdown()
+
+
+def test_off_taken_endpoint_and_no_prefix_cache(tiny_chat_folder: str) -> None:
+    assert start_kv_events(KvEventsConfig(), lambda cb: None) is None
+    taken, _ = endpoints()
+    first = ZmqKvPublisher(KvEventsConfig(publisher="zmq", endpoint=taken))
+    try:
+        with pytest.raises(zmq.ZMQError):
+            ZmqKvPublisher(KvEventsConfig(publisher="zmq", endpoint=taken))
+    finally:
+        first.close()
+    free, _ = endpoints()
+    with pytest.raises(ValueError, match="prefix cache"):
+        start_kv_events(KvEventsConfig(publisher="zmq", endpoint=free), lambda cb: None)
+
+
+def test_red_positional_events_do_not_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted: events encoded positionally (array-like), the first version's mistake; vLLM's
+    decoder (and vllm-router's: "KV event must be a tagged map") rejects the batch."""
+    import plugins.kv_events_zmq as mod
+    from cache.kv_events import BlockStored as Stored
+
+    event = Stored(block_hashes=[11, 12], parent_block_hash=None, token_ids=list(range(8)), block_size=4)
+    good = msgspec.msgpack.encode([1.0, [mod.event_row(event)], None])
+    assert DECODER.decode(good).events[0].block_hashes == [11, 12]
+
+    real = mod.event_row
+
+    def positional(e: Any) -> list[Any]:
+        return list((real(e) or {}).values())
+
+    monkeypatch.setattr(mod, "event_row", positional)
+    bad = msgspec.msgpack.encode([1.0, [mod.event_row(event)], None])
+    with pytest.raises(msgspec.ValidationError):
+        DECODER.decode(bad)
