@@ -111,7 +111,7 @@ def test_engine_start_fails_on_unknown_policy(tiny_chat_folder: str) -> None:
 
 def test_every_packaged_launch_file_loads() -> None:
     folder = Path(CONFIG).parent
-    files = sorted(folder.glob("*.yaml"))
+    files = sorted(folder.glob("**/*.yaml"))  # config/cluster/ too
     assert {f.name for f in files} >= {"default.yaml", "shared-prefix.yaml"}
     for f in files:
         cfg = load_config(f)
