@@ -57,10 +57,10 @@ def test_a_dead_replicas_prefix_is_a_storage_hit_on_the_other(tiny_chat_folder: 
         cluster.replicas[dead].proc.wait(timeout=10)
         time.sleep(4)  # the gateway's health check drops it
         before_alive = lookups(urls[alive])
-        again = generate(cluster.router_url, prefix + [9, 10, 11, 12])
+        again = generate(cluster.router_url, prefix)
         assert lookups(urls[alive]) > before_alive  # served by the survivor
         tiers = again["meta_info"]["cached_tokens_by_tier"]
         assert tiers["storage"] >= 60, tiers  # what the dead replica computed came from Redis
-        assert again["output_ids"] != [] and first["output_ids"] != []
+        assert again["output_ids"] == first["output_ids"]  # deterministic: the dead replica's tokens
     finally:
         cluster.stop()

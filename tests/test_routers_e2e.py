@@ -101,6 +101,8 @@ def test_two_replicas_behind_a_router(replicas: list[ServerProcess], kind: str) 
         models = router.wait_models()
         assert model in models, (models, router.log_text())
         assert completions(router.url, model) == alone
+        for r in replicas:
+            r.wait_idle()  # nothing held on either replica once idle
         if kind == "sglang":  # the gateway's own views of its workers
             loads = requests.get(f"{router.url}/get_loads", timeout=10).json()
             assert sorted(w["worker"] for w in loads["workers"]) == sorted(r.url for r in replicas)
