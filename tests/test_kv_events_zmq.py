@@ -12,6 +12,7 @@ import msgspec
 import pytest
 import zmq
 
+from cache.kv_events import BlockRemoved as CacheBlockRemoved
 from cache.kv_events import page_hashes
 from kernel import Engine
 from kernel.config import KvEventsConfig
@@ -143,3 +144,74 @@ def test_red_positional_events_do_not_decode(monkeypatch: pytest.MonkeyPatch) ->
     bad = msgspec.msgpack.encode([1.0, [mod.event_row(event)], None])
     with pytest.raises(msgspec.ValidationError):
         DECODER.decode(bad)
+
+
+def follow(tiny_chat_folder: str, monkeypatch: pytest.MonkeyPatch | None = None,
+           plant: Any = None) -> tuple[set[int], int, list[str]]:
+    """A consumer's view of the device tree after a workload that evicts: the blocks its
+    events say are on the device, the device pages /admin/snapshot counts at idle, and what
+    the consumer found wrong on the way (a parent it never saw stored)."""
+    import plugins.kv_events_zmq as mod
+
+    if plant is not None and monkeypatch is not None:
+        monkeypatch.setattr(mod, "event_row", plant(mod.event_row))
+    pub_at, _ = endpoints()
+    engine = Engine(None, {"model.path": tiny_chat_folder, **TINY_OVERRIDES, "cache.prefix": "radix",
+                           "cache.num_pages": 48})
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.connect(pub_at)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    publisher = start_kv_events(KvEventsConfig(publisher="zmq", endpoint=pub_at), engine.engine.subscribe_kv_events)
+    assert publisher is not None
+    try:
+        time.sleep(0.3)
+        for i in range(12):  # shared heads, distinct tails: inserts, hits and evictions
+            prompt = [1000 + i % 3] * 8 + list(range(2000 + 50 * i, 2032 + 50 * i))
+            engine.generate(prompt, {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
+        device_pages = sum(n["num_pages"] for n in engine.engine.snapshot())
+        batches = [b for _, _, b in receive(sub, time.monotonic() + 3)]
+    finally:
+        publisher.close()
+        sub.close(linger=0)
+        ctx.term()
+        engine.shutdown()
+    live: set[int] = set()
+    problems = []
+    for batch in batches:
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                if ev.parent_block_hash is not None and ev.parent_block_hash not in live:
+                    problems.append(f"parent {ev.parent_block_hash} of {ev.block_hashes[0]} is not cached")
+                live.update(ev.block_hashes)
+            elif isinstance(ev, BlockRemoved):
+                live.difference_update(ev.block_hashes)
+            else:
+                live.clear()
+    return live, device_pages, problems
+
+
+def test_a_consumers_view_equals_the_tree(tiny_chat_folder: str) -> None:
+    live, device_pages, problems = follow(tiny_chat_folder)
+    assert problems == [] and len(live) == device_pages > 0
+
+
+def test_red_a_skipped_removal(tiny_chat_folder: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    def skip_removals(real: Any) -> Any:
+        return lambda e: None if isinstance(e, CacheBlockRemoved) else real(e)
+
+    live, device_pages, _ = follow(tiny_chat_folder, monkeypatch, skip_removals)
+    assert len(live) > device_pages  # the consumer still believes in evicted blocks
+
+
+def test_red_a_wrong_parent_hash(tiny_chat_folder: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    def off_by_one(real: Any) -> Any:
+        def row(e: Any) -> Any:
+            out = real(e)
+            if out is not None and out.get("parent_block_hash") is not None:
+                out["parent_block_hash"] += 1
+            return out
+        return row
+
+    _, _, problems = follow(tiny_chat_folder, monkeypatch, off_by_one)
+    assert problems  # a parent the consumer never saw stored
