@@ -113,8 +113,8 @@ def start(replicas: int, router: str, config: Path = DEFAULT_CONFIG, overrides: 
     cluster = Cluster(redis_url="", replicas=[], router_url="", folder=folder)
 
     def spawn(args: list[str], name: str, **kw: Any) -> subprocess.Popen[bytes]:
-        out = open(logs / f"{name}.log", "wb")  # noqa: SIM115 - the child keeps it
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, **kw)
+        with open(logs / f"{name}.log", "wb") as out:  # the child has its own copy of the descriptor
+            proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, **kw)
         cluster.procs.append(proc)
         return proc
 
