@@ -62,7 +62,7 @@ def test_http2_probes_leave_no_traceback() -> None:
     def record(exc: Exception) -> logging.LogRecord:
         try:
             raise exc
-        except Exception:
+        except (BadHttpMessage, RuntimeError):
             return logging.LogRecord("aiohttp.server", logging.ERROR, __file__, 1, "Error handling request", None,
                                      sys.exc_info())
 
