@@ -64,3 +64,48 @@ def test_a_dead_replicas_prefix_is_a_storage_hit_on_the_other(tiny_chat_folder: 
         assert again["output_ids"] == first["output_ids"]  # deterministic: the dead replica's tokens
     finally:
         cluster.stop()
+
+
+def test_a_draining_replica_finishes_its_stream_and_new_requests_go_elsewhere(tiny_chat_folder: str) -> None:
+    """SIGTERM on a replica with a stream in flight through the gateway: the stream ends
+    normally (the replica drains before it exits), the gateway's health check drops the
+    replica (its /health answers 503 while draining), and every request after that is
+    answered by the other one."""
+    import threading
+
+    ensure_redis_server()
+    cluster = start(2, "sglang", overrides=(f"model.path={tiny_chat_folder}", *TINY, "server.drain_grace_s=30"),
+                    router_args=FAST_HEALTH)
+    try:
+        urls = [r.url for r in cluster.replicas]
+        before = [lookups(u) for u in urls]
+        result: dict[str, Any] = {}
+        model = requests.get(f"{urls[0]}/server_info", timeout=5).json()["served_model_name"]
+
+        def stream() -> None:  # a long streamed completion through the gateway
+            body = {"model": model, "prompt": "Once upon a time", "max_tokens": 600, "temperature": 0,
+                    "ignore_eos": True, "stream": True}
+            with requests.post(f"{cluster.router_url}/v1/completions", json=body, stream=True, timeout=120) as resp:
+                result["status"] = resp.status_code
+                result["lines"] = [line for line in resp.iter_lines() if line]
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        deadline = time.monotonic() + 20
+        busy: list[int] = []
+        while not busy and time.monotonic() < deadline:
+            busy = [i for i, u in enumerate(urls) if lookups(u) > before[i]]
+            time.sleep(0.05)
+        assert busy, "the stream reached no replica"
+        draining = cluster.replicas[busy[0]]
+        draining.proc.send_signal(signal.SIGTERM)
+        reader.join(timeout=120)
+        assert result["status"] == 200 and result["lines"][-1] == b"data: [DONE]", result.get("lines", [])[-3:]
+        assert b'"finish_reason":"length"' in b"".join(result["lines"]).replace(b" ", b"")
+        assert draining.proc.wait(timeout=60) == 0  # drained, then exited cleanly
+        time.sleep(3)  # the health check has seen it gone
+        for i in range(6):
+            out = generate(cluster.router_url, [300 + i, 301, 302, 303, 304])
+            assert out["output_ids"], out
+    finally:
+        cluster.stop()
