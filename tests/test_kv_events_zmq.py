@@ -215,3 +215,31 @@ def test_red_a_wrong_parent_hash(tiny_chat_folder: str, monkeypatch: pytest.Monk
 
     _, _, problems = follow(tiny_chat_folder, monkeypatch, off_by_one)
     assert problems  # a parent the consumer never saw stored
+
+
+def test_tiers_name_their_medium(tiny_chat_folder: str) -> None:
+    """With a host tier and a device pool too small for the workload: host copies are
+    published as `BlockStored(medium="host")` and device evictions of blocks that stay
+    matchable from host as `BlockRemoved(medium="device")`."""
+    pub_at, _ = endpoints()
+    engine = Engine(None, {"model.path": tiny_chat_folder, **TINY_OVERRIDES, "cache.prefix": "radix",
+                           "cache.num_pages": 48, "hicache.host_pages": 256})
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.connect(pub_at)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    publisher = start_kv_events(KvEventsConfig(publisher="zmq", endpoint=pub_at), engine.engine.subscribe_kv_events)
+    assert publisher is not None
+    try:
+        time.sleep(0.3)
+        for i in range(10):
+            engine.generate(list(range(3000 + 60 * i, 3040 + 60 * i)), {"max_new_tokens": 4, "temperature": 0})
+        events = [e for _, _, b in receive(sub, time.monotonic() + 3) for e in b.events]
+    finally:
+        publisher.close()
+        sub.close(linger=0)
+        ctx.term()
+        engine.shutdown()
+    media = {(type(e).__name__, e.medium) for e in events if not isinstance(e, AllBlocksCleared)}
+    assert ("BlockStored", "device") in media and ("BlockStored", "host") in media, media
+    assert ("BlockRemoved", "device") in media, media
