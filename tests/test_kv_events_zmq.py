@@ -146,6 +146,29 @@ def test_red_positional_events_do_not_decode(monkeypatch: pytest.MonkeyPatch) ->
         DECODER.decode(bad)
 
 
+def published(tiny_chat_folder: str, overrides: dict[str, Any], drive: Any) -> tuple[list[KVEventBatch], Any]:
+    """Run `drive(engine)` on a tiny engine with `overrides` while a SUB socket follows its
+    published events -> (the batches received, what `drive` returned at idle)."""
+    pub_at, _ = endpoints()
+    engine = Engine(None, {"model.path": tiny_chat_folder, **TINY_OVERRIDES, "cache.prefix": "radix", **overrides})
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.connect(pub_at)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    publisher = start_kv_events(KvEventsConfig(publisher="zmq", endpoint=pub_at), engine.engine.subscribe_kv_events)
+    assert publisher is not None
+    try:
+        time.sleep(0.3)  # a SUB socket misses what is sent before it has joined
+        result = drive(engine)
+        batches = [b for _, _, b in receive(sub, time.monotonic() + 3)]
+    finally:
+        publisher.close()
+        sub.close(linger=0)
+        ctx.term()
+        engine.shutdown()
+    return batches, result
+
+
 def follow(tiny_chat_folder: str, monkeypatch: pytest.MonkeyPatch | None = None,
            plant: Any = None) -> tuple[set[int], int, list[str]]:
     """A consumer's view of the device tree after a workload that evicts: the blocks its
@@ -155,27 +178,14 @@ def follow(tiny_chat_folder: str, monkeypatch: pytest.MonkeyPatch | None = None,
 
     if plant is not None and monkeypatch is not None:
         monkeypatch.setattr(mod, "event_row", plant(mod.event_row))
-    pub_at, _ = endpoints()
-    engine = Engine(None, {"model.path": tiny_chat_folder, **TINY_OVERRIDES, "cache.prefix": "radix",
-                           "cache.num_pages": 48})
-    ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.connect(pub_at)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    publisher = start_kv_events(KvEventsConfig(publisher="zmq", endpoint=pub_at), engine.engine.subscribe_kv_events)
-    assert publisher is not None
-    try:
-        time.sleep(0.3)
+
+    def drive(engine: Engine) -> int:
         for i in range(12):  # shared heads, distinct tails: inserts, hits and evictions
             prompt = [1000 + i % 3] * 8 + list(range(2000 + 50 * i, 2032 + 50 * i))
             engine.generate(prompt, {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
-        device_pages = sum(n["num_pages"] for n in engine.engine.snapshot())
-        batches = [b for _, _, b in receive(sub, time.monotonic() + 3)]
-    finally:
-        publisher.close()
-        sub.close(linger=0)
-        ctx.term()
-        engine.shutdown()
+        return sum(n["num_pages"] for n in engine.engine.snapshot())
+
+    batches, device_pages = published(tiny_chat_folder, {"cache.num_pages": 48}, drive)
     live: set[int] = set()
     problems = []
     for batch in batches:
@@ -221,25 +231,13 @@ def test_tiers_name_their_medium(tiny_chat_folder: str) -> None:
     """With a host tier and a device pool too small for the workload: host copies are
     published as `BlockStored(medium="host")` and device evictions of blocks that stay
     matchable from host as `BlockRemoved(medium="device")`."""
-    pub_at, _ = endpoints()
-    engine = Engine(None, {"model.path": tiny_chat_folder, **TINY_OVERRIDES, "cache.prefix": "radix",
-                           "cache.num_pages": 48, "hicache.host_pages": 256})
-    ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.connect(pub_at)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    publisher = start_kv_events(KvEventsConfig(publisher="zmq", endpoint=pub_at), engine.engine.subscribe_kv_events)
-    assert publisher is not None
-    try:
-        time.sleep(0.3)
+
+    def drive(engine: Engine) -> None:
         for i in range(10):
             engine.generate(list(range(3000 + 60 * i, 3040 + 60 * i)), {"max_new_tokens": 4, "temperature": 0})
-        events = [e for _, _, b in receive(sub, time.monotonic() + 3) for e in b.events]
-    finally:
-        publisher.close()
-        sub.close(linger=0)
-        ctx.term()
-        engine.shutdown()
+
+    batches, _ = published(tiny_chat_folder, {"cache.num_pages": 48, "hicache.host_pages": 256}, drive)
+    events = [e for b in batches for e in b.events]
     media = {(type(e).__name__, e.medium) for e in events if not isinstance(e, AllBlocksCleared)}
     assert ("BlockStored", "device") in media and ("BlockStored", "host") in media, media
     assert ("BlockRemoved", "device") in media, media

@@ -157,13 +157,19 @@ def pool_summary(stats: dict[str, Any]) -> dict[str, int]:
     }
 
 
+def running_engine(request: web.Request) -> AsyncEngine:
+    """The server's engine; 503 while the model is still loading."""
+    engine = state_of(request).engine
+    if engine is None:
+        raise APIError(503, "the server is starting; the model is still loading", code="starting")
+    return engine
+
+
 async def server_info(request: web.Request) -> web.Response:
     """Config (without keys), pool usage, counters and health; answered while draining
     or halted too, since that is when an operator looks."""
     state = state_of(request)
-    if state.engine is None:
-        raise APIError(503, "the server is starting; the model is still loading", code="starting")
-    engine = state.engine
+    engine = running_engine(request)
     stats = engine.stats()
     config = state.config.to_dict()
     for key in ("api_key", "admin_api_key"):  # secrets never leave the process

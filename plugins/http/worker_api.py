@@ -24,16 +24,13 @@ from aiohttp import web
 from kernel.async_engine import AsyncEngine
 from kernel.config import Config
 from plugins.http.errors import APIError
-from plugins.http.native_api import server_info, tokenizer_path
+from plugins.http.native_api import running_engine, server_info, tokenizer_path
 from plugins.http.state import state_of
 from plugins.jsonio import json_response
 
 
 def engine_of(request: web.Request) -> tuple[Config, AsyncEngine]:
-    state = state_of(request)
-    if state.engine is None:
-        raise APIError(503, "the server is starting; the model is still loading", code="starting")
-    return state.config, state.engine
+    return state_of(request).config, running_engine(request)
 
 
 async def model_info(request: web.Request) -> web.Response:
