@@ -29,6 +29,7 @@ from dataclasses import dataclass
 class ThreadPlan:
     cpus: tuple[int, ...]  # cores this process may run on (its affinity mask)
     intra_op: int  # torch intra-op (OpenMP) threads of the device thread
+    pin: bool = False  # the device thread (and the OpenMP workers it starts) keeps to `cpus`
 
 
 def usable_cpus() -> tuple[int, ...]:
@@ -38,14 +39,25 @@ def usable_cpus() -> tuple[int, ...]:
     return tuple(range(os.cpu_count() or 1))  # macOS / Windows: no affinity mask
 
 
-def plan_threads(configured: int | None) -> ThreadPlan:
-    """`model.num_threads` when set, else one intra-op thread per usable core."""
+def plan_threads(configured: int | None, cpus: tuple[int, ...] | None = None) -> ThreadPlan:
+    """`model.num_threads` when set, else one intra-op thread per usable core; `cpus`: a
+    share of the cores to keep to (a tensor-parallel rank's), else the whole mask."""
+    mine = cpus or usable_cpus()
+    return ThreadPlan(mine, configured if configured else max(1, len(mine)), pin=cpus is not None)
+
+
+def share_cpus(ranks: int, per_rank: int = 0) -> list[tuple[int, ...]]:
+    """Each tensor-parallel rank's cores: `per_rank` each (0: the mask shared out evenly, at
+    least one each), in mask order, wrapping around when there are more ranks than cores."""
     cpus = usable_cpus()
-    return ThreadPlan(cpus, configured if configured else max(1, len(cpus)))
+    per = per_rank or max(1, len(cpus) // ranks)
+    return [tuple(cpus[(r * per + i) % len(cpus)] for i in range(per)) for r in range(ranks)]
 
 
 def apply_on_this_thread(plan: ThreadPlan) -> None:
     """Run on the device thread: OpenMP's thread count is per calling thread."""
     import torch  # here: usable_cpus() is read before torch is imported (tests/conftest.py)
 
+    if plan.pin and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, plan.cpus)  # 0: the calling thread (Linux)
     torch.set_num_threads(plan.intra_op)

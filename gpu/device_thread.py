@@ -35,11 +35,13 @@ class DeviceThread:
     def __init__(
         self, name: str = "tierserve-device", num_threads: int | None = None,
         stream_factory: Callable[[], Stream] | None = None, mark: Callable[[Any], Marker] = mark_stream,
+        cpus: tuple[int, ...] | None = None,
     ) -> None:
         # SimpleQueue (C, a bare lock): wakes the device thread sooner than Queue's Condition.
         self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Deliver] | None] = queue.SimpleQueue()
-        # `num_threads` None: one intra-op thread per core of the affinity mask.
-        self.threads: ThreadPlan = plan_threads(num_threads)
+        # `num_threads` None: one intra-op thread per core of the affinity mask (or of `cpus`,
+        # a tensor-parallel rank's share, which the thread then keeps to).
+        self.threads: ThreadPlan = plan_threads(num_threads, cpus)
         self._stream_factory = stream_factory
         self._mark = mark  # the marker behind a job's work on the stream (tests fake it)
         self.stream: Stream | None = None  # set on the thread, before the first job runs

@@ -22,6 +22,12 @@ if TYPE_CHECKING:
     from gpu.graphs.runner import GraphRunner
 
 
+class StepFatal(RuntimeError):
+    """A step failure after which no later step can be trusted (a tensor-parallel rank lost
+    or out of step): the step loop halts the engine instead of failing only the step's
+    requests."""
+
+
 class StepOutput(NamedTuple):
     """What one step gives back: a token per sampling row, and one result per prompt
     logprob span of the batch (same order)."""
@@ -68,6 +74,9 @@ class ModelRunner:
         self.inputs = StepInputs(self.device)
 
     @torch.inference_mode()
+    def close(self) -> None:
+        """Release what the runner started beyond this process (tensor-parallel workers)."""
+
     def run(self, batch: ForwardBatch) -> PendingStep:
         """Launch the step; no host<->device synchronization unless the batch asks for
         prompt logprobs (that rare eager path reads them back here)."""
@@ -158,7 +167,9 @@ class ModelRunner:
     def prepare(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.inputs.build(batch)
 
-    def sample(self, logits: torch.Tensor, batch: ForwardBatch) -> DeviceSample:
+    def sample(self, logits: torch.Tensor, batch: ForwardBatch) -> DeviceSample | None:
+        """The batch's sampling rows' tokens (None: this runner does not sample — a
+        tensor-parallel worker rank, kernel/parallel/worker.py)."""
         rows = batch.sampling
         sb = SamplingBatch.build(
             params=rows,

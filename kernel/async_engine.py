@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import structlog
 import torch
 
+from gpu.cpu_threads import share_cpus
 from gpu.device_thread import DeviceThread
 from kernel import registry
 from kernel.admission import Admission, BadPrompt, ContextOverflow, EngineUnavailable, RequestError
@@ -110,9 +111,12 @@ class AsyncEngine:
         torch_device = pick_device(config)
         # On CUDA the device thread runs every step on a stream of its own.
         streams = (lambda: torch.cuda.Stream(torch_device)) if torch_device.type == "cuda" else None
-        device_thread = DeviceThread(num_threads=config.model.num_threads, stream_factory=streams)
+        # Tensor parallelism: each rank keeps to its share of the cores (rank 0: this device thread).
+        shares = share_cpus(config.parallel.tp_size, config.parallel.cpus_per_rank) if config.parallel.tp_size > 1 else None
+        device_thread = DeviceThread(num_threads=config.model.num_threads, stream_factory=streams,
+                                     cpus=shares[0] if shares else None)
         parts = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: device_thread.call(lambda: build_components(config, torch_device))
+            None, lambda: device_thread.call(lambda: build_components(config, torch_device, shares))
         )
         log.info(
             "engine_ready", pages=parts.num_pages, context=parts.context_length,
@@ -376,6 +380,7 @@ class AsyncEngine:
         if self.host is not None:
             await self._flush_tiers()
         self.device_thread.shutdown()
+        await asyncio.get_running_loop().run_in_executor(None, self.parts.runner.close)
 
     async def _flush_tiers(self) -> None:
         """Shutdown: copies in flight land, then the storage writes queued (those of the
@@ -398,3 +403,5 @@ class AsyncEngine:
         self.halt_reason = f"{type(exc).__name__}: {exc}"
         log.error("engine_halted", reason=self.halt_reason)
         self.output.fail_all(exc)
+        # Tensor-parallel workers left in a failed step are stopped (or killed) and reaped.
+        asyncio.get_running_loop().run_in_executor(None, self.parts.runner.close)

@@ -21,6 +21,7 @@ from cache.req_table import ReqToTokenTable
 from cache.state_pool import StatePool
 from cache.storage import PageFormat, StorageBackend
 from gpu.attention.base import AttentionBackend
+from gpu.cpu_threads import share_cpus
 from gpu.graphs import cpu_step
 from gpu.graphs.cpu_step import CpuStepRunner
 from gpu.graphs.runner import GraphRunner
@@ -32,6 +33,7 @@ from kernel import registry
 from kernel.config import Config, ConfigError
 from kernel.model_build import build_model
 from kernel.numerics_choice import resolve_kv_dtype
+from kernel.parallel.workers import Setup, TensorParallelRunner, Workers
 from kernel.scheduling.overlap import resolve_overlap
 from kernel.scheduling.prefix_reuse import PrefixReuse
 from kernel.scheduling.scheduler import Scheduler
@@ -62,19 +64,30 @@ def pick_device(config: Config) -> torch.device:
     return torch.device(config.model.device)
 
 
-def build_components(config: Config, device: torch.device) -> Components:
+def build_components(
+    config: Config, device: torch.device, rank_cpus: list[tuple[int, ...]] | None = None
+) -> Components:
+    """rank_cpus: with parallel.tp_size > 1, each rank's cores (gpu/cpu_threads.py `share_cpus`)."""
     # The storage backend first: a missing extra (`hicache.storage: redis` without
     # tierserve[redis]) or an unusable storage_dir fails the start before the weights load.
     backend = _storage_backend(config)
+    workers = None
     try:
-        return _build_components(config, device, backend)
+        if config.parallel.tp_size > 1:
+            workers = Workers.start(config, rank_cpus or share_cpus(config.parallel.tp_size,
+                                                                     config.parallel.cpus_per_rank))
+        return _build_components(config, device, backend, workers)
     except BaseException:
         if backend is not None:
             backend.close()
+        if workers is not None:
+            workers.kill()
         raise
 
 
-def _build_components(config: Config, device: torch.device, backend: StorageBackend | None) -> Components:
+def _build_components(
+    config: Config, device: torch.device, backend: StorageBackend | None, workers: Workers | None
+) -> Components:
     if config.graphs.mode == "cuda" and (device.type != "cuda" or not torch.cuda.is_available()):
         raise ConfigError(
             f"graphs.mode: cuda needs a CUDA device, and the model runs on {device.type} "
@@ -128,9 +141,19 @@ def _build_components(config: Config, device: torch.device, backend: StorageBack
             )
             if hybrid is not None:
                 prefix.host.state_pending = lambda slot: any(dst == slot for _, dst in hybrid.copies)
-    runner = ModelRunner(model, pool, attention, states, cpu_kernels=cpu_kernels)
-    overlap = resolve_overlap(config.scheduler.overlap, device, hybrid=states is not None,
-                              speculative=config.speculative.enabled)
+    if workers is not None:
+        # NOTE: every rank's pools get rank 0's page count and table shape: one allocator,
+        # one tree, the same page and slot ids everywhere.
+        workers.send(Setup(num_pages, table.num_rows, table.max_context, table.num_scratch,
+                           str(kv_dtype).removeprefix("torch."), attention_name))
+        tp_runner = TensorParallelRunner(model, pool, attention, states, cpu_kernels=cpu_kernels)
+        tp_runner.attach(workers, table)
+        runner: ModelRunner = tp_runner
+    else:
+        runner = ModelRunner(model, pool, attention, states, cpu_kernels=cpu_kernels)
+    # Tensor parallelism: rank 0 samples, so no step is sent before its inputs are known.
+    overlap = config.parallel.tp_size == 1 and resolve_overlap(
+        config.scheduler.overlap, device, hybrid=states is not None, speculative=config.speculative.enabled)
     log.info("overlap_scheduling", on=overlap, setting=config.scheduler.overlap, hybrid=states is not None)
     runner.inputs = _step_inputs(device, table.table.shape[0], overlap)
     runner.graphs = _graph_runner(config, model, attention, states, device)
@@ -215,6 +238,9 @@ def _graph_runner(
         raise ConfigError(f"graphs.mode: {mode} needs static shapes, and this model's MoE implementation reads "
                           "routing results on the host; use model.moe: dense (static shapes) or graphs.mode: off")
     decode_buckets = [b for b in graphs.decode_buckets if b <= sched.max_running_requests]
+    if config.parallel.tp_size > 1:
+        log.info("graphs_off", reason="tensor parallelism runs its collectives eagerly")
+        return None
     if mode in ("auto", "cpu") and device.type == "cpu":
         why = cpu_step.unsupported(model, attention)
         if why is None:

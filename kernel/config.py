@@ -349,6 +349,27 @@ class AuditConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism (kernel/parallel/): `tp_size` ranks split every layer; rank 0 is
+    this server process, ranks 1.. are worker processes it starts and supervises.
+    `backend` auto: NCCL on CUDA, gloo on CPU. `cpus_per_rank` 0: the cores of this
+    process's affinity mask shared out evenly (a rank gets at least one)."""
+
+    tp_size: int = 1
+    backend: str = "auto"
+    cpus_per_rank: int = 0
+    timeout_s: float = 60.0  # a collective waiting longer than this fails the step (a hung rank)
+
+    def validate(self) -> None:
+        _positive("parallel.tp_size", self.tp_size)
+        _choice("parallel.backend", self.backend, ("auto", "gloo", "nccl"))
+        if self.cpus_per_rank < 0:
+            raise ConfigError(f"parallel.cpus_per_rank must be >= 0, got {self.cpus_per_rank}")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"parallel.timeout_s must be > 0, got {self.timeout_s}")
+
+
+@dataclass(frozen=True)
 class DebugConfig:
     check_invariants: bool = False
 
@@ -377,6 +398,7 @@ class Config:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
     kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     deterministic: bool = False
@@ -384,7 +406,7 @@ class Config:
 
     def validate(self) -> None:
         sections = (self.model, self.cache, self.hicache, self.scheduler, self.server, self.graphs,
-                    self.structured, self.speculative, self.audit, self.kv_events, self.debug,
+                    self.structured, self.speculative, self.audit, self.kv_events, self.parallel, self.debug,
                     self.logging)
         for section in sections:
             section.validate()
@@ -393,11 +415,25 @@ class Config:
                 "scheduler.overlap: on cannot run with speculative decoding (a verify step's tokens decide "
                 "the next step's inputs); use overlap auto (off while speculating) or off"
             )
+        if self.parallel.tp_size > 1:
+            self._check_tensor_parallel()
         if self.scheduler.chunked_prefill_size < self.cache.page_size:
             raise ConfigError(
                 "scheduler.chunked_prefill_size must be >= cache.page_size so every chunk can "
                 f"end on a page boundary ({self.scheduler.chunked_prefill_size} < {self.cache.page_size})"
             )
+
+    def _check_tensor_parallel(self) -> None:
+        """What tensor parallelism does not cover yet is refused at start-up, by name."""
+        not_yet = {
+            "hicache (host and storage tiers)": self.hicache.enabled or self.hicache.storage != "none",
+            "speculative decoding": self.speculative.enabled,
+            "scheduler.overlap: on": self.scheduler.overlap == "on",
+            f"graphs.mode: {self.graphs.mode}": self.graphs.mode not in ("auto", "off"),
+        }
+        for what, used in not_yet.items():
+            if used:
+                raise ConfigError(f"parallel.tp_size > 1 does not run with {what} yet")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

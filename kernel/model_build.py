@@ -9,10 +9,12 @@ import torch
 
 from gpu.loader import load_checkpoint
 from gpu.model_config import ModelArchConfig
+from gpu.parallel.group import TensorParallel
+from gpu.parallel.shard import ShardError, shard_checkpoint
 from gpu.quant.dispatch import QuantSpec
 from gpu.tokenizer import Tokenizer
 from kernel import registry
-from kernel.config import Config
+from kernel.config import Config, ConfigError
 from kernel.numerics_choice import (
     Numerics,
     log_numerics,
@@ -26,7 +28,7 @@ from kernel.tiers.storage_io import weights_fingerprint
 
 class BuiltModel(NamedTuple):
     model: Any
-    arch: ModelArchConfig
+    arch: ModelArchConfig  # the model's own: a tensor-parallel rank's local head counts
     tokenizer: Tokenizer | None
     dtype: torch.dtype
     quantization: str
@@ -42,24 +44,36 @@ def storage_model_id(weights: dict[str, torch.Tensor], quantization: str) -> str
     return fingerprint if quantization == "none" else f"{fingerprint}+{quantization}"
 
 
-def build_model(config: Config, device: torch.device, fingerprint: bool = False) -> BuiltModel:
-    """`config.model`'s checkpoint as a model of its registered architecture."""
+def build_model(config: Config, device: torch.device, fingerprint: bool = False, rank: int = 0) -> BuiltModel:
+    """`config.model`'s checkpoint as a model of its registered architecture (with
+    parallel.tp_size > 1: rank `rank`'s shard of it)."""
     dtype = resolve_dtype(config, device)
     ckpt = load_checkpoint(config.model.path, dtype, keep_blocks=wants_blocks(config))
-    arch = ckpt.arch
+    arch, weights, blocks = ckpt.arch, ckpt.weights, ckpt.blocks
     model_cls = registry.lookup("model", arch.architecture)
     quantization = resolve_quantization(config, device, model_cls, bool(ckpt.blocks))
     log_numerics(config, Numerics(dtype, quantization))
     cpu_kernels = use_cpu_kernels(config, device)
     extra: dict[str, Any] = {}
+    size = config.parallel.tp_size
+    if size > 1:
+        if not getattr(model_cls, "accepts_tp", False):
+            raise ConfigError(f"parallel.tp_size: {arch.architecture} models have no tensor-parallel split yet")
+        try:
+            shard = shard_checkpoint(arch, weights, blocks, rank, size)
+        except ShardError as exc:
+            raise ConfigError(f"parallel.tp_size {size}: {exc}") from None
+        arch, weights, blocks = shard.arch, shard.weights, shard.blocks
+        extra["tp"] = TensorParallel(rank, size, arch.vocab_size, shard.vocab_start, shard.vocab_chunk,
+                                     ordered=config.deterministic)
     if quantization != "none":
         extra["quantization"] = QuantSpec(
-            quantization, ckpt.blocks, keep_dense=not config.deterministic, cpu_kernels=cpu_kernels
+            quantization, blocks, keep_dense=not config.deterministic, cpu_kernels=cpu_kernels
         )
     if getattr(model_cls, "accepts_cpu_kernels", False):
         extra["cpu_kernels"] = cpu_kernels
     if getattr(model_cls, "accepts_moe", False):
         extra["moe"] = config.model.moe
-    model = model_cls(arch, ckpt.weights, dtype, device, deterministic=config.deterministic, **extra)
+    model = model_cls(arch, weights, dtype, device, deterministic=config.deterministic, **extra)
     model_id = storage_model_id(ckpt.weights, quantization) if fingerprint else ""
     return BuiltModel(model, arch, ckpt.tokenizer, dtype, quantization, cpu_kernels, model_id)

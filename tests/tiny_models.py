@@ -63,6 +63,25 @@ def build_tiny(arch: str, folder: Path, seed: int = 0) -> Path:
     return folder
 
 
+def build_tiny_llama(folder: Path, heads: int, kv_heads: int, biases: bool = False, vocab: int = VOCAB,
+                positions: int = 256) -> Path:
+    """A tiny random Llama with the given head counts (tensor-parallel splits), with o_proj and
+    MLP biases if asked (the row-parallel biases), `vocab` tokens and `positions` positions."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, head_dim=16, vocab_size=vocab, max_position_embeddings=positions,
+                         rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=biases, mlp_bias=biases)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
 def build_tiny_chat(folder: Path, seed: int = 0, shape: dict[str, int] | None = None) -> Path:
     """A tiny random Llama with SmolLM2's vocabulary and tokenizer, so text works
     (`shape`: other sizes, e.g. benchmarks/gpu_check.py's ~0.5B one)."""

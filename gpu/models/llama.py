@@ -16,6 +16,7 @@ from gpu.batch_invariant import linear_tiled, mean_of_squares
 from gpu.model_config import ModelArchConfig
 from gpu.models import llama_glue as glue
 from gpu.models.hybrid_common import Weights, swiglu
+from gpu.parallel.group import TensorParallel
 from gpu.quant import few_rows
 from gpu.quant.dispatch import LinearWeight, QuantSpec, build_linear, make_linear
 from kernel.registry import register
@@ -33,12 +34,18 @@ class _Layer(NamedTuple):
     post_norm: torch.Tensor
     gate_up: LinearWeight
     down: LinearWeight
+    # Row-parallel biases (Llama's attention_bias / mlp_bias): added once, after the
+    # all-reduce under tensor parallelism (`_reduce`).
+    o_bias: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
 
 
 @register("model", "llama", "qwen2", "qwen3")
 class LlamaModel:
     quantizable = True  # accepts `quantization` (model.quantization int8 / int4)
     accepts_cpu_kernels = True  # accepts `cpu_kernels` (model.cpu_kernels)
+    accepts_tp = True  # accepts `tp`: this rank's part of a tensor-parallel group (gpu/parallel/)
 
     def __init__(
         self,
@@ -49,8 +56,12 @@ class LlamaModel:
         deterministic: bool = False,
         quantization: QuantSpec | None = None,
         cpu_kernels: bool = False,
+        tp: TensorParallel | None = None,
     ) -> None:
+        # With `tp`, arch's head and channel counts and the weights are this rank's shard
+        # (gpu/parallel/shard.py); vocab_size stays the whole vocabulary.
         self.arch = arch
+        self.tp = tp
         self.cpu_kernels = cpu_kernels  # may use gpu/kernels/cpu/ (never in deterministic mode)
         # The fused C++ glue (norms, residual adds, RoPE, SiLU*up) where it can run.
         self.fused = glue.available(cpu_kernels, dtype, device)
@@ -87,6 +98,10 @@ class LlamaModel:
                     gate_up=_NO_MLP if i in arch.sparse_layers else w.linear(
                         [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
                     down=_NO_MLP if i in arch.sparse_layers else w.linear([p + "mlp.down_proj.weight"]),
+                    o_bias=w.maybe(p + "self_attn.o_proj.bias"),
+                    gate_up_bias=w.cat([p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"])
+                    if p + "mlp.gate_proj.bias" in w else None,
+                    down_bias=w.maybe(p + "mlp.down_proj.bias"),
                 )
             )
         # cos | sin of every position, cast to the compute dtype once here (the reference casts
@@ -110,7 +125,7 @@ class LlamaModel:
         # In the compute dtype, as the reference does: q, k stay bf16 in bf16.
         rope = self.rope_table[positions]
         cos, sin = rope[:, : self.arch.head_dim // 2], rope[:, self.arch.head_dim // 2 :]
-        h = self.embed[input_ids]
+        h = self.embed[input_ids] if self.tp is None else self.tp.embed(self.embed, input_ids)
         if self.fused:
             return self._fused_layers(h, cos, sin, attn)
         for i, layer in enumerate(self.layers):
@@ -138,9 +153,18 @@ class LlamaModel:
 
     def _mlp(self, i: int, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         """Layer i's MLP on its normed input x (SwiGLU; a MoE model's sparse layers override)."""
+        if layer.gate_up_bias is not None:
+            gate, up = self.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+            return self._reduce(self.linear(F.silu(gate) * up, layer.down), layer.down_bias)
         if self.fused:
-            return self.linear(glue.silu_mul(self.linear(x, layer.gate_up)), layer.down)
-        return swiglu(self.linear, x, layer.gate_up, layer.down)
+            return self._reduce(self.linear(glue.silu_mul(self.linear(x, layer.gate_up)), layer.down), layer.down_bias)
+        return self._reduce(swiglu(self.linear, x, layer.gate_up, layer.down), layer.down_bias)
+
+    def _reduce(self, partial: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """A row-parallel linear's output: the ranks' partial sums all-reduced, then its bias.
+        NOTE: the bias is added after the all-reduce, so once, whatever the rank count."""
+        total = partial if self.tp is None else self.tp.all_reduce(partial)
+        return total if bias is None else total + bias
 
     def _attention(
         self,
@@ -159,7 +183,7 @@ class LlamaModel:
         else:
             q, k, v = self._split_rope(layer, qkv, cos, sin)
         o = attn.forward(i, q, k, v)
-        return self.linear(o.reshape(-1, arch.num_heads * arch.head_dim), layer.o)
+        return self._reduce(self.linear(o.reshape(-1, arch.num_heads * arch.head_dim), layer.o), layer.o_bias)
 
     def _split_rope(
         self, layer: _Layer, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -180,8 +204,10 @@ class LlamaModel:
         """float32 logits of some rows of `hidden`: the final norm, then the lm_head (both
         row-wise, so a row's logits do not depend on which other rows are with it)."""
         if self.fused:
-            return self.linear(glue.rms_norm(rows, self.norm, self.arch.rms_norm_eps), self.lm_head).float()
-        return self.linear(self._rms_norm(rows, self.norm), self.lm_head).float()
+            logits = self.linear(glue.rms_norm(rows, self.norm, self.arch.rms_norm_eps), self.lm_head).float()
+        else:
+            logits = self.linear(self._rms_norm(rows, self.norm), self.lm_head).float()
+        return logits if self.tp is None else self.tp.gather_vocab(logits)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         xf = x.float()

@@ -72,6 +72,10 @@ def unsupported(model: LlamaModel, pool: KVPool) -> str | None:
         return f"computes float32 or bfloat16 over a pool of the same dtype (or float16 under float32), not {model.dtype}"
     if arch.qk_norm:
         return "QK-norm is not in the native step"
+    if model.tp is not None:
+        return "tensor parallelism is not in the native step (its all-reduces run between torch ops)"
+    if any(lay.o_bias is not None or lay.gate_up_bias is not None or lay.down_bias is not None for lay in model.layers):
+        return "o_proj and MLP biases are not in the native step"
     if arch.intermediate_size % 16 or arch.head_dim % 16 or arch.hidden_size % 32 or (arch.num_heads * arch.head_dim) % 32:
         return "needs hidden and heads * head_dim a multiple of 32, intermediate and head_dim of 16"
     linears = [model.lm_head] + [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]

@@ -30,6 +30,11 @@ class Q4Blocks(NamedTuple):
         return self.data.shape[1] // (_HEADER[self.kind] + GROUP // 2) * GROUP
 
 
+def block_bytes(kind: str) -> int:
+    """Bytes of one 32-weight block of `kind` (its header, then 16 nibble bytes)."""
+    return _HEADER[kind] + GROUP // 2
+
+
 def is_q4(kind: str) -> bool:
     return kind in _HEADER
 

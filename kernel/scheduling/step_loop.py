@@ -28,7 +28,7 @@ import structlog
 
 from gpu.device_thread import DeviceThread
 from gpu.forward_batch import ForwardBatch, PrefillChunk, SamplingRow
-from gpu.model_runner import ModelRunner, StepOutput
+from gpu.model_runner import ModelRunner, StepFatal, StepOutput
 from kernel.request import Request
 from kernel.results.output import OutputProcessor
 from kernel.scheduling import prompt_logprobs
@@ -196,6 +196,8 @@ class StepLoop:
         """The step's tokens; None if it failed (its requests are failed, the engine goes on)."""
         try:
             return await step  # type: ignore[no-any-return]
+        except StepFatal:
+            raise  # the engine halts (`run`)
         except Exception as exc:
             log.exception("step_failed")
             self.fail(plan, exc)

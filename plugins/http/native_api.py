@@ -141,7 +141,7 @@ def router_fields(config: Config, engine: AsyncEngine) -> dict[str, Any]:
         "max_prefill_tokens": config.scheduler.chunked_prefill_size,
         "block_size": info.page_size,  # vLLM's router indexes KV blocks of this many tokens
         "dp_size": 1,
-        "tp_size": 1,
+        "tp_size": config.parallel.tp_size,
     }
 
 

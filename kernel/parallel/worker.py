@@ -1,0 +1,109 @@
+"""A tensor-parallel worker rank: `python -m kernel.parallel.worker --rank R --size N --port P`.
+
+Started by rank 0 (kernel/parallel/workers.py), never by hand. It joins the group, takes
+the config rank 0 sends, builds its shard of the model and pools like rank 0's (the same
+page count, table shape, KV dtype and attention backend: `Setup`), then runs what rank 0
+sends until it says stop:
+- ("run", batch, table rows): write the rows into its own request table and run the step
+  as rank 0's runner does (the same collectives), without sampling: rank 0 samples.
+
+It exits when rank 0 says stop, when rank 0's process dies (it watches its parent, and the
+next receive fails), and on any error (rank 0's next collective then fails: the engine
+halts with the reason).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from cache.kv_pool import KVPool
+from gpu.forward_batch import ForwardBatch
+from gpu.model_runner import ModelRunner
+from gpu.parallel import group
+from kernel import registry
+from kernel.components import pick_device
+from kernel.config import Config
+from kernel.model_build import build_model
+from kernel.parallel.workers import Setup, write_table_rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    _die_with_parent()
+    cpus = [int(c) for c in args.cpus.split(",") if c]
+    if cpus and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cpus)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
+                            world_size=args.size, timeout=timedelta(seconds=args.timeout))
+    config: Config = group.receive()
+    torch.set_num_threads(config.model.num_threads or max(1, len(cpus)))
+    runner = _build(config, args.rank)
+    with torch.inference_mode():
+        while (message := group.receive())[0] != "stop":
+            _, batch, (rows, lens, flat) = message
+            write_table_rows(runner.attention.req_to_token, rows, lens, flat)
+            runner.run(batch)
+    dist.barrier()  # rank 0 waits here too: nobody closes a connection another still reads
+    dist.destroy_process_group()
+    return 0
+
+
+def _build(config: Config, rank: int) -> ModelRunner:
+    """This rank's model shard and pools, shaped as rank 0's `Setup` says."""
+    device = pick_device(config)
+    if device.type == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    built = build_model(config, device, rank=rank)
+    setup: Setup = group.receive()
+    arch, model = built.arch, built.model
+    kv_dtype = getattr(torch, setup.kv_dtype)
+    pool = KVPool(arch.num_layers, setup.num_pages, config.cache.page_size, arch.num_kv_heads, arch.head_dim,
+                  kv_dtype, device, built.dtype)
+    table = torch.zeros((setup.table_rows + setup.scratch_rows, setup.table_cols), dtype=torch.int64, device=device)
+    attention = registry.lookup("attention", setup.attention)(pool, table, cpu_kernels=built.cpu_kernels)
+    return WorkerRunner(model, pool, attention, None, cpu_kernels=built.cpu_kernels)
+
+
+class WorkerRunner(ModelRunner):
+    """A worker rank's model runner: rank 0's step calls (so the same collectives), and
+    no sampling: rank 0 samples from the logits every rank gathered."""
+
+    def sample(self, logits: torch.Tensor, batch: ForwardBatch) -> None:
+        return None
+
+
+def _die_with_parent() -> None:
+    """Exit when rank 0's process is gone, so no worker outlives its server.
+    NOTE: not PR_SET_PDEATHSIG: that fires when the *thread* that started the worker ends,
+    and rank 0 starts its workers from its device thread, which ends before they stop."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tierserve-parent-watch", daemon=True).start()
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="a tensor-parallel worker rank (started by rank 0)")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--size", type=int, required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--cpus", default="")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""Tensor parallelism end to end (kernel/parallel/): rank 0 in the engine, the other ranks
+as the worker processes it starts over gloo. Greedy tokens equal tp_size 1's and logprobs
+within 1e-4 (float32) on tiny random Llama / Qwen2 / Qwen3 checkpoints (heads that divide,
+KV heads replicated) and the packaged SmolLM2 at tp_size 3 (9 heads over 3 KV heads); in
+deterministic mode a cache hit `==` a cold run; a killed worker halts the engine with an
+error to every request and leaves no process behind; what does not split is refused."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kernel import Engine
+from kernel.config import ConfigError
+from tests import leaks
+from tests.conftest import FLOAT32, SMOLLM
+from tests.tiny_models import build_tiny, build_tiny_llama
+
+GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True, "return_logprob": True}
+PROMPTS = [[5, 17, 99, 3, 250, 41, 77, 8, 300, 12, 64, 7, 9, 31, 200, 11, 4, 6],
+           [33, 2, 400, 18, 90, 91, 92, 5], [7] * 40]
+BASE = {**FLOAT32, "model.cpu_kernels": "off", "cache.num_pages": 64, "debug.check_invariants": True}
+
+
+def engine(path: str, tp: int, **extra: Any) -> Engine:
+    return Engine(None, {"model.path": path, **BASE, "parallel.tp_size": tp, **extra})
+
+
+def run(path: str, tp: int, prompts: list[Any], **extra: Any) -> list[dict[str, Any]]:
+    e = engine(path, tp, **extra)
+    try:
+        out = e.generate(prompts, GREEDY)
+        assert isinstance(out, list)
+        return out
+    finally:
+        e.shutdown()
+
+
+def assert_same(ref: list[dict[str, Any]], got: list[dict[str, Any]], tol: float = 1e-4) -> None:
+    for r, g in zip(ref, got):
+        assert g["output_ids"] == r["output_ids"]
+        want = [lp for lp, _ in r["meta_info"]["output_token_logprobs"]]
+        have = [lp for lp, _ in g["meta_info"]["output_token_logprobs"]]
+        assert max(abs(a - b) for a, b in zip(want, have)) < tol
+
+
+CASES = {
+    "llama-heads-divide": (lambda f: build_tiny_llama(f, 6, 2), 2),
+    "llama-kv-replicated": (lambda f: build_tiny_llama(f, 6, 1), 3),
+    "llama-biases": (lambda f: build_tiny_llama(f, 6, 3, biases=True), 3),
+    "qwen2": (lambda f: build_tiny("qwen2", f), 2),
+    "qwen3": (lambda f: build_tiny("qwen3", f), 2),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tiny_models_match_tp1(case: str, tmp_path: Path) -> None:
+    build, tp = CASES[case]
+    path = str(build(tmp_path))
+    assert_same(run(path, 1, PROMPTS), run(path, tp, PROMPTS))
+
+
+def test_smollm_tp3_matches_tp1() -> None:
+    prompts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,"]
+    assert_same(run(SMOLLM, 1, prompts), run(SMOLLM, 3, prompts))
+
+
+def test_deterministic_hit_equals_cold_at_tp2(tmp_path: Path) -> None:
+    path = str(build_tiny_llama(tmp_path, 6, 2))
+    shared = list(range(10, 74))  # four whole pages
+    first, second = shared + [5, 6, 7], shared + [8, 9]
+    cold = run(path, 2, [second], deterministic=True)[0]
+    e = engine(path, 2, deterministic=True)
+    try:
+        e.generate(first, GREEDY)
+        warm = e.generate([second, [3, 4, 5]], GREEDY)[0]  # type: ignore[index]
+    finally:
+        e.shutdown()
+    assert warm["meta_info"]["cached_tokens"] == 64
+    assert warm["output_ids"] == cold["output_ids"]
+    assert warm["meta_info"]["output_token_logprobs"] == cold["meta_info"]["output_token_logprobs"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_killed_worker_halts_the_engine_and_leaves_no_process(tmp_path: Path) -> None:
+    path = str(build_tiny_llama(tmp_path, 6, 1, positions=8192))
+    e = engine(path, 3, **{"cache.num_pages": 600})
+    procs = e.engine.parts.runner.workers.procs  # type: ignore[attr-defined]
+    errors: list[BaseException] = []
+
+    def long_request() -> None:
+        try:
+            e.generate([5, 6, 7], {"max_new_tokens": 8000, "temperature": 0, "ignore_eos": True})
+        except BaseException as exc:  # noqa: BLE001 - what the client sees
+            errors.append(exc)
+
+    client = threading.Thread(target=long_request)
+    client.start()
+    time.sleep(1.0)  # generating
+    os.kill(procs[0].pid, signal.SIGKILL)
+    client.join(timeout=60)
+    assert not client.is_alive(), "the request hung after its worker died"
+    assert errors, "the request finished although a rank died"
+    assert "rank" in str(errors[0]) or "tensor-parallel" in str(errors[0]), errors[0]
+    assert e.engine.halt_reason is not None
+    leaks.excuse(e.engine)  # halted on purpose: the evidence
+    deadline = time.monotonic() + 30
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(not _alive(p.pid) for p in procs), "a worker outlived the halted engine (or is a zombie)"
+    e.shutdown()
+
+
+def test_refused_at_start_without_leftover_workers(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="9 attention heads do not split over 2"):
+        engine(SMOLLM, 2)
+    with pytest.raises(ConfigError, match="hicache"):
+        engine(SMOLLM, 3, **{"hicache.host_ratio": 1.0})
+    children = [p for p in os.listdir("/proc") if p.isdigit() and _child_of_us(int(p))]
+    assert children == []
+
+
+def _child_of_us(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().split(")")[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return int(fields[1]) == os.getpid() and "kernel.parallel.worker" in _cmdline(pid)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace")
+    except FileNotFoundError:
+        return ""
