@@ -14,10 +14,15 @@ Triton kernels (gpu/kernels/triton_invariant.py). Triton is imported only on CUD
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 LINEAR_TILE = 32  # rows per fixed-shape GEMM (CPU)
+# Elements: a multiple of every CPU's vectorized loop step (2 vectors of 16 float32 lanes
+# on AVX-512, of 8 on AVX2).
+POINTWISE_BLOCK = 64
 
 
 def linear_tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -38,6 +43,27 @@ def linear_tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     out = torch.bmm(xp.view(tiles, LINEAR_TILE, x.shape[1]), weight.t().expand(tiles, -1, -1))
     out = out.view(-1, weight.shape[0])[:n]
     return out + bias if bias is not None else out
+
+
+def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """`fn(x)` for an elementwise op (silu, sigmoid) such that every element of x takes
+    torch's vectorized code.
+
+    NOTE: invariant 7. On CPU an elementwise op runs its vectorized code over whole steps
+    of 2 vectors and its scalar code over the rest, and for transcendental ops the two
+    differ in the last bit. Which elements are the rest depends on the shape: a contiguous
+    tensor is one flat loop (its tail depends on the length, i.e. on the batch), a strided
+    view one loop per row (each row's tail). Seen: Qwen3.5's conv output split over 2
+    tensor-parallel ranks is 48 wide, all tail at one token. So x runs as one contiguous
+    flat loop whose length is a whole number of steps for each thread's share."""
+    flat = x.reshape(-1)  # a copy only for a strided view
+    if x.is_cuda:
+        return fn(x)
+    n = flat.numel()
+    pad = (-n) % (POINTWISE_BLOCK * torch.get_num_threads())
+    if pad:
+        flat = F.pad(flat, (0, pad))
+    return fn(flat)[:n].view(x.shape)
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

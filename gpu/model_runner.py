@@ -92,7 +92,7 @@ class ModelRunner:
             assert self.graphs is not None
             if self.states is not None:
                 self.check_states(batch)
-                self.copy_states(batch.state_copies)
+                self.run_state_copies(batch.state_copies)
             logits = self.graphs.replay(graph, batch)
         if not batch.sampling:
             return None
@@ -126,8 +126,13 @@ class ModelRunner:
         return PendingStep(self.sample(logits, batch), prompt)
 
     def copy_states(self, copies: Sequence[tuple[int, int]]) -> None:
-        """Run queued state copies (src, dst) in order: before a forward, or on their own
-        when the engine goes idle (so a cached state is complete without a next step)."""
+        """Queued state copies on their own, when the engine goes idle (so a cached state is
+        complete without a next step); a tensor-parallel runner runs them on every rank."""
+        self.run_state_copies(copies)
+
+    def run_state_copies(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Run state copies (src, dst) in order, here: a step's before its forward (every
+        rank runs its own step's), or the idle ones (`copy_states`)."""
         assert self.states is not None
         for src, dst in copies:
             self.states.copy(src, dst)
@@ -146,7 +151,7 @@ class ModelRunner:
         """Copy the states the batch asks for, then say where each request reads and writes."""
         assert self.states is not None
         self.check_states(batch)
-        self.copy_states(batch.state_copies)
+        self.run_state_copies(batch.state_copies)
         return HybridStep.build(
             batch.extend_lens,
             batch.prefix_lens,

@@ -145,7 +145,8 @@ def _build_components(
         # NOTE: every rank's pools get rank 0's page count and table shape: one allocator,
         # one tree, the same page and slot ids everywhere.
         workers.send(Setup(num_pages, table.num_rows, table.max_context, table.num_scratch,
-                           str(kv_dtype).removeprefix("torch."), attention_name))
+                           str(kv_dtype).removeprefix("torch."), attention_name,
+                           states.num_slots if states is not None else 0))
         tp_runner = TensorParallelRunner(model, pool, attention, states, cpu_kernels=cpu_kernels)
         tp_runner.attach(workers, table)
         runner: ModelRunner = tp_runner

@@ -7,6 +7,7 @@ error to every request and leaves no process behind; what does not split is refu
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -18,13 +19,16 @@ import pytest
 
 from kernel import Engine
 from kernel.config import ConfigError
+from kernel.parallel import workers as workers_mod
 from tests import leaks
 from tests.conftest import FLOAT32, SMOLLM
+from tests.tiny_hybrid import build_tiny_lfm2, build_tiny_qwen3_5
 from tests.tiny_models import build_tiny, build_tiny_llama
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True, "return_logprob": True}
-PROMPTS = [[5, 17, 99, 3, 250, 41, 77, 8, 300, 12, 64, 7, 9, 31, 200, 11, 4, 6],
-           [33, 2, 400, 18, 90, 91, 92, 5], [7] * 40]
+# Ids below 384: the tiny hybrids' vocabulary.
+PROMPTS = [[5, 17, 99, 3, 250, 41, 77, 8, 300, 12, 64, 7, 9, 31, 200, 11, 4, 6] * 3,
+           [33, 2, 380, 18, 90, 91, 92, 5], [7] * 40]
 BASE = {**FLOAT32, "model.cpu_kernels": "off", "cache.num_pages": 64, "debug.check_invariants": True}
 
 
@@ -56,6 +60,8 @@ CASES = {
     "llama-biases": (lambda f: build_tiny_llama(f, 6, 3, biases=True), 3),
     "qwen2": (lambda f: build_tiny("qwen2", f), 2),
     "qwen3": (lambda f: build_tiny("qwen3", f), 2),
+    "qwen3_5-gated-deltanet": (lambda f: build_tiny_qwen3_5(f), 2),
+    "lfm2-short-conv": (lambda f: build_tiny_lfm2(f), 2),
 }
 
 
@@ -85,6 +91,58 @@ def test_deterministic_hit_equals_cold_at_tp2(tmp_path: Path) -> None:
     assert warm["meta_info"]["cached_tokens"] == 64
     assert warm["output_ids"] == cold["output_ids"]
     assert warm["meta_info"]["output_token_logprobs"] == cold["meta_info"]["output_token_logprobs"]
+
+
+@pytest.mark.parametrize("strategy", ["no_buffer", "extra_buffer", "extra_buffer_lazy"])
+def test_hybrid_deterministic_hit_equals_cold_at_tp2(strategy: str, tmp_path: Path) -> None:
+    path = str(build_tiny_qwen3_5(tmp_path))
+    shared = [(7 * i) % 300 + 3 for i in range(128)]  # two state checkpoints (64 tokens each)
+    first, second = shared + [5, 6, 7], shared + [8, 9]
+    extra = {"deterministic": True, "cache.state_strategy": strategy}
+    cold = run(path, 2, [second], **extra)[0]
+    e = engine(path, 2, **extra)
+    try:
+        e.generate(first, GREEDY)
+        warm = e.generate([second, [3, 4, 5]], GREEDY)[0]  # type: ignore[index]
+    finally:
+        e.shutdown()
+    assert warm["meta_info"]["cached_tokens"] >= 64
+    assert warm["output_ids"] == cold["output_ids"]
+    assert warm["meta_info"]["output_token_logprobs"] == cold["meta_info"]["output_token_logprobs"]
+
+
+def _max_gap(ref: list[dict[str, Any]], got: list[dict[str, Any]]) -> float:
+    return max(abs(a - b) for r, g in zip(ref, got) for (a, _), (b, _) in
+               zip(r["meta_info"]["output_token_logprobs"], g["meta_info"]["output_token_logprobs"]))
+
+
+def test_planted_worker_state_slots_differing_from_rank0_go_red(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The workers write each request's state into another request's slot (the batch's
+    destination slots reversed there, not on rank 0): red."""
+    path = str(build_tiny_lfm2(tmp_path))
+    ref = run(path, 1, PROMPTS[:2])
+    real = workers_mod.for_workers
+
+    def swapped_slots(batch: Any) -> Any:
+        out = real(batch)
+        return dataclasses.replace(out, state_dst=out.state_dst[::-1])
+
+    monkeypatch.setattr(workers_mod, "for_workers", swapped_slots)
+    assert _max_gap(ref, run(path, 2, PROMPTS[:2])) > 1e-3
+
+
+def test_planted_wrong_kv_slots_on_the_workers_go_red(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The workers' request table one slot off rank 0's (a stale or wrong page): red."""
+    path = str(build_tiny_llama(tmp_path, 6, 2))
+    ref = run(path, 1, PROMPTS)
+    real = workers_mod.table_rows
+
+    def shifted(table: Any, batch: Any) -> Any:
+        rows, lens, flat = real(table, batch)
+        return rows, lens, flat + 1
+
+    monkeypatch.setattr(workers_mod, "table_rows", shifted)
+    assert _max_gap(ref, run(path, 2, PROMPTS)) > 1e-3
 
 
 def _alive(pid: int) -> bool:

@@ -22,6 +22,7 @@ from gpu.kernels.short_conv import short_conv_varlen, short_conv_windows_at
 from gpu.model_config import ModelArchConfig
 from gpu.models.hybrid_common import Weights, apply_rope, rope_cos_sin, swiglu
 from gpu.models.hybrid_step import HybridStep
+from gpu.parallel.group import TensorParallel, reduce_then_bias
 
 FULL = "full_attention"
 
@@ -56,6 +57,7 @@ class HybridDecoder(ABC, Generic[A, S]):
     final_norm: ClassVar[str]  # checkpoint name of the final norm's weight
     block_names: ClassVar[BlockNames]
     attention_type: type[A]  # the class of the attention layers' weights
+    accepts_tp = True  # accepts `tp`: this rank's part of a tensor-parallel group (gpu/parallel/)
 
     def __init__(
         self,
@@ -64,7 +66,11 @@ class HybridDecoder(ABC, Generic[A, S]):
         dtype: torch.dtype,
         device: torch.device,
         deterministic: bool = False,
+        tp: TensorParallel | None = None,
     ) -> None:
+        # With `tp`, arch's head and channel counts and the weights are this rank's shard
+        # (gpu/parallel/shard.py); vocab_size and hidden_size stay whole.
+        self.tp = tp
         if arch.layer_types is None or len(arch.layer_types) != arch.num_layers:
             raise ValueError(f"{self.name} needs one layer_types entry per layer")
         if arch.rope_scaling is not None:
@@ -171,7 +177,7 @@ class HybridDecoder(ABC, Generic[A, S]):
         """The last layer's hidden states of every token (before the final norm); reads
         and writes states as `forward` does."""
         cos, sin = rope_cos_sin(positions, self.rotary_dim, self.arch.rope_theta, self.dtype)
-        h = self.embed[input_ids]
+        h = self.embed[input_ids] if self.tp is None else self.tp.embed(self.embed, input_ids)
         for i, block in enumerate(self.blocks):
             x = self._norm(h, block.mixer_norm)
             if isinstance(block.mixer, self.attention_type):
@@ -185,11 +191,16 @@ class HybridDecoder(ABC, Generic[A, S]):
     def _mlp(self, i: int, block: HybridBlock[A, S], x: torch.Tensor) -> torch.Tensor:
         """Layer i's MLP on its normed input x (SwiGLU; a MoE model's sparse layers override)."""
         assert block.gate_up is not None and block.down is not None, f"layer {i} has no dense MLP"
-        return swiglu(self.linear, x, block.gate_up, block.down)
+        return self._reduce(swiglu(self.linear, x, block.gate_up, block.down), None)
 
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
         """float32 logits of some rows of `hidden`: the final norm, then the lm_head (row-wise)."""
-        return self.linear(self._norm(rows, self.norm), self.lm_head).float()
+        logits = self.linear(self._norm(rows, self.norm), self.lm_head).float()
+        return logits if self.tp is None else self.tp.gather_vocab(logits)
+
+    def _reduce(self, partial: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """A row-parallel linear's output on every rank (gpu/parallel/group.py)."""
+        return reduce_then_bias(self.tp, partial, bias)
 
     # Pieces both models' mixers use.
 

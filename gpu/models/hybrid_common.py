@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from gpu.batch_invariant import mean_of_squares
+from gpu.batch_invariant import mean_of_squares, pointwise
 from gpu.quant.dispatch import LinearWeight, QuantSpec, build_linear
 
 Linear = Callable[..., torch.Tensor]
@@ -76,7 +76,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     """Qwen3.5's gated norm over the last axis: weight * normalized(x), times silu(gate)."""
     xf = x.float()
     normed = weight * (xf * _inv_rms(xf, eps)).to(x.dtype)
-    return (normed * F.silu(gate.float())).to(x.dtype)
+    return (normed * pointwise(F.silu, gate.float())).to(x.dtype)
 
 
 def rope_cos_sin(
@@ -101,7 +101,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def swiglu(linear: Linear, x: torch.Tensor, gate_up: LinearWeight, down: LinearWeight) -> torch.Tensor:
     gate, up = linear(x, gate_up).chunk(2, dim=-1)
-    return linear(F.silu(gate) * up, down)
+    return linear(pointwise(F.silu, gate) * up, down)
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:

@@ -56,6 +56,10 @@ class Lfm2Model(HybridDecoder[_Attention, _ShortConv]):
     )
     attention_type = _Attention
 
+    def _init_sizes(self) -> None:
+        # The short conv's channels: hidden_size, or this rank's share of them (tensor parallelism).
+        self.conv_channels = self.arch.hidden_size // (self.tp.size if self.tp is not None else 1)
+
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, weight, self.arch.rms_norm_eps)
 
@@ -73,7 +77,7 @@ class Lfm2Model(HybridDecoder[_Attention, _ShortConv]):
         return _ShortConv(
             in_proj=w.get(c + "in_proj.weight"),
             in_bias=w.maybe(c + "in_proj.bias"),
-            conv=w.get(c + "conv.weight").reshape(self.arch.hidden_size, -1),
+            conv=w.get(c + "conv.weight").reshape(self.conv_channels, -1),
             conv_bias=w.maybe(c + "conv.bias"),
             out=w.get(c + "out_proj.weight"),
             out_bias=w.maybe(c + "out_proj.bias"),
@@ -82,7 +86,7 @@ class Lfm2Model(HybridDecoder[_Attention, _ShortConv]):
     def state_shapes(self) -> list[LayerStateShape]:
         """What a StatePool for this model holds, one entry per conv layer (no recurrent state)."""
         return [
-            LayerStateShape(self.arch.hidden_size, self.arch.conv_kernel - 1, None)
+            LayerStateShape(self.conv_channels, self.arch.conv_kernel - 1, None)
         ] * self.num_state_layers
 
     def _attention(
@@ -99,7 +103,7 @@ class Lfm2Model(HybridDecoder[_Attention, _ShortConv]):
         qkv = self.linear(x, layer.qkv)
         q = qkv[:, :n_q].view(tokens, arch.num_heads, arch.head_dim)
         o = self._attend(kv_layer, q, qkv[:, n_q:], layer.q_norm, layer.k_norm, cos, sin, attn)
-        return self.linear(o.reshape(tokens, n_q), layer.out)
+        return self._reduce(self.linear(o.reshape(tokens, n_q), layer.out), None)
 
     def _state_mixer(
         self, state_layer: int, layer: _ShortConv, x: torch.Tensor, step: HybridStep, pool: StatePool
@@ -107,4 +111,4 @@ class Lfm2Model(HybridDecoder[_Attention, _ShortConv]):
         """The gated short conv: out_proj(C * conv(B * x)), the conv window carried in `pool`."""
         b, c, xs = self.linear(x, layer.in_proj, layer.in_bias).chunk(3, dim=-1)
         y = self._carried_conv(state_layer, b * xs, layer.conv, layer.conv_bias, step, pool)
-        return self.linear(c * y, layer.out, layer.out_bias)
+        return self._reduce(self.linear(c * y, layer.out), layer.out_bias)

@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from gpu.attention.base import AttentionBackend
-from gpu.batch_invariant import linear_tiled, mean_of_squares
+from gpu.batch_invariant import linear_tiled, mean_of_squares, pointwise
 from gpu.model_config import ModelArchConfig
 from gpu.models import llama_glue as glue
 from gpu.models.hybrid_common import Weights, swiglu
-from gpu.parallel.group import TensorParallel
+from gpu.parallel.group import TensorParallel, reduce_then_bias
 from gpu.quant import few_rows
 from gpu.quant.dispatch import LinearWeight, QuantSpec, build_linear, make_linear
 from kernel.registry import register
@@ -155,16 +155,14 @@ class LlamaModel:
         """Layer i's MLP on its normed input x (SwiGLU; a MoE model's sparse layers override)."""
         if layer.gate_up_bias is not None:
             gate, up = self.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-            return self._reduce(self.linear(F.silu(gate) * up, layer.down), layer.down_bias)
+            return self._reduce(self.linear(pointwise(F.silu, gate) * up, layer.down), layer.down_bias)
         if self.fused:
             return self._reduce(self.linear(glue.silu_mul(self.linear(x, layer.gate_up)), layer.down), layer.down_bias)
         return self._reduce(swiglu(self.linear, x, layer.gate_up, layer.down), layer.down_bias)
 
     def _reduce(self, partial: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """A row-parallel linear's output: the ranks' partial sums all-reduced, then its bias.
-        NOTE: the bias is added after the all-reduce, so once, whatever the rank count."""
-        total = partial if self.tp is None else self.tp.all_reduce(partial)
-        return total if bias is None else total + bias
+        """A row-parallel linear's output on every rank (gpu/parallel/group.py)."""
+        return reduce_then_bias(self.tp, partial, bias)
 
     def _attention(
         self,

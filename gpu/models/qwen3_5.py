@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from cache.state_pool import LayerStateShape, StatePool
 from gpu.attention.base import AttentionBackend
-from gpu.batch_invariant import sum_last
+from gpu.batch_invariant import pointwise, sum_last
 from gpu.kernels.gated_delta import DeltaInputs, gated_delta_varlen
 from gpu.models.hybrid_base import BlockNames, HybridDecoder
 from gpu.models.hybrid_common import Weights, gated_rms_norm, rms_norm_zero_centred, softplus
@@ -124,7 +124,7 @@ class Qwen3_5Model(HybridDecoder[_Attention, _DeltaNet]):
         qg = qkv[:, :n_qg].view(tokens, arch.num_heads, 2 * hd)
         q, gate = qg[..., :hd], qg[..., hd:].reshape(tokens, -1)
         o = self._attend(kv_layer, q, qkv[:, n_qg:], layer.q_norm, layer.k_norm, cos, sin, attn)
-        return self.linear(o.reshape(tokens, -1) * torch.sigmoid(gate), layer.o)
+        return self._reduce(self.linear(o.reshape(tokens, -1) * pointwise(torch.sigmoid, gate), layer.o), None)
 
     def _state_mixer(
         self, state_layer: int, layer: _DeltaNet, x: torch.Tensor, step: HybridStep, pool: StatePool
@@ -136,13 +136,13 @@ class Qwen3_5Model(HybridDecoder[_Attention, _DeltaNet]):
         dk, dv = arch.linear_key_head_dim, arch.linear_value_head_dim
         proj = self.linear(x, layer.in_proj)
         mixed, z, b, a = proj.split([self.conv_dim, self.value_dim, heads_v, heads_v], dim=-1)
-        mixed = F.silu(self._carried_conv(state_layer, mixed, layer.conv, None, step, pool))
+        mixed = pointwise(F.silu, self._carried_conv(state_layer, mixed, layer.conv, None, step, pool))
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         # Each key head serves heads_v // heads_k consecutive value heads.
         rep = heads_v // heads_k
         q = _l2norm(q.reshape(tokens, heads_k, dk).float()).repeat_interleave(rep, dim=1) * dk**-0.5
         k = _l2norm(k.reshape(tokens, heads_k, dk).float()).repeat_interleave(rep, dim=1)
-        beta = torch.sigmoid(b).float()
+        beta = pointwise(torch.sigmoid, b).float()
         g = layer.neg_a * softplus(a.float() + layer.dt_bias)
         rec_pool = pool.recurrent_of(state_layer)
         out, states, tracked = gated_delta_varlen(
@@ -156,7 +156,7 @@ class Qwen3_5Model(HybridDecoder[_Attention, _DeltaNet]):
         step.store(rec_pool, states)
         step.store_tracked(rec_pool, tracked)
         out = gated_rms_norm(out.to(x.dtype), z.reshape(tokens, heads_v, dv), layer.norm, arch.rms_norm_eps)
-        return self.linear(out.reshape(tokens, self.value_dim), layer.out)
+        return self._reduce(self.linear(out.reshape(tokens, self.value_dim), layer.out), None)
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -14,6 +14,7 @@ orders are one addition, so the two agree bit for bit.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -33,14 +34,19 @@ class TensorParallel:
         self.vocab_start = vocab_start  # this rank's embedding rows are ids [start, start + chunk)
         self.vocab_chunk = vocab_chunk
         self.ordered = ordered
-        self.reduced_bytes = 0  # bytes all-reduced so far (benchmarks/tp.py reads it)
+        # What the collectives cost this rank so far (benchmarks/tp.py reads them).
+        self.reduced_bytes = 0  # all-reduced
+        self.gathered_bytes = 0  # this rank's part of the gathered logits
+        self.comm_seconds = 0.0  # inside all-reduces and gathers, waiting for the slowest rank included
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks of each rank's `x` (same shape everywhere)."""
         x = x.contiguous()
         self.reduced_bytes += x.numel() * x.element_size()
         if not self.ordered:
+            start = time.perf_counter()
             self.group.allreduce([x]).wait()
+            self.comm_seconds += time.perf_counter() - start
             return x
         parts = self._all_gather(x)
         total = parts[0]
@@ -58,12 +64,22 @@ class TensorParallel:
 
     def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """[T, chunk] logits of this rank's vocabulary rows -> [T, vocab_size] on every rank."""
+        self.gathered_bytes += logits.numel() * logits.element_size()
         return torch.cat(self._all_gather(logits.contiguous()), dim=-1)[:, : self.vocab_size]
 
     def _all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        start = time.perf_counter()
         parts = [torch.empty_like(x) for _ in range(self.size)]
         self.group.allgather([parts], [x]).wait()
+        self.comm_seconds += time.perf_counter() - start
         return parts
+
+
+def reduce_then_bias(tp: TensorParallel | None, partial: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A row-parallel linear's output: the ranks' partial sums all-reduced, then its bias.
+    NOTE: the bias is added after the all-reduce, so once, whatever the rank count."""
+    total = partial if tp is None else tp.all_reduce(partial)
+    return total if bias is None else total + bias
 
 
 def send(message: Any) -> None:

@@ -5,7 +5,8 @@ the config rank 0 sends, builds its shard of the model and pools like rank 0's (
 page count, table shape, KV dtype and attention backend: `Setup`), then runs what rank 0
 sends until it says stop:
 - ("run", batch, table rows): write the rows into its own request table and run the step
-  as rank 0's runner does (the same collectives), without sampling: rank 0 samples.
+  as rank 0's runner does (the same collectives), without sampling: rank 0 samples;
+- ("copy_states", copies): a hybrid model's queued state-slot copies, in order.
 
 It exits when rank 0 says stop, when rank 0's process dies (it watches its parent, and the
 next receive fails), and on any error (rank 0's next collective then fails: the engine
@@ -25,12 +26,14 @@ import torch
 import torch.distributed as dist
 
 from cache.kv_pool import KVPool
+from cache.state_pool import StatePool
 from gpu.forward_batch import ForwardBatch
 from gpu.model_runner import ModelRunner
 from gpu.parallel import group
 from kernel import registry
 from kernel.components import pick_device
 from kernel.config import Config
+from kernel.logging_setup import setup_logging
 from kernel.model_build import build_model
 from kernel.parallel.workers import Setup, write_table_rows
 
@@ -44,10 +47,14 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
                             world_size=args.size, timeout=timedelta(seconds=args.timeout))
     config: Config = group.receive()
+    setup_logging(config.logging.level, config.logging.json)
     torch.set_num_threads(config.model.num_threads or max(1, len(cpus)))
     runner = _build(config, args.rank)
     with torch.inference_mode():
         while (message := group.receive())[0] != "stop":
+            if message[0] == "copy_states":
+                runner.copy_states(message[1])
+                continue
             _, batch, (rows, lens, flat) = message
             write_table_rows(runner.attention.req_to_token, rows, lens, flat)
             runner.run(batch)
@@ -66,11 +73,13 @@ def _build(config: Config, rank: int) -> ModelRunner:
     setup: Setup = group.receive()
     arch, model = built.arch, built.model
     kv_dtype = getattr(torch, setup.kv_dtype)
-    pool = KVPool(arch.num_layers, setup.num_pages, config.cache.page_size, arch.num_kv_heads, arch.head_dim,
+    kv_layers = getattr(model, "num_kv_layers", arch.num_layers)  # hybrids: attention layers only
+    pool = KVPool(kv_layers, setup.num_pages, config.cache.page_size, arch.num_kv_heads, arch.head_dim,
                   kv_dtype, device, built.dtype)
     table = torch.zeros((setup.table_rows + setup.scratch_rows, setup.table_cols), dtype=torch.int64, device=device)
     attention = registry.lookup("attention", setup.attention)(pool, table, cpu_kernels=built.cpu_kernels)
-    return WorkerRunner(model, pool, attention, None, cpu_kernels=built.cpu_kernels)
+    states = StatePool(model.state_shapes(), setup.state_slots, built.dtype, device) if setup.state_slots else None
+    return WorkerRunner(model, pool, attention, states, cpu_kernels=built.cpu_kernels)
 
 
 class WorkerRunner(ModelRunner):

@@ -21,6 +21,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from datetime import timedelta
 
 import structlog
@@ -52,6 +53,7 @@ class Setup:
     scratch_rows: int
     kv_dtype: str
     attention: str
+    state_slots: int  # hybrid models' state pool (0: none)
 
 
 class Workers:
@@ -144,6 +146,14 @@ class TensorParallelRunner(ModelRunner):
             return super().run(batch)
         except Exception as exc:
             raise StepFatal(f"tensor-parallel step failed on rank 0: {exc}") from exc
+
+    def copy_states(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Queued state copies run on every rank (each holds its heads' part of a slot)."""
+        try:
+            self.workers.send(("copy_states", tuple(copies)))
+            super().copy_states(copies)
+        except Exception as exc:
+            raise StepFatal(f"tensor-parallel state copy failed on rank 0: {exc}") from exc
 
     def close(self) -> None:
         self.workers.stop()
