@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import Literal
+from typing import Literal, Self
 
 import torch
 
@@ -67,7 +67,10 @@ class HostPool(PooledIds):
         dtype: torch.dtype,
         layout: Layout = "layer_first",
         pin_memory: bool | None = None,
+        data: torch.Tensor | None = None,
     ) -> None:
+        """`data`: memory to hold the pages (shared memory another process maps, say), of
+        the shape and dtype this pool would allocate; None allocates it."""
         if layout not in ("layer_first", "page_first"):
             raise ValueError(f"unknown host layout {layout!r}")
         self.num_layers = num_layers
@@ -79,24 +82,43 @@ class HostPool(PooledIds):
         self.layout: Layout = layout
         self.pinned = pin_default(pin_memory)
         self._ids = FreeList(num_pages, "page")
-        tail = (page_size, num_kv_heads, head_dim)
-        shape = (2, num_layers, num_pages, *tail) if layout == "layer_first" else (num_pages, 2, num_layers, *tail)
+        shape = self.shape_of(num_layers, num_pages, page_size, num_kv_heads, head_dim, layout)
+        if data is not None:
+            if tuple(data.shape) != shape or data.dtype != dtype:
+                raise ValueError(f"host pool memory is {tuple(data.shape)} {data.dtype}, pages need {shape} {dtype}")
+            self.data = data
+            return
         # `empty`, not zeros: a host page is read only after an offload or load_bytes wrote
         # it, and zero-filling tens of GiB of pinned memory would stall start-up.
         self.data = torch.empty(shape, dtype=dtype, pin_memory=self.pinned)
 
+    @staticmethod
+    def shape_of(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                 layout: Layout) -> tuple[int, ...]:
+        """`data`'s shape for these pages (see the class docstring)."""
+        tail = (page_size, num_kv_heads, head_dim)
+        return (2, num_layers, num_pages, *tail) if layout == "layer_first" else (num_pages, 2, num_layers, *tail)
+
     @classmethod
     def like(
-        cls, kv_pool: KVPool, num_pages: int, layout: Layout = "layer_first", pin_memory: bool | None = None
-    ) -> HostPool:
+        cls, kv_pool: KVPool, num_pages: int, layout: Layout = "layer_first", pin_memory: bool | None = None,
+        data: torch.Tensor | None = None,
+    ) -> Self:
         """A host pool whose pages match `kv_pool`'s (layers, page size, heads, dtype)."""
         _, heads, head_dim = kv_pool.k[0].shape
         return cls(
-            len(kv_pool.k), num_pages, kv_pool.page_size, heads, head_dim, kv_pool.k[0].dtype, layout, pin_memory
+            len(kv_pool.k), num_pages, kv_pool.page_size, heads, head_dim, kv_pool.k[0].dtype, layout, pin_memory,
+            data,
         )
 
     @property
     def bytes_per_page(self) -> int:
+        return self.own_page_bytes
+
+    @property
+    def own_page_bytes(self) -> int:
+        """Bytes of one page of `data` (`bytes_per_page` too, but for a pool whose pages
+        span more memory: kernel/parallel/host_shards.py)."""
         return KVPool.bytes_per_page(self.num_layers, self.page_size, self.num_kv_heads, self.head_dim, self.dtype)
 
     def allocate(self, n: int) -> list[int] | None:
@@ -124,7 +146,7 @@ class HostPool(PooledIds):
         """Overwrite one page from `page_bytes` output; raises on a length mismatch
         before writing anything."""
         self._check_page(page)
-        raw = tensor_from_bytes(data, self.bytes_per_page, "a host page")
+        raw = tensor_from_bytes(data, self.own_page_bytes, "a host page")
         self.page(page).copy_(raw.view(self.dtype).view(self.page(page).shape))
 
     def _check_page(self, page: int) -> None:

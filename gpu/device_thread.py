@@ -23,12 +23,15 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+import structlog
 import torch
 
 from cache.copy_worker import Stream, resolve_future
 from cache.host_pool import stream_ctx
 from gpu.cpu_threads import ThreadPlan, apply_on_this_thread, plan_threads
 from gpu.readback import Deliver, Marker, ReadbackThread, finish_result, mark_stream
+
+log = structlog.get_logger("tierserve")
 
 
 class DeviceThread:
@@ -56,6 +59,11 @@ class DeviceThread:
         fut: asyncio.Future = loop.create_future()
         self._jobs.put((fn, partial(_resolve_on, loop, fut)))
         return fut
+
+    def post(self, fn: Callable[[], Any]) -> None:
+        """Queue `fn` behind the jobs queued so far, with no result to await (a message that
+        must keep its place among the steps); an error is logged."""
+        self._jobs.put((fn, _log_error))
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the device thread and wait (for set-up outside the event loop)."""
@@ -117,6 +125,11 @@ def _finish_inline(result: Any, error: BaseException | None, deliver: Deliver) -
         except BaseException as exc:  # noqa: BLE001 - delivered to the awaiting caller
             result, error = None, exc
     deliver(result, error)
+
+
+def _log_error(result: Any, error: BaseException | None) -> None:
+    if error is not None:
+        log.error("device_thread_post_failed", error=repr(error))
 
 
 def _resolve_on(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: Any,

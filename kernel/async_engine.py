@@ -116,7 +116,7 @@ class AsyncEngine:
         device_thread = DeviceThread(num_threads=config.model.num_threads, stream_factory=streams,
                                      cpus=shares[0] if shares else None)
         parts = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: device_thread.call(lambda: build_components(config, torch_device, shares))
+            None, lambda: device_thread.call(lambda: build_components(config, torch_device, shares, device_thread.post))
         )
         log.info(
             "engine_ready", pages=parts.num_pages, context=parts.context_length,

@@ -33,6 +33,7 @@ from kernel import registry
 from kernel.config import Config, ConfigError
 from kernel.model_build import build_model
 from kernel.numerics_choice import resolve_kv_dtype
+from kernel.parallel.host_shards import RankCopies, SharedHost, share_host_pool
 from kernel.parallel.workers import Setup, TensorParallelRunner, Workers
 from kernel.scheduling.overlap import resolve_overlap
 from kernel.scheduling.prefix_reuse import PrefixReuse
@@ -65,9 +66,11 @@ def pick_device(config: Config) -> torch.device:
 
 
 def build_components(
-    config: Config, device: torch.device, rank_cpus: list[tuple[int, ...]] | None = None
+    config: Config, device: torch.device, rank_cpus: list[tuple[int, ...]] | None = None,
+    post_on_device: Callable[[Callable[[], None]], None] | None = None,
 ) -> Components:
-    """rank_cpus: with parallel.tp_size > 1, each rank's cores (gpu/cpu_threads.py `share_cpus`)."""
+    """rank_cpus: with parallel.tp_size > 1, each rank's cores (gpu/cpu_threads.py `share_cpus`);
+    post_on_device: queue a call on the device thread (tensor parallelism's host copies)."""
     # The storage backend first: a missing extra (`hicache.storage: redis` without
     # tierserve[redis]) or an unusable storage_dir fails the start before the weights load.
     backend = _storage_backend(config)
@@ -76,7 +79,7 @@ def build_components(
         if config.parallel.tp_size > 1:
             workers = Workers.start(config, rank_cpus or share_cpus(config.parallel.tp_size,
                                                                      config.parallel.cpus_per_rank))
-        return _build_components(config, device, backend, workers)
+        return _build_components(config, device, backend, workers, post_on_device or _no_device_thread)
     except BaseException:
         if backend is not None:
             backend.close()
@@ -85,8 +88,13 @@ def build_components(
         raise
 
 
+def _no_device_thread(fn: Callable[[], None]) -> None:
+    raise RuntimeError("tensor-parallel host copies need build_components(post_on_device=...)")
+
+
 def _build_components(
-    config: Config, device: torch.device, backend: StorageBackend | None, workers: Workers | None
+    config: Config, device: torch.device, backend: StorageBackend | None, workers: Workers | None,
+    post_on_device: Callable[[Callable[[], None]], None],
 ) -> Components:
     if config.graphs.mode == "cuda" and (device.type != "cuda" or not torch.cuda.is_available()):
         raise ConfigError(
@@ -114,7 +122,7 @@ def _build_components(
     )
     allocator = PageAllocator(num_pages)
     states = _state_pool(config, model, dtype, device)
-    host_pool = _host_pool(config, pool, num_pages)
+    host_pool, shared_host = _host_pool(config, pool, num_pages)
     cache: PrefixCache
     if config.cache.prefix == "radix":
         evict = registry.lookup("evict", config.cache.evict_policy)()
@@ -144,9 +152,14 @@ def _build_components(
     if workers is not None:
         # NOTE: every rank's pools get rank 0's page count and table shape: one allocator,
         # one tree, the same page and slot ids everywhere.
-        workers.send(Setup(num_pages, table.num_rows, table.max_context, table.num_scratch,
-                           str(kv_dtype).removeprefix("torch."), attention_name,
-                           states.num_slots if states is not None else 0))
+        workers.set_up(Setup(num_pages, table.num_rows, table.max_context, table.num_scratch,
+                             str(kv_dtype).removeprefix("torch."), attention_name,
+                             states.num_slots if states is not None else 0,
+                             shared_host.share if shared_host is not None else None))
+        if shared_host is not None and prefix.host is not None:
+            shared_host.close()  # every worker mapped its host pages
+            prefix.host.ranks = RankCopies(shared_host.done, workers.check, lambda: workers.stopped, workers.send,
+                                           post_on_device, config.parallel.timeout_s)
         tp_runner = TensorParallelRunner(model, pool, attention, states, cpu_kernels=cpu_kernels)
         tp_runner.attach(workers, table)
         runner: ModelRunner = tp_runner
@@ -279,19 +292,25 @@ def _state_pool(config: Config, model: Any, dtype: torch.dtype, device: torch.de
     return pool
 
 
-def _host_pool(config: Config, pool: KVPool, num_pages: int) -> HostPool | None:
-    """The host tier's pages (hicache.host_pages, or host_ratio x the device pool). Hybrid
-    models need nothing more: their state slots stay in the state pool, also for prefixes
-    whose pages went to host (cache/radix_host.py)."""
+def _host_pool(config: Config, pool: KVPool, num_pages: int) -> tuple[HostPool | None, SharedHost | None]:
+    """The host tier's pages (hicache.host_pages, or host_ratio x the device pool); with
+    tensor parallelism every rank's, the workers' in shared memory. Hybrid models need
+    nothing more: their state slots stay in the state pool, also for prefixes whose pages
+    went to host (cache/radix_host.py)."""
     hc = config.hicache
     if not hc.enabled:
-        return None
+        return None, None
     if config.cache.prefix != "radix":
         raise ConfigError("hicache needs cache.prefix: radix (the tiers hold the radix tree's pages)")
     pages = hc.host_pages or max(2, int(hc.host_ratio * num_pages))
-    host = HostPool.like(pool, pages, layout=hc.host_layout)  # type: ignore[arg-type]
+    shared = None
+    if config.parallel.tp_size > 1:
+        shared = share_host_pool(pool, pages, hc.host_layout, config.parallel.tp_size)  # type: ignore[arg-type]
+        host: HostPool = shared.pool
+    else:
+        host = HostPool.like(pool, pages, layout=hc.host_layout)  # type: ignore[arg-type]
     log.info("host_pool_sized", pages=pages, bytes_per_page=host.bytes_per_page, pinned=host.pinned)
-    return host
+    return host, shared
 
 
 def _host_tier(
@@ -325,9 +344,15 @@ def _storage_tier(
     """The storage tier over `backend`, below the host tier, and the page format its keys name."""
     hc = config.hicache
     options = dataclasses.asdict(hc)
+    tp = config.parallel.tp_size
+    if tp > 1 and states is not None:
+        raise ConfigError("hicache.storage for hybrid models does not run with parallel.tp_size > 1 yet "
+                          "(their states are split across the ranks' device memory)")
     fmt = PageFormat(
-        # `page_bytes` order, whatever the host layout (cache/host_pool.py).
-        model_id=model_id, layout="kv_page_c_order", dtype=str(pool.k[0].dtype).removeprefix("torch."),
+        # `page_bytes` order, whatever the host layout (cache/host_pool.py). NOTE: with tensor
+        # parallelism a page is every rank's shard, rank order (kernel/parallel/host_shards.py):
+        # the layout names tp_size, so a server with another tp_size never reads it (a miss).
+        model_id=model_id, layout="kv_page_c_order" + (f".tp{tp}" if tp > 1 else ""), dtype=str(pool.k[0].dtype).removeprefix("torch."),
         page_size=pool.page_size, num_kv_layers=len(pool.k), kv_heads=pool.k[0].shape[1], head_dim=pool.k[0].shape[2],
     )
     log.info("storage_tier", backend=hc.storage, model_id=model_id, stats=backend.stats())

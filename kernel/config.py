@@ -426,7 +426,6 @@ class Config:
     def _check_tensor_parallel(self) -> None:
         """What tensor parallelism does not cover yet is refused at start-up, by name."""
         not_yet = {
-            "hicache (host and storage tiers)": self.hicache.enabled or self.hicache.storage != "none",
             "speculative decoding": self.speculative.enabled,
             "scheduler.overlap: on": self.scheduler.overlap == "on",
             f"graphs.mode: {self.graphs.mode}": self.graphs.mode not in ("auto", "off"),

@@ -185,8 +185,8 @@ def test_killed_worker_halts_the_engine_and_leaves_no_process(tmp_path: Path) ->
 def test_refused_at_start_without_leftover_workers(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="9 attention heads do not split over 2"):
         engine(SMOLLM, 2)
-    with pytest.raises(ConfigError, match="hicache"):
-        engine(SMOLLM, 3, **{"hicache.host_ratio": 1.0})
+    with pytest.raises(ConfigError, match="overlap"):
+        engine(SMOLLM, 3, **{"scheduler.overlap": "on"})
     children = [p for p in os.listdir("/proc") if p.isdigit() and _child_of_us(int(p))]
     assert children == []
 

@@ -6,7 +6,9 @@ page count, table shape, KV dtype and attention backend: `Setup`), then runs wha
 sends until it says stop:
 - ("run", batch, table rows): write the rows into its own request table and run the step
   as rank 0's runner does (the same collectives), without sampling: rank 0 samples;
-- ("copy_states", copies): a hybrid model's queued state-slot copies, in order.
+- ("copy_states", copies): a hybrid model's queued state-slot copies, in order;
+- ("copy", kind, src, dst, ticket): the host tier's copy of this rank's shard of pages
+  (kernel/parallel/host_shards.py), marked done for rank 0's copy job.
 
 It exits when rank 0 says stop, when rank 0's process dies (it watches its parent, and the
 next receive fails), and on any error (rank 0's next collective then fails: the engine
@@ -35,6 +37,7 @@ from kernel.components import pick_device
 from kernel.config import Config
 from kernel.logging_setup import setup_logging
 from kernel.model_build import build_model
+from kernel.parallel.host_shards import WorkerCopies
 from kernel.parallel.workers import Setup, write_table_rows
 
 
@@ -49,11 +52,16 @@ def main(argv: list[str] | None = None) -> int:
     config: Config = group.receive()
     setup_logging(config.logging.level, config.logging.json)
     torch.set_num_threads(config.model.num_threads or max(1, len(cpus)))
-    runner = _build(config, args.rank)
+    runner, copies = _build(config, args.rank, args.size)
+    dist.barrier()  # built: rank 0's start-up goes on (kernel/parallel/workers.py `set_up`)
     with torch.inference_mode():
         while (message := group.receive())[0] != "stop":
             if message[0] == "copy_states":
                 runner.copy_states(message[1])
+                continue
+            if message[0] == "copy":
+                assert copies is not None, "a host copy, and this rank has no host pages"
+                copies.run(*message[1:])
                 continue
             _, batch, (rows, lens, flat) = message
             write_table_rows(runner.attention.req_to_token, rows, lens, flat)
@@ -63,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _build(config: Config, rank: int) -> ModelRunner:
+def _build(config: Config, rank: int, size: int) -> tuple[ModelRunner, WorkerCopies | None]:
     """This rank's model shard and pools, shaped as rank 0's `Setup` says."""
     device = pick_device(config)
     if device.type == "cuda":
@@ -79,7 +87,8 @@ def _build(config: Config, rank: int) -> ModelRunner:
     table = torch.zeros((setup.table_rows + setup.scratch_rows, setup.table_cols), dtype=torch.int64, device=device)
     attention = registry.lookup("attention", setup.attention)(pool, table, cpu_kernels=built.cpu_kernels)
     states = StatePool(model.state_shapes(), setup.state_slots, built.dtype, device) if setup.state_slots else None
-    return WorkerRunner(model, pool, attention, states, cpu_kernels=built.cpu_kernels)
+    copies = WorkerCopies(pool, setup.host, rank, size) if setup.host is not None else None
+    return WorkerRunner(model, pool, attention, states, cpu_kernels=built.cpu_kernels), copies
 
 
 class WorkerRunner(ModelRunner):

@@ -33,6 +33,7 @@ from gpu.forward_batch import ForwardBatch
 from gpu.model_runner import ModelRunner, PendingStep, StepFatal
 from gpu.parallel import group
 from kernel.config import Config
+from kernel.parallel.host_shards import HostShare
 
 log = structlog.get_logger("tierserve")
 
@@ -54,6 +55,7 @@ class Setup:
     kv_dtype: str
     attention: str
     state_slots: int  # hybrid models' state pool (0: none)
+    host: HostShare | None = None  # the host tier's pages of each worker (kernel/parallel/host_shards.py)
 
 
 class Workers:
@@ -96,6 +98,12 @@ class Workers:
     def send(self, message: object) -> None:
         self.check()
         group.send(message)
+
+    def set_up(self, setup: Setup) -> None:
+        """Send the workers their pools' shape and wait until every worker built them (a
+        worker that cannot fails the start here, not the first step)."""
+        self.send(setup)
+        dist.barrier()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Tell the workers to exit, wait for them, kill what is left; leave the group. With

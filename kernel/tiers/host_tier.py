@@ -21,7 +21,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -36,6 +36,21 @@ from kernel.tiers.storage_tier import StorageTier
 from kernel.tiers.tier_policy import PrefetchPolicy, WritePolicy
 
 log = structlog.get_logger("tierserve")
+
+
+class RankCopies(Protocol):
+    """Tensor parallelism: the other ranks' side of each copy (kernel/parallel/host_shards.py).
+    Every rank holds its shard of a page, under the same device and host page ids."""
+
+    def post(self, kind: str, src: list[int], dst: list[int]) -> int:
+        """Queue the same copy ("offload": device pages `src` to host pages `dst`, "load":
+        host to device) on every other rank, in order with the steps; its ticket."""
+        ...
+
+    def wait(self, ticket: int) -> None:
+        """Block until every other rank finished the copy `ticket` (and all before it);
+        raise if one cannot (a dead rank, shutdown, `parallel.timeout_s`)."""
+        ...
 
 
 @dataclass(eq=False)
@@ -86,6 +101,10 @@ class HostTier:
         # (set by the engine); nodes deferred for that, by id.
         self.state_pending: Callable[[int], bool] = lambda slot: False
         self.deferred: dict[int, Any] = {}
+        # NOTE: with tensor parallelism a copy is done (its future resolves) only once every
+        # rank's shard of it landed: storage then reads whole pages, and a step planned after
+        # it finds every rank's pages in place.
+        self.ranks: RankCopies | None = None
 
     # ---- offload ------------------------------------------------------------------
     def after_insert(self, node: Any) -> None:
@@ -151,10 +170,14 @@ class HostTier:
         # the host pages: a queued write then depends on nothing the tree may evict meanwhile.
         capture = self.storage.capture(node, host) if self.storage is not None else None
         items: list[tuple[str, bytes]] = []
+        ranks = self.ranks
+        ticket = ranks.post("offload", pages, host) if ranks is not None else 0
 
         def job() -> int:
             stream = self.worker.stream
             copied = offload(self.kv_pool, pages, self.host_pool, host, stream)  # type: ignore[arg-type]
+            if ranks is not None:
+                ranks.wait(ticket)
             if capture is not None:
                 # NOTE: on CUDA `offload` only queued the copies into the host pages (pinned,
                 # non-blocking): storage reads those pages, so they must have landed first.
@@ -211,11 +234,17 @@ class HostTier:
         req.loading = load if budget > 0 else None
         host_pages = list(match.host_pages)
         stream = self.worker.stream
+        ranks = self.ranks
+        ticket = ranks.post("load", host_pages, device) if ranks is not None else 0
+
+        def job() -> int:
+            copied = load_back(self.host_pool, host_pages, self.kv_pool, device, stream)  # type: ignore[arg-type]
+            if ranks is not None:
+                ranks.wait(ticket)
+            return copied
+
         # Urgent: a request waits for it, so it starts before offloads still queued.
-        fut = self.worker.submit_copy(
-            lambda: load_back(self.host_pool, host_pages, self.kv_pool, device, stream),  # type: ignore[arg-type]
-            urgent=True,
-        )
+        fut = self.worker.submit_copy(job, urgent=True)
         fut.add_done_callback(lambda f: self._loaded(load, f))
         self.counters.prefetch["issued"] += 1
         return True
