@@ -24,6 +24,7 @@ from kernel.audit import Auditor, Replayed, Served
 from kernel.components import Components, build_components, pick_device
 from kernel.config import Config, load_config
 from kernel.logging_setup import setup_logging
+from kernel.parallel.workers import TensorParallelRunner
 from kernel.request import Request
 from kernel.results.detokenizer import IncrementalDetokenizer
 from kernel.results.events import EventBus
@@ -286,8 +287,21 @@ class AsyncEngine:
             # Mixture-of-experts models: tokens routed to each expert, per sparse layer.
             "moe": self.loop.runner.model.expert_tokens() if hasattr(self.loop.runner.model, "expert_tokens") else None,
             "policies": self.policies(),
+            "parallel": self._parallel_stats(),
             "halt_reason": self.halt_reason,
         }
+
+    def _parallel_stats(self) -> dict[str, Any] | None:
+        """Tensor parallelism's ranks: alive, cores, each rank's pool bytes (None at tp_size 1)."""
+        runner = self.loop.runner
+        if not isinstance(runner, TensorParallelRunner):
+            return None
+        alloc, host = self.scheduler.allocator, self.host
+        states = self._state_stats()
+        return runner.rank_stats(alloc.num_usable - alloc.num_free,
+                                 states["usable"] - states["free"] if states is not None else 0,
+                                 host.host_pool if host is not None else None,
+                                 host.host_pool.num_usable - host.host_pool.num_free if host is not None else 0)
 
     def _state_stats(self) -> dict[str, int] | None:
         """State slots of a hybrid model (None for dense models)."""

@@ -102,6 +102,29 @@ def counters(stats: dict[str, Any]) -> Iterable[Metric]:
         "tierserve_retractions", "Running requests sent back to the queue for lack of pages.",
         stats["num_retractions"],
     )
+    if stats.get("parallel"):
+        yield from parallel_metrics(stats["parallel"])
+
+
+def parallel_metrics(par: dict[str, Any]) -> Iterable[Metric]:
+    """Tensor parallelism: each rank up or down and its pools' bytes; rank 0's collectives."""
+    up = GaugeMetricFamily("tierserve_tp_rank_up", "1 while a tensor-parallel rank's process runs.", labels=["rank"])
+    pools = GaugeMetricFamily("tierserve_tp_rank_pool_bytes", "A rank's pool bytes (its shard of every page "
+                              "or state slot), in use or in all.", labels=["rank", "pool", "state"])
+    for r in par["ranks"]:
+        rank = str(r["rank"])
+        up.add_metric([rank], 1 if r["alive"] else 0)
+        for pool in ("kv", "host", "state"):
+            for state in ("used", "total"):
+                pools.add_metric([rank, pool, state], r[f"{pool}_bytes"][state])
+    yield up
+    yield pools
+    c = par["collectives"]
+    yield CounterMetricFamily("tierserve_tp_reduced_bytes", "Bytes rank 0 all-reduced.", c["reduced_bytes"])
+    yield CounterMetricFamily("tierserve_tp_gathered_bytes", "Bytes of logits rank 0 contributed to gathers.",
+                              c["gathered_bytes"])
+    yield CounterMetricFamily("tierserve_tp_collective_seconds", "Seconds rank 0 spent in collectives.",
+                              c["seconds"])
 
 
 def speculative_metrics(spec: dict[str, Any]) -> Iterable[Metric]:

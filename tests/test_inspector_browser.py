@@ -1,6 +1,6 @@
 """The inspector page in a real browser (Debian's chromium driven by Playwright) against a
 real `serve` process with an admin key, a small device pool, a host tier and a file
-storage tier.
+storage tier, at tensor-parallel size 2 (the page shows both ranks).
 
 One browser launch: the page asks for the key (a wrong one is refused), shows the tree
 as requests arrive, a node's tier badge turning from device(+host) to host when the
@@ -74,6 +74,7 @@ def served(chromium: str, tiny_chat_folder: str, tmp_path: Path) -> Any:
     server = ServerProcess(
         tiny_chat_folder, "cache.prefix=radix", "cache.num_pages=41", "hicache.host_pages=200",
         "hicache.storage=file", f"hicache.storage_dir={tmp_path / 'kv'}", f"server.admin_api_key={KEY}",
+        "parallel.tp_size=2",  # the page shows the ranks; the tiers run with the worker's shards
     )
     try:
         yield server
@@ -133,6 +134,9 @@ def test_inspector_page_in_chromium(chromium: str, served: ServerProcess, tmp_pa
         expect(page.locator('#events li[data-name="BlockStored"]').first).to_be_attached()
         expect(page.locator('#events li[data-name="finished"]').first).to_be_attached()
         expect(page.locator('[data-gauge="host"]')).to_be_visible()
+        expect(page.locator('[data-gauge="rank-1"]')).to_have_attribute("data-alive", "true")
+        expect(page.locator('[data-gauge="rank-0"] .gauge-legend')).to_contain_text("used")
+        expect(page.locator('[data-gauge="collectives"]')).to_contain_text("2 ranks")
 
         # Hits on device (the newest prompt) and host (the offloaded one) reach the chart.
         generate(served, prompt(seed))

@@ -148,3 +148,32 @@ def test_red_storage_reading_rank0s_shard_only(tiny_chat_folder: str, tmp_path: 
         assert not same(out, ref), "the planted bug went unseen"
     finally:
         again.shutdown()
+
+
+async def test_server_info_metrics_and_admin_stats_show_the_ranks(tiny_chat_folder: str) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.inprocess import serve_http
+
+    async with serve_http(tiny_chat_folder, {**TIERED, **TP2}) as (engine, client):
+        await engine.generate(PROMPT, {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
+        info = await (await client.get("/server_info")).json()
+        par = info["parallel"]
+        assert info["tp_size"] == par["tp_size"] == 2
+        ranks = par["ranks"]
+        assert [r["rank"] for r in ranks] == [0, 1] and all(r["alive"] for r in ranks)
+        assert ranks[0]["pid"] == os.getpid() and ranks[1]["pid"] != os.getpid()
+        assert ranks[0]["kv_bytes"] == ranks[1]["kv_bytes"]  # each rank's shard of the same pages
+        kv = ranks[0]["kv_bytes"]
+        page_bytes = kv["total"] // engine.scheduler.allocator.num_pages
+        used = engine.scheduler.allocator.num_usable - engine.scheduler.allocator.num_free
+        assert kv["used"] == used * page_bytes > 0
+        assert ranks[1]["host_bytes"]["used"] > 0  # the write-through copies, the worker's shard too
+        assert par["collectives"]["reduced_bytes"] > 0 and par["collectives"]["gathered_bytes"] > 0
+        text = await (await client.get("/metrics")).text()
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for f in text_string_to_metric_families(text) for s in f.samples}
+        assert samples[("tierserve_tp_rank_up", (("rank", "1"),))] == 1
+        assert samples[("tierserve_tp_rank_pool_bytes", (("pool", "kv"), ("rank", "1"), ("state", "used")))] == kv["used"]
+        assert samples[("tierserve_tp_reduced_bytes_total", ())] > 0
+        assert engine.stats()["parallel"]["tp_size"] == 2  # what the admin socket's `stats` sends

@@ -23,11 +23,14 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 import structlog
 import torch
 import torch.distributed as dist
 
+from cache.host_pool import HostPool
+from cache.kv_pool import KVPool
 from cache.req_table import ReqToTokenTable
 from gpu.forward_batch import ForwardBatch
 from gpu.model_runner import ModelRunner, PendingStep, StepFatal
@@ -61,9 +64,10 @@ class Setup:
 class Workers:
     """The worker processes of ranks 1..size-1 and the group they share with rank 0."""
 
-    def __init__(self, procs: list[subprocess.Popen[bytes]], size: int) -> None:
+    def __init__(self, procs: list[subprocess.Popen[bytes]], size: int, cpus: list[tuple[int, ...]]) -> None:
         self.procs = procs
         self.size = size
+        self.cpus = cpus  # each rank's cores, rank 0's first
         self.stopped = False
 
     @classmethod
@@ -77,7 +81,7 @@ class Workers:
             cmd = [sys.executable, "-m", "kernel.parallel.worker", "--rank", str(rank), "--size", str(size),
                    "--port", str(port), "--timeout", str(par.timeout_s), "--cpus", ",".join(map(str, cpus[rank]))]
             procs.append(subprocess.Popen(cmd, cwd=REPO, env=env))
-        workers = cls(procs, size)
+        workers = cls(procs, size, cpus)
         try:
             dist.init_process_group(_backend(par.backend), init_method=f"tcp://127.0.0.1:{port}", rank=0,
                                     world_size=size, timeout=timedelta(seconds=par.timeout_s))
@@ -165,6 +169,34 @@ class TensorParallelRunner(ModelRunner):
 
     def close(self) -> None:
         self.workers.stop()
+
+    def rank_stats(self, used_pages: int, used_states: int, host: HostPool | None, used_host_pages: int) -> dict[str, Any]:
+        """`/server_info`'s, `/metrics`' and the admin page's view of the ranks. Every rank
+        holds its shard of the same page and slot ids: its use is rank 0's count times its
+        own bytes per page (or slot)."""
+        _, heads, head_dim = self.pool.k[0].shape
+        page_bytes = KVPool.bytes_per_page(len(self.pool.k), self.pool.page_size, heads, head_dim, self.pool.k[0].dtype)
+        slot_bytes = self.states.bytes_per_slot if self.states is not None else 0
+        host_bytes = host.own_page_bytes if host is not None else 0
+        tp = getattr(self.model, "tp", None)
+        ranks = []
+        for rank in range(self.workers.size):
+            proc = self.workers.procs[rank - 1] if rank else None
+            ranks.append({
+                "rank": rank, "pid": proc.pid if proc is not None else os.getpid(),
+                "alive": proc is None or proc.poll() is None, "cpus": list(self.workers.cpus[rank]),
+                "kv_bytes": {"total": self.pool.num_pages * page_bytes, "used": used_pages * page_bytes},
+                "state_bytes": {"total": self.states.num_slots * slot_bytes if self.states is not None else 0,
+                                "used": used_states * slot_bytes},
+                "host_bytes": {"total": host.num_pages * host_bytes if host is not None else 0,
+                               "used": used_host_pages * host_bytes},
+            })
+        return {
+            "tp_size": self.workers.size, "ranks": ranks,
+            "collectives": {"reduced_bytes": tp.reduced_bytes if tp else 0,
+                            "gathered_bytes": tp.gathered_bytes if tp else 0,
+                            "seconds": tp.comm_seconds if tp else 0.0},
+        }
 
 
 def for_workers(batch: ForwardBatch) -> ForwardBatch:

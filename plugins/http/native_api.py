@@ -190,6 +190,7 @@ async def server_info(request: web.Request) -> web.Response:
         "counters": stats["counters"],
         "speculative": stats["speculative"],  # drafted / accepted tokens (None without speculation)
         "audit": stats["audit"],  # the online audit, its last mismatch (None while audit.sample_rate is 0)
+        "parallel": stats["parallel"],  # tensor-parallel ranks, their pools and collectives (None at tp_size 1)
         "config": config,
     })
 

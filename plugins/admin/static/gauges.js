@@ -67,6 +67,26 @@ function states(st) {
   ], st.usable);
 }
 
+// Tensor parallelism: one bar per rank (its KV bytes; every rank holds its shard of the
+// same pages), its process, cores and other pools in the note.
+function ranks(p) {
+  const c = p.collectives;
+  const head = el("p", { class: "gauge-legend", "data-gauge": "collectives" },
+    `tensor parallel, ${p.tp_size} ranks · all-reduced ${formatBytes(c.reduced_bytes)}`
+    + ` · gathered ${formatBytes(c.gathered_bytes)} · ${c.seconds.toFixed(2)} s in collectives (rank 0)`);
+  const bars = p.ranks.map((r) => {
+    const kv = r.kv_bytes;
+    const box = gauge(`rank-${r.rank}`, `rank ${r.rank} KV`, [
+      ["held", "used", kv.used, formatBytes(kv.used)], ["free", "free", kv.total - kv.used, formatBytes(kv.total - kv.used)],
+    ], kv.total, `${r.alive ? "up" : "DOWN"} · pid ${r.pid} · cores ${r.cpus.join(",")}`
+      + ` · host ${formatBytes(r.host_bytes.used)} / ${formatBytes(r.host_bytes.total)}`
+      + (r.state_bytes.total ? ` · states ${formatBytes(r.state_bytes.used)} / ${formatBytes(r.state_bytes.total)}` : ""));
+    box.dataset.alive = String(r.alive);
+    return box;
+  });
+  return [head, ...bars];
+}
+
 function audit(a) {
   const sum = (counts) => Object.values(counts).reduce((x, y) => x + y, 0);
   const last = a.last_mismatch;
@@ -83,6 +103,7 @@ export function renderGauges(container, stats) {
   if (stats.host) boxes.push(hostPages(stats.host));
   if (stats.storage) boxes.push(storage(stats.storage));
   if (stats.states) boxes.push(states(stats.states));
+  if (stats.parallel) boxes.push(...ranks(stats.parallel));
   const r = stats.requests;
   const halted = stats.halt_reason ? ` · HALTED: ${stats.halt_reason}` : "";
   boxes.push(el("p", { class: "gauge-legend", "data-gauge": "requests" },
