@@ -33,7 +33,7 @@ from kernel import registry
 from kernel.config import Config, ConfigError
 from kernel.model_build import build_model
 from kernel.numerics_choice import resolve_kv_dtype
-from kernel.parallel.host_shards import RankCopies, SharedHost, share_host_pool
+from kernel.parallel.host_shards import RankCopies, RankStateBytes, SharedHost, share_host_pool
 from kernel.parallel.workers import Setup, TensorParallelRunner, Workers
 from kernel.scheduling.overlap import resolve_overlap
 from kernel.scheduling.prefix_reuse import PrefixReuse
@@ -43,6 +43,7 @@ from kernel.speculative.draft_model import ModelDrafter
 from kernel.speculative.speculator import Speculator
 from kernel.states.hybrid_state import HybridState
 from kernel.tiers.host_tier import HostTier
+from kernel.tiers.storage_io import StateBytes
 from kernel.tiers.storage_tier import StorageTier
 from kernel.tiers.tier_policy import PrefetchPolicy
 
@@ -122,7 +123,7 @@ def _build_components(
     )
     allocator = PageAllocator(num_pages)
     states = _state_pool(config, model, dtype, device)
-    host_pool, shared_host = _host_pool(config, pool, num_pages)
+    host_pool, shared_host = _host_pool(config, pool, num_pages, states if backend is not None else None)
     cache: PrefixCache
     if config.cache.prefix == "radix":
         evict = registry.lookup("evict", config.cache.evict_policy)()
@@ -143,9 +144,16 @@ def _build_components(
     prefix = PrefixReuse(cache, allocator, table, hybrid=states is not None)
     if host_pool is not None:
         prefix.host = _host_tier(config, cache, pool, host_pool, allocator, table, device)
+        state_bytes = None
+        if shared_host is not None:
+            assert workers is not None
+            prefix.host.ranks = ranks = RankCopies(shared_host.done, workers.check, lambda: workers.stopped,
+                                                   workers.send, post_on_device, config.parallel.timeout_s)
+            if states is not None and shared_host.state_mirrors:
+                state_bytes = RankStateBytes(states, shared_host.state_mirrors, ranks)
         if backend is not None:
             prefix.host.storage = _storage_tier(
-                config, backend, cache, pool, host_pool, prefix.host.prefetch, built.model_id, states
+                config, backend, cache, pool, host_pool, prefix.host.prefetch, built.model_id, states, state_bytes
             )
             if hybrid is not None:
                 prefix.host.state_pending = lambda slot: any(dst == slot for _, dst in hybrid.copies)
@@ -156,10 +164,8 @@ def _build_components(
                              str(kv_dtype).removeprefix("torch."), attention_name,
                              states.num_slots if states is not None else 0,
                              shared_host.share if shared_host is not None else None))
-        if shared_host is not None and prefix.host is not None:
+        if shared_host is not None:
             shared_host.close()  # every worker mapped its host pages
-            prefix.host.ranks = RankCopies(shared_host.done, workers.check, lambda: workers.stopped, workers.send,
-                                           post_on_device, config.parallel.timeout_s)
         tp_runner = TensorParallelRunner(model, pool, attention, states, cpu_kernels=cpu_kernels)
         tp_runner.attach(workers, table)
         runner: ModelRunner = tp_runner
@@ -292,7 +298,9 @@ def _state_pool(config: Config, model: Any, dtype: torch.dtype, device: torch.de
     return pool
 
 
-def _host_pool(config: Config, pool: KVPool, num_pages: int) -> tuple[HostPool | None, SharedHost | None]:
+def _host_pool(
+    config: Config, pool: KVPool, num_pages: int, states: StatePool | None
+) -> tuple[HostPool | None, SharedHost | None]:
     """The host tier's pages (hicache.host_pages, or host_ratio x the device pool); with
     tensor parallelism every rank's, the workers' in shared memory. Hybrid models need
     nothing more: their state slots stay in the state pool, also for prefixes whose pages
@@ -305,7 +313,8 @@ def _host_pool(config: Config, pool: KVPool, num_pages: int) -> tuple[HostPool |
     pages = hc.host_pages or max(2, int(hc.host_ratio * num_pages))
     shared = None
     if config.parallel.tp_size > 1:
-        shared = share_host_pool(pool, pages, hc.host_layout, config.parallel.tp_size)  # type: ignore[arg-type]
+        # `states`: a hybrid model with storage, which reads every rank's part of a state slot.
+        shared = share_host_pool(pool, pages, hc.host_layout, config.parallel.tp_size, states)  # type: ignore[arg-type]
         host: HostPool = shared.pool
     else:
         host = HostPool.like(pool, pages, layout=hc.host_layout)  # type: ignore[arg-type]
@@ -339,15 +348,12 @@ def _storage_backend(config: Config) -> StorageBackend | None:
 
 def _storage_tier(
     config: Config, backend: StorageBackend, cache: PrefixCache, pool: KVPool, host_pool: HostPool,
-    prefetch: PrefetchPolicy, model_id: str, states: StatePool | None,
+    prefetch: PrefetchPolicy, model_id: str, states: StatePool | None, state_bytes: StateBytes | None,
 ) -> StorageTier:
     """The storage tier over `backend`, below the host tier, and the page format its keys name."""
     hc = config.hicache
     options = dataclasses.asdict(hc)
     tp = config.parallel.tp_size
-    if tp > 1 and states is not None:
-        raise ConfigError("hicache.storage for hybrid models does not run with parallel.tp_size > 1 yet "
-                          "(their states are split across the ranks' device memory)")
     fmt = PageFormat(
         # `page_bytes` order, whatever the host layout (cache/host_pool.py). NOTE: with tensor
         # parallelism a page is every rank's shard, rank order (kernel/parallel/host_shards.py):
@@ -357,7 +363,7 @@ def _storage_tier(
     )
     log.info("storage_tier", backend=hc.storage, model_id=model_id, stats=backend.stats())
     grid = config.cache.state_track_interval // config.cache.page_size if states is not None else 1
-    return StorageTier(backend, fmt, cache, host_pool, prefetch, options, states, grid)
+    return StorageTier(backend, fmt, cache, host_pool, prefetch, options, states, grid, state_bytes)
 
 
 def _free_slots(states: StatePool) -> Callable[[list[int]], None]:

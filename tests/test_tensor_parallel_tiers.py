@@ -1,10 +1,10 @@
 """The host and storage tiers under tensor parallelism (kernel/parallel/host_shards.py):
-every rank copies its shard of a page under rank 0's page ids, and storage holds a page as
-every rank's shard. In deterministic mode a host hit and a storage hit `==` a cold run at
-tp_size 2 (dense, and hybrid × three strategies on host); a page stored at tp_size 2 is a
-counted miss at tp_size 1 and a hit again at tp_size 2 after a restart. Planted: a worker
-copying its shard into the wrong host pages, and storage restoring rank 0's shard only,
-go red."""
+every rank copies its shard of a page under rank 0's page ids, and storage holds a page
+(and a hybrid model's state slot) as every rank's part. In deterministic mode a host hit
+and a storage hit `==` a cold run at tp_size 2, dense and hybrid × three strategies; a
+page stored at tp_size 2 is a counted miss at tp_size 1 and a hit again at tp_size 2
+after a restart. Planted: a worker copying its shard into the wrong host pages, storage
+restoring rank 0's shard only, and a stored state never loaded on the worker, go red."""
 
 from __future__ import annotations
 
@@ -16,15 +16,16 @@ import pytest
 
 from cache.host_pool import HostPool
 from kernel import Engine
-from kernel.config import ConfigError
-from kernel.parallel.host_shards import RankCopies, ShardedHostPool
+from kernel.parallel.host_shards import RankCopies, RankStateBytes, ShardedHostPool
 from tests.conftest import HYBRID_OVERRIDES, TINY_OVERRIDES
 from tests.test_host_tier import TIERED, host_hit, logprobs
 from tests.test_host_tier_hybrid import PROMPT as HYBRID_PROMPT
 from tests.test_host_tier_hybrid import SHARED, push_to_host, tiers
 from tests.test_host_tier_hybrid import TIERED as HYBRID_TIERED
 from tests.test_storage_tier import PROMPT, cold_then_storage_hit
-from tests.test_tensor_parallel import _child_of_us
+from tests.test_storage_tier_hybrid import GREEDY as STORAGE_GREEDY
+from tests.test_storage_tier_hybrid import PROMPT as STORAGE_PROMPT
+from tests.test_storage_tier_hybrid import TIERED as STORAGE_HYBRID
 
 TP2 = {"parallel.tp_size": 2}
 
@@ -120,11 +121,43 @@ def test_storage_hit_at_tp2_is_a_miss_at_tp1_and_a_hit_after_restart(tiny_chat_f
         again.shutdown()
 
 
-def test_hybrid_storage_refused_without_leftover_workers(hybrid_folders: dict[str, str], tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="hybrid models"):
-        Engine(None, {**HYBRID_OVERRIDES, **HYBRID_TIERED, **TP2, "model.path": hybrid_folders["qwen3_5_text"],
-                      "hicache.storage": "file", "hicache.storage_dir": str(tmp_path)})
-    assert [p for p in os.listdir("/proc") if p.isdigit() and _child_of_us(int(p))] == []
+def hybrid_stored(folder: str, strategy: str, storage_dir: Path) -> Engine:
+    return Engine(None, {**HYBRID_OVERRIDES, **STORAGE_HYBRID, **TP2, "model.path": folder,
+                         "cache.state_strategy": strategy, "hicache.storage_dir": str(storage_dir)})
+
+
+@pytest.mark.parametrize("strategy", ["no_buffer", "extra_buffer", "extra_buffer_lazy"])
+def test_hybrid_storage_hit_equals_cold_at_tp2(hybrid_folders: dict[str, str], strategy: str, tmp_path: Path) -> None:
+    engine = hybrid_stored(hybrid_folders["qwen3_5_text"], strategy, tmp_path)
+    try:
+        ref = engine.generate(STORAGE_PROMPT, STORAGE_GREEDY)
+        assert engine.flush_cache()
+        warm = engine.generate(STORAGE_PROMPT, STORAGE_GREEDY)
+        assert isinstance(ref, dict) and isinstance(warm, dict)
+        assert tiers(warm)["storage"] == 64, tiers(warm)
+        assert same(warm, ref), "a hybrid storage hit at tp_size 2 differs from the cold run"
+    finally:
+        engine.shutdown()
+
+
+def test_red_hybrid_storage_state_never_loaded_on_the_worker(
+    hybrid_folders: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = hybrid_folders["qwen3_5_text"]
+    engine = hybrid_stored(folder, "extra_buffer", tmp_path)
+    try:
+        ref = engine.generate(STORAGE_PROMPT, STORAGE_GREEDY)
+    finally:
+        engine.shutdown()
+    monkeypatch.setattr(RankStateBytes, "commit", lambda self, slot: None)
+    again = hybrid_stored(folder, "extra_buffer", tmp_path)  # the worker's state slots are fresh
+    try:
+        warm = again.generate(STORAGE_PROMPT, STORAGE_GREEDY)
+        assert isinstance(ref, dict) and isinstance(warm, dict)
+        assert tiers(warm)["storage"] == 64, tiers(warm)
+        assert not same(warm, ref), "the planted bug went unseen"
+    finally:
+        again.shutdown()
 
 
 def test_red_storage_reading_rank0s_shard_only(tiny_chat_folder: str, tmp_path: Path,

@@ -24,11 +24,15 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from cache.host_pool import HostPool, Layout, load_back, offload
+from cache.host_state_pool import slot_from_bytes, slot_to_bytes
 from cache.kv_pool import KVPool
+from cache.state_pool import StatePool
+from kernel.tiers.storage_io import StateBytes
 
 POLL_S = 0.0002  # how often a waiting copy looks at the workers' counters
 
@@ -41,6 +45,8 @@ class HostShare:
     layout: str
     paths: tuple[str, ...]  # rank r's host pages: paths[r - 1]
     done_path: str  # int64 per rank: the last copy ticket the rank finished
+    state_paths: tuple[str, ...] = ()  # hybrid models with storage: rank r's state mirror
+    state_shape: tuple[int, int] = (0, 0)  # the mirror: [state slots, bytes of a rank's part of a slot]
 
 
 class SharedMemory:
@@ -92,12 +98,13 @@ class ShardedHostPool(HostPool):
 @dataclass(frozen=True)
 class SharedHost:
     """Rank 0's host pool for every rank, what the workers map (`share`, sent in `Setup`),
-    and the workers' done counters."""
+    the workers' done counters and, hybrid models with storage, their state mirrors."""
 
     pool: ShardedHostPool
     share: HostShare
     memory: tuple[SharedMemory, ...]
     done: torch.Tensor
+    state_mirrors: tuple[torch.Tensor, ...]
 
     def close(self) -> None:
         """Once every worker mapped its memory: the mappings keep it; nothing is left to
@@ -106,9 +113,11 @@ class SharedHost:
             m.close()
 
 
-def share_host_pool(kv_pool: KVPool, num_pages: int, layout: Layout, size: int) -> SharedHost:
+def share_host_pool(kv_pool: KVPool, num_pages: int, layout: Layout, size: int,
+                    states: StatePool | None = None) -> SharedHost:
     """Rank 0's host pool for `size` ranks: every rank's shard has rank 0's shape (KV heads
-    split evenly or replicated)."""
+    split evenly or replicated). `states`: a hybrid model's state pool, when storage needs
+    every rank's part of a state slot (`RankStateBytes`)."""
     pool = ShardedHostPool.like(kv_pool, num_pages, layout)
     shape, dtype = tuple(pool.data.shape), pool.data.dtype
     nbytes = pool.data.numel() * pool.data.element_size()
@@ -117,8 +126,13 @@ def share_host_pool(kv_pool: KVPool, num_pages: int, layout: Layout, size: int) 
     done_memory = SharedMemory(8 * size, "tierserve-host-copies")
     done = map_shared(done_memory.path, (size,), torch.int64)
     done.zero_()
-    share = HostShare(num_pages, layout, tuple(m.path for m in memory), done_memory.path)
-    return SharedHost(pool, share, (*memory, done_memory), done)
+    state_shape = (states.num_slots, states.bytes_per_slot) if states is not None else (0, 0)
+    state_memory = [SharedMemory(state_shape[0] * state_shape[1], f"tierserve-states-rank{rank}")
+                    for rank in range(1, size)] if states is not None else []
+    mirrors = tuple(map_shared(m.path, state_shape, torch.uint8) for m in state_memory)
+    share = HostShare(num_pages, layout, tuple(m.path for m in memory), done_memory.path,
+                      tuple(m.path for m in state_memory), state_shape)
+    return SharedHost(pool, share, (*memory, done_memory, *state_memory), done, mirrors)
 
 
 class RankCopies:
@@ -137,8 +151,16 @@ class RankCopies:
         self.tickets = itertools.count(1)
 
     def post(self, kind: str, src: list[int], dst: list[int]) -> int:
+        return self._post(kind, tuple(src), tuple(dst))
+
+    def post_state(self, kind: str, slot: int) -> int:
+        """"save_state": each worker copies its part of state slot `slot` to its mirror;
+        "load_state": from its mirror into the slot."""
+        return self._post(kind, slot)
+
+    def _post(self, kind: str, *args: object) -> int:
         ticket = next(self.tickets)
-        message = ("copy", kind, tuple(src), tuple(dst), ticket)
+        message = ("copy", kind, *args, ticket)
         self.send_later(lambda: self.send(message))
         return ticket
 
@@ -153,11 +175,55 @@ class RankCopies:
             time.sleep(POLL_S)
 
 
+class RankStateBytes(StateBytes):
+    """A state slot for storage as every rank's part of it, rank order. The workers' parts
+    go through their state mirrors (shared memory, one row per slot): a read posts
+    "save_state" when the node's copy starts and reads the mirrors once it is done; a
+    write fills the mirrors and `commit` posts "load_state", which the workers run before
+    any step that reads the slot. NOTE: the mirrors cost every worker a host copy of its
+    state pool."""
+
+    def __init__(self, states: StatePool, mirrors: tuple[torch.Tensor, ...], ranks: RankCopies) -> None:
+        super().__init__(states)
+        self.mirrors = mirrors
+        self.ranks = ranks
+
+    @property
+    def layout(self) -> str:
+        return f"{super().layout}.tp{1 + len(self.mirrors)}"
+
+    @property
+    def size(self) -> int:
+        return self.states.bytes_per_slot * (1 + len(self.mirrors))
+
+    def reader(self, slot: int) -> Callable[[], bytes]:
+        own = super().reader(slot)
+        ticket = self.ranks.post_state("save_state", slot)
+
+        def read() -> bytes:
+            self.ranks.wait(ticket)
+            return b"".join([own(), *(m[slot].numpy().tobytes() for m in self.mirrors)])
+
+        return read
+
+    def write(self, slot: int, data: bytes) -> None:
+        if len(data) != self.size:
+            raise ValueError(f"a state slot of {1 + len(self.mirrors)} ranks needs {self.size} bytes, got {len(data)}")
+        view, step = memoryview(data), self.states.bytes_per_slot
+        slot_from_bytes(self.states.tensors(), slot, view[:step], step)
+        for i, mirror in enumerate(self.mirrors, start=1):
+            mirror[slot].copy_(torch.frombuffer(bytearray(view[i * step : (i + 1) * step]), dtype=torch.uint8))
+
+    def commit(self, slot: int) -> None:
+        self.ranks.post_state("load_state", slot)
+
+
 class WorkerCopies:
     """A worker's side: run rank 0's copy on this rank's pools, then mark it done."""
 
-    def __init__(self, kv_pool: KVPool, share: HostShare, rank: int, size: int) -> None:
+    def __init__(self, kv_pool: KVPool, states: StatePool | None, share: HostShare, rank: int, size: int) -> None:
         self.kv_pool = kv_pool
+        self.states = states
         self.rank = rank
         layout: Layout = "page_first" if share.layout == "page_first" else "layer_first"
         _, heads, head_dim = kv_pool.k[0].shape
@@ -165,10 +231,22 @@ class WorkerCopies:
         self.host = HostPool.like(kv_pool, share.num_pages, layout,
                                   data=map_shared(share.paths[rank - 1], shape, kv_pool.k[0].dtype))
         self.done = map_shared(share.done_path, (size,), torch.int64)
+        self.mirror = map_shared(share.state_paths[rank - 1], share.state_shape, torch.uint8) if share.state_paths else None
 
-    def run(self, kind: str, src: tuple[int, ...], dst: tuple[int, ...], ticket: int) -> None:
+    def run(self, kind: str, *args: Any) -> None:
+        *payload, ticket = args
         if kind == "offload":
-            offload(self.kv_pool, src, self.host, dst)
+            offload(self.kv_pool, payload[0], self.host, payload[1])
+        elif kind == "load":
+            load_back(self.host, payload[0], self.kv_pool, payload[1])
         else:
-            load_back(self.host, src, self.kv_pool, dst)
+            self._state(kind, payload[0])
         self.done[self.rank] = ticket
+
+    def _state(self, kind: str, slot: int) -> None:
+        assert self.states is not None and self.mirror is not None, f"{kind} on a rank without state mirrors"
+        tensors = self.states.tensors()
+        if kind == "save_state":
+            self.mirror[slot].copy_(torch.frombuffer(bytearray(slot_to_bytes(tensors, slot)), dtype=torch.uint8))
+        else:
+            slot_from_bytes(tensors, slot, self.mirror[slot].numpy().tobytes(), self.states.bytes_per_slot)

@@ -7,8 +7,9 @@ sends until it says stop:
 - ("run", batch, table rows): write the rows into its own request table and run the step
   as rank 0's runner does (the same collectives), without sampling: rank 0 samples;
 - ("copy_states", copies): a hybrid model's queued state-slot copies, in order;
-- ("copy", kind, src, dst, ticket): the host tier's copy of this rank's shard of pages
-  (kernel/parallel/host_shards.py), marked done for rank 0's copy job.
+- ("copy", kind, ..., ticket): the host tier's copy of this rank's shard of pages, or of
+  its part of a state slot to or from its mirror (kernel/parallel/host_shards.py), marked
+  done for rank 0's copy job.
 
 It exits when rank 0 says stop, when rank 0's process dies (it watches its parent, and the
 next receive fails), and on any error (rank 0's next collective then fails: the engine
@@ -87,7 +88,7 @@ def _build(config: Config, rank: int, size: int) -> tuple[ModelRunner, WorkerCop
     table = torch.zeros((setup.table_rows + setup.scratch_rows, setup.table_cols), dtype=torch.int64, device=device)
     attention = registry.lookup("attention", setup.attention)(pool, table, cpu_kernels=built.cpu_kernels)
     states = StatePool(model.state_shapes(), setup.state_slots, built.dtype, device) if setup.state_slots else None
-    copies = WorkerCopies(pool, setup.host, rank, size) if setup.host is not None else None
+    copies = WorkerCopies(pool, states, setup.host, rank, size) if setup.host is not None else None
     return WorkerRunner(model, pool, attention, states, cpu_kernels=built.cpu_kernels), copies
 
 

@@ -1,6 +1,7 @@
 """What runs on the storage tier's threads (kernel/tiers/storage_tier.py), never on the loop:
 the backend calls of a probe and of a fill, a call's outage check, and the digest of a
-model's weights that storage keys carry."""
+model's weights that storage keys carry; and `StateBytes`, a hybrid model's state slots
+as storage reads and writes them (its loop-side calls say so)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 import torch
 
 from cache.host_pool import HostPool
-from cache.host_state_pool import slot_from_bytes
+from cache.host_state_pool import slot_from_bytes, slot_to_bytes
 from cache.state_pool import StatePool
 from cache.storage import StorageBackend
 from cache.storage.base import outages_in_this_thread
@@ -38,8 +39,40 @@ def probe(backend: StorageBackend, keys: list[str], state_keys: list[str], first
     return max(n, 0)
 
 
+class StateBytes:
+    """How the storage tier reads and writes one state slot's bytes (hybrid models): here
+    the local state pool's. Tensor parallelism's spans every rank's part of the slot
+    (kernel/parallel/host_shards.py)."""
+
+    def __init__(self, states: StatePool) -> None:
+        self.states = states
+
+    @property
+    def layout(self) -> str:
+        """The name of the bytes' layout in storage keys (cache/storage/keys.py `PageFormat`)."""
+        return f"recurrent_state.{len(self.states.layers)}"
+
+    @property
+    def size(self) -> int:
+        return self.states.bytes_per_slot
+
+    def reader(self, slot: int) -> Callable[[], bytes]:
+        """Called on the loop when a copy of the slot's node starts; the result, called on
+        the copy worker while the node is locked, returns the slot's bytes."""
+        tensors = self.states.tensors()
+        return lambda: slot_to_bytes(tensors, slot)
+
+    def write(self, slot: int, data: bytes) -> None:
+        """Overwrite the slot from stored bytes (a reader thread; the slot is the fetch's
+        own). ValueError on a length mismatch, before anything is written."""
+        slot_from_bytes(self.states.tensors(), slot, data, self.size)
+
+    def commit(self, slot: int) -> None:
+        """On the loop once `write` returned, before the slot is read by anything."""
+
+
 def fill(
-    backend: StorageBackend, host_pool: HostPool, states: StatePool | None, keys: list[str], host: list[int],
+    backend: StorageBackend, host_pool: HostPool, states: StateBytes | None, keys: list[str], host: list[int],
     state_key: str | None, slot: int | None,
 ) -> tuple[int, int]:
     """Get the pages (and, hybrid models, the state after the last) and copy the leading
@@ -63,7 +96,7 @@ def fill(
     if filled < len(keys) or state is None:
         return 0, bad
     try:
-        slot_from_bytes(states.tensors(), slot, state, states.bytes_per_slot)
+        states.write(slot, state)
     except ValueError:
         return 0, 1
     return filled, 0

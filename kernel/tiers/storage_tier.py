@@ -39,13 +39,12 @@ import structlog
 
 from cache.copy_worker import CopyWorker
 from cache.host_pool import HostPool
-from cache.host_state_pool import slot_to_bytes
 from cache.kv_events import page_hashes
 from cache.prefix_cache import PrefixCache
 from cache.state_pool import StatePool
 from cache.storage import PageFormat, StorageBackend, keys_for_hashes
 from kernel.request import Request
-from kernel.tiers.storage_io import checked_call, fill, probe
+from kernel.tiers.storage_io import StateBytes, checked_call, fill, probe
 from kernel.tiers.tier_policy import PrefetchPolicy
 
 log = structlog.get_logger("tierserve")
@@ -90,13 +89,15 @@ class StorageTier:
     def __init__(
         self, backend: StorageBackend, fmt: PageFormat, tree: PrefixCache, host_pool: HostPool,
         prefetch: PrefetchPolicy, options: Mapping[str, Any], states: StatePool | None = None,
-        grid_pages: int = 1,
+        grid_pages: int = 1, state_bytes: StateBytes | None = None,
     ) -> None:
         self.backend = backend
         self.fmt = fmt
         self.states = states  # hybrid models: the state pool states are read from and into
         self.grid_pages = grid_pages  # hybrid models: states exist only every this many pages
-        self.state_fmt = dataclasses.replace(fmt, layout=f"recurrent_state.{len(states.layers)}") if states else None
+        # How a state slot's bytes are read and written (every rank's part, with tensor parallelism).
+        self.state_bytes = state_bytes or (StateBytes(states) if states is not None else None)
+        self.state_fmt = dataclasses.replace(fmt, layout=self.state_bytes.layout) if self.state_bytes else None
         self.tree = tree
         self.host_pool = host_pool
         self.prefetch = prefetch
@@ -142,14 +143,14 @@ class StorageTier:
 
     def _items(self, node: Any, host_pages: list[int]) -> Callable[[], list[tuple[str, bytes]]]:
         keys = keys_for_hashes(node.hashes, self.fmt)
-        slot = node.state_slot if self.states is not None else None
+        slot = node.state_slot if self.state_bytes is not None else None
         state_key = keys_for_hashes([node.hash], self.state_fmt)[0] if slot is not None and self.state_fmt else None
-        states = self.states
+        state = self.state_bytes.reader(slot) if self.state_bytes is not None and slot is not None else None
 
         def items() -> list[tuple[str, bytes]]:
             out = [(key, self.host_pool.page_bytes(page)) for key, page in zip(keys, host_pages, strict=True)]
-            if state_key is not None and states is not None and slot is not None:
-                out.append((state_key, slot_to_bytes(states.tensors(), slot)))  # after its pages
+            if state_key is not None and state is not None:
+                out.append((state_key, state()))  # after its pages
             return out
 
         return items
@@ -281,7 +282,7 @@ class StorageTier:
                 return
             fetch.state_slot, state_key = slot, fetch.state_keys[n - 1]
         slot = fetch.state_slot
-        read = self._read(lambda: fill(self.backend, self.host_pool, self.states, keys, host, state_key, slot))
+        read = self._read(lambda: fill(self.backend, self.host_pool, self.state_bytes, keys, host, state_key, slot))
         read.add_done_callback(lambda f: self._filled(fetch, f))
 
     def _state_slot(self) -> int | None:
@@ -308,6 +309,8 @@ class StorageTier:
         taken = 0
         if k:
             end = (fetch.first + k) * self.page_size
+            if slot is not None and self.state_bytes is not None:
+                self.state_bytes.commit(slot)  # before the tree lends the slot to anyone
             leaf, dupes = self.tree.insert_host(fetch.tokens[:end], host[:k], fetch.namespace, state_slot=slot)
             taken = k - len(dupes)
             if leaf is not None:
