@@ -130,14 +130,14 @@ def plant_host_resume_one_checkpoint_short(monkeypatch: pytest.MonkeyPatch) -> N
 def plant_recurrent_state_in_model_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     """The state bytes for storage rounded to bf16: the float32 recurrent state loses
     its low bits (the blob's size and checksum stay valid)."""
-    import kernel.tiers.storage_tier as storage_mod
+    import kernel.tiers.storage_io as storage_io
 
-    real = storage_mod.slot_to_bytes
+    real = storage_io.slot_to_bytes
 
     def rounded(tensors: Any, slot: int) -> bytes:
         return real([t[slot : slot + 1].to(torch.bfloat16).to(t.dtype) for t in tensors], 0)
 
-    monkeypatch.setattr(storage_mod, "slot_to_bytes", rounded)
+    monkeypatch.setattr(storage_io, "slot_to_bytes", rounded)
 
 
 PLANTS: dict[str, tuple[Callable[[pytest.MonkeyPatch], None], dict[str, Any], str]] = {
