@@ -71,12 +71,14 @@ def test_the_seed_config_is_the_seeds_launch() -> None:
     assert config.model.path == "random:qwen3_next" and config.deterministic
     assert (config.cache.page_size, config.scheduler.chunked_prefill_size) == (64, 256)
     assert config.cache.state_strategy == "extra_buffer" and config.hicache.host_ratio == 1
-    assert config.debug.check_invariants
+    assert config.debug.check_invariants and config.parallel.tp_size == 2
 
 
-def test_bug_1_replayed(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("tp", [2, 1])
+def test_bug_1_replayed(monkeypatch: pytest.MonkeyPatch, tp: int) -> None:
+    """At the report's --tp 2 (the seed config's) and on one rank."""
     cuts = record_chunks(monkeypatch)
-    engine = seed_engine()
+    engine = seed_engine(**{"parallel.tp_size": tp})
     try:
         arch = engine.engine.parts.runner.model.arch
         assert arch.architecture == "qwen3_next" and arch.sparse_layers

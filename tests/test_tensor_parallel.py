@@ -22,7 +22,13 @@ from kernel.config import ConfigError
 from kernel.parallel import workers as workers_mod
 from tests import leaks
 from tests.conftest import FLOAT32, SMOLLM
-from tests.tiny_hybrid import build_tiny_lfm2, build_tiny_qwen3_5
+from tests.tiny_hybrid import (
+    build_tiny_lfm2,
+    build_tiny_lfm2_moe,
+    build_tiny_qwen3_5,
+    build_tiny_qwen3_5_moe,
+    build_tiny_qwen3_next,
+)
 from tests.tiny_models import build_tiny, build_tiny_llama
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True, "return_logprob": True}
@@ -62,6 +68,11 @@ CASES = {
     "qwen3": (lambda f: build_tiny("qwen3", f), 2),
     "qwen3_5-gated-deltanet": (lambda f: build_tiny_qwen3_5(f), 2),
     "lfm2-short-conv": (lambda f: build_tiny_lfm2(f), 2),
+    # Mixture of experts: experts and shared experts split along their intermediate width.
+    "qwen3_moe": (lambda f: build_tiny("qwen3_moe", f), 2),
+    "qwen3_next": (lambda f: build_tiny_qwen3_next(f), 2),
+    "qwen3_5_moe": (lambda f: build_tiny_qwen3_5_moe(f), 2),
+    "lfm2_moe": (lambda f: build_tiny_lfm2_moe(f), 2),
 }
 
 

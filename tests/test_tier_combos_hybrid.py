@@ -130,7 +130,7 @@ def plant_host_resume_one_checkpoint_short(monkeypatch: pytest.MonkeyPatch) -> N
 def plant_recurrent_state_in_model_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     """The state bytes for storage rounded to bf16: the float32 recurrent state loses
     its low bits (the blob's size and checksum stay valid)."""
-    import kernel.tiers.storage_io as storage_io
+    from kernel.tiers import storage_io
 
     real = storage_io.slot_to_bytes
 

@@ -6,6 +6,7 @@ row-parallel biases added after the all-reduce. Each split rule's planted bug go
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from gpu.models.llama import LlamaModel
 from gpu.parallel import shard as shard_mod
 from gpu.parallel.group import TensorParallel
 from gpu.parallel.shard import ShardError, check_divisible, kv_heads_of, shard_checkpoint
+from kernel.registry import lookup
 from tests.tiny_models import VOCAB, build_tiny, build_tiny_llama
 from tests.tp_ranks import prefill_then_decode, run_ranks, sharded_logits
 
@@ -23,7 +25,7 @@ IDS = [5, 17, 99, 3, 250, 41, 77, 8, 300, 12, 64]
 
 def _reference(path: Path) -> tuple[object, dict, torch.Tensor]:
     ckpt = load_checkpoint(str(path), torch.float32)
-    full = LlamaModel(ckpt.arch, ckpt.weights, torch.float32, torch.device("cpu"))
+    full = lookup("model", ckpt.arch.architecture)(ckpt.arch, ckpt.weights, torch.float32, torch.device("cpu"))
     with torch.inference_mode():
         return ckpt.arch, ckpt.weights, prefill_then_decode(full, IDS)
 
@@ -37,6 +39,10 @@ CASES = {
     "llama-odd-vocab": (lambda f: build_tiny_llama(f, 6, 3, vocab=509), 3),  # 509 rows: the last shard is padded
     "qwen2-qkv-bias": (lambda f: build_tiny("qwen2", f), 2),
     "qwen3-qk-norm": (lambda f: build_tiny("qwen3", f), 2),
+    # Experts split along their intermediate width, the router whole: one all-reduce a block.
+    "qwen3_moe-experts": (lambda f: build_tiny("qwen3_moe", f), 2),
+    "qwen3_moe-experts-over-4": (lambda f: build_tiny("qwen3_moe", f), 4),
+    "mixtral-experts": (lambda f: build_tiny("mixtral", f), 2),
 }
 
 
@@ -126,3 +132,69 @@ def test_ordered_all_reduce_sums_in_rank_order() -> None:
 
     want = (parts[0] + parts[1]) + parts[2]
     assert all(torch.equal(got, want) for got in run_ranks(3, fn))
+
+
+def test_planted_sparse_block_not_all_reduced_goes_red(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sparse layer's experts hold a slice of their width: forgetting the block's
+    all-reduce (a separate path from the dense MLP's) leaves each rank a partial sum."""
+    from gpu.models.llama_moe import Qwen3MoeModel
+
+    arch, weights, want = _reference(build_tiny("qwen3_moe", tmp_path))
+    monkeypatch.setattr(Qwen3MoeModel, "_mlp", lambda self, i, layer, x: (
+        self.moe.forward(i, self.linear, x) if i in self.moe else LlamaModel._mlp(self, i, layer, x)))
+    got = sharded_logits(arch, weights, 2, IDS)  # type: ignore[arg-type]
+    assert (got[0] - want).abs().max() > 1e-2
+
+
+def _qwen3_next_in_proj(arch: object, weights: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+    from types import SimpleNamespace
+
+    from gpu.models.hybrid_common import Weights
+    from gpu.models.hybrid_moe import Qwen3NextModel
+
+    return Qwen3NextModel._in_proj(SimpleNamespace(arch=arch), Weights(weights, torch.float32, torch.device("cpu")),
+                                   prefix)  # type: ignore[arg-type]
+
+
+def _in_proj_rows_of(arch: object, fused: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """The rows of the whole fused [q | k | v | z | b | a] projection that rank's heads read."""
+    a: Any = arch
+    hk, hv, dk, dv = a.linear_num_key_heads, a.linear_num_value_heads, a.linear_key_head_dim, a.linear_value_head_dim
+    pieces, start = [], 0
+    for unit, heads in ((dk, hk), (dk, hk), (dv, hv), (dv, hv), (1, hv), (1, hv)):
+        per = heads // size
+        pieces.append(fused[start + rank * per * unit : start + (rank + 1) * per * unit])
+        start += heads * unit
+    return torch.cat(pieces)
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_qwen3_next_fused_projections_split_by_key_head_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              planted: bool) -> None:
+    """in_proj_qkvz / in_proj_ba are grouped by key head: a rank's slice, reordered as the
+    model does at load, is exactly its heads' rows of the whole model's projection. Planted:
+    split as if [q | k | v | z] were contiguous segments (Qwen3.5's layout) — red."""
+    from tests.tiny_hybrid import build_tiny_qwen3_next
+
+    ckpt = load_checkpoint(str(build_tiny_qwen3_next(tmp_path)), torch.float32)
+    prefix = "model.layers.0.linear_attn."
+    whole = _qwen3_next_in_proj(ckpt.arch, ckpt.weights, prefix)
+    if planted:
+        a = ckpt.arch
+        hk, hv, dk, dv = a.linear_num_key_heads, a.linear_num_value_heads, a.linear_key_head_dim, a.linear_value_head_dim
+
+        def segments(rules: Any, name: str, shape: torch.Size) -> Any:
+            if name.endswith("in_proj_qkvz.weight"):
+                mine_k, mine_v = rules.mine(hk), rules.mine(hv)
+                return shard_mod.Split(0, (shard_mod.Part(dk, hk, mine_k), shard_mod.Part(dk, hk, mine_k),
+                                           shard_mod.Part(dv, hv, mine_v), shard_mod.Part(dv, hv, mine_v)))
+            return real(rules, name, shape)
+
+        real = shard_mod._Rules.split
+        monkeypatch.setattr(shard_mod._Rules, "split", segments)
+    same = []
+    for rank in range(2):
+        shard = shard_checkpoint(ckpt.arch, ckpt.weights, {}, rank, 2)
+        mine = _qwen3_next_in_proj(shard.arch, shard.weights, prefix)
+        same.append(torch.equal(mine, _in_proj_rows_of(ckpt.arch, whole, rank, 2)))
+    assert all(same) != planted

@@ -18,6 +18,7 @@ from gpu.model_config import ModelArchConfig
 from gpu.models.llama import LlamaModel
 from gpu.parallel.group import TensorParallel
 from gpu.parallel.shard import shard_checkpoint
+from kernel.registry import lookup
 
 PAGE = 16
 PAGES = 8
@@ -71,8 +72,8 @@ def sharded_logits(arch: ModelArchConfig, weights: Mapping[str, torch.Tensor], s
         shard = shard_checkpoint(arch, weights, {}, rank, size)
         tp = TensorParallel(rank, size, arch.vocab_size, shard.vocab_start, shard.vocab_chunk,
                             ordered=deterministic, group=pg)
-        model = LlamaModel(shard.arch, shard.weights, torch.float32, torch.device("cpu"),
-                           deterministic=deterministic, tp=tp)
+        model = lookup("model", arch.architecture)(shard.arch, shard.weights, torch.float32, torch.device("cpu"),
+                                                    deterministic=deterministic, tp=tp)
         return prefill_then_decode(model, ids)
 
     with torch.inference_mode():

@@ -27,6 +27,7 @@ from gpu.models.lfm2 import Lfm2Model
 from gpu.models.qwen3_5 import Qwen3_5Model
 from gpu.moe.layers import MoeLayers
 from gpu.moe.names import HF_NAMES, ExpertNames
+from gpu.parallel.group import TensorParallel
 from kernel.registry import register
 
 
@@ -40,15 +41,16 @@ class SparseMlps:
     linear: Any
 
     def __init__(self, arch: ModelArchConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device, deterministic: bool = False, moe: str = "torch") -> None:
-        super().__init__(arch, weights, dtype, device, deterministic)  # type: ignore[call-arg]
+                 device: torch.device, deterministic: bool = False, moe: str = "torch",
+                 tp: TensorParallel | None = None) -> None:
+        super().__init__(arch, weights, dtype, device, deterministic, tp)  # type: ignore[call-arg]
         self.moe = MoeLayers(arch, Weights(weights, dtype, device), moe, self.NAMES, shared=self.SHARED_EXPERT)
         self.static_shapes = self.moe.static_shapes
 
     def _mlp(self, i: int, block: HybridBlock[Any, Any], x: torch.Tensor) -> torch.Tensor:
         if i not in self.moe:
             return super()._mlp(i, block, x)  # type: ignore[misc,no-any-return]
-        return self.moe.forward(i, self.linear, x)
+        return self._reduce(self.moe.forward(i, self.linear, x), None)  # type: ignore[attr-defined,no-any-return]
 
     def expert_tokens(self) -> dict[str, list[int]]:
         """Per sparse layer (its index, as text: a JSON key), the tokens routed to each expert so far."""

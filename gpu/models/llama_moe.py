@@ -35,7 +35,7 @@ class Qwen3MoeModel(LlamaModel):
     def _mlp(self, i: int, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         if i not in self.moe:
             return super()._mlp(i, layer, x)
-        return self.moe.forward(i, self.linear, x)
+        return self._reduce(self.moe.forward(i, self.linear, x), None)  # each rank's experts are partial
 
     def expert_tokens(self) -> dict[str, list[int]]:
         """Per sparse layer (its index, as text: a JSON key), the tokens routed to each expert so far."""

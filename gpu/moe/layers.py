@@ -74,7 +74,10 @@ class MoeLayers:
         return layer in self.blocks
 
     def forward(self, layer: int, linear: Linear, x: torch.Tensor) -> torch.Tensor:
-        """The sparse block's output for the normed hidden states x [T, hidden]."""
+        """The sparse block's output for the normed hidden states x [T, hidden]. NOTE: under
+        tensor parallelism every expert holds this rank's slice of its intermediate width
+        (gpu/parallel/shard.py) and the router is whole, so this is the rank's partial sum
+        (the shared expert's gate scales it linearly): the model all-reduces it once."""
         block = self.blocks[layer]
         routing = self.route(linear(x, block.router), block)
         if self._deferred is None:

@@ -12,7 +12,13 @@ group:
 - vocab-parallel: the embedding and an untied lm_head, by rows, padded with zero rows to
   `vocab_chunk` per rank so every rank's logits have one width (the gathered logits are
   cut back to the vocabulary);
-- replicated: norms (QK-norm and the gated RMSNorm's per-head weight included).
+- replicated: norms (QK-norm and the gated RMSNorm's per-head weight included);
+- mixture of experts: every expert (and the shared expert) split like a dense MLP, along
+  its own intermediate dimension — gate/up rows, down columns — while the router, the
+  expert bias and the shared expert's gate are replicated, so every rank routes every
+  token the same way and the block's partial output needs one all-reduce. Qwen3-Next's
+  fused linear-attention projections (`in_proj_qkvz`, `in_proj_ba`) are grouped by key
+  head in the checkpoint, so they split by whole key-head groups.
 
 KV heads: with more ranks than KV heads each KV head is replicated on `size / kv_heads`
 ranks (the ranks whose query heads read it); otherwise each rank takes `kv_heads / size`.
@@ -34,7 +40,11 @@ from gpu.model_config import ModelArchConfig
 from gpu.quant.gguf_blocks import Q4Blocks, block_bytes
 from gpu.quant.linears import GROUP
 
-HYBRIDS = ("qwen3_5_text", "lfm2")
+QWEN3_5_FAMILY = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")  # Gated DeltaNet + gated attention
+LFM2_FAMILY = ("lfm2", "lfm2_moe")  # short convs + attention
+HYBRIDS = QWEN3_5_FAMILY + LFM2_FAMILY
+EXPERT_ROWS = ("gate_proj", "up_proj", "w1", "w3")  # an expert's gate / up: output rows split
+EXPERT_COLS = ("down_proj", "w2")  # its down projection: input columns split
 
 
 class ShardError(ValueError):
@@ -65,9 +75,9 @@ class Split(NamedTuple):
 
 def check_divisible(arch: ModelArchConfig, size: int) -> None:
     """Raise ShardError naming the first dimension that `size` does not split."""
-    if arch.sparse_layers or (arch.layer_types is not None and arch.architecture not in HYBRIDS):
-        raise ShardError("tensor parallelism covers dense Llama-family models and Qwen3.5 / LFM2 so far; "
-                         f"{arch.architecture} is not one of them (mixture-of-experts layers are not split yet)")
+    if arch.layer_types is not None and arch.architecture not in HYBRIDS:
+        raise ShardError("tensor parallelism covers Llama-family models and the Qwen3.5 / LFM2 hybrids; "
+                         f"{arch.architecture} is not one of them")
     if arch.num_heads % size:
         raise ShardError(f"{arch.num_heads} attention heads do not split over {size} ranks")
     kv = arch.num_kv_heads
@@ -75,10 +85,12 @@ def check_divisible(arch: ModelArchConfig, size: int) -> None:
         raise ShardError(f"{kv} KV heads neither split over {size} ranks nor replicate evenly onto them")
     if arch.intermediate_size % size:
         raise ShardError(f"intermediate size {arch.intermediate_size} does not split over {size} ranks")
-    if arch.architecture == "qwen3_5_text" and (arch.linear_num_key_heads % size or arch.linear_num_value_heads % size):
+    if arch.sparse_layers and arch.moe_intermediate_size % size:
+        raise ShardError(f"the experts' intermediate size {arch.moe_intermediate_size} does not split over {size} ranks")
+    if arch.architecture in QWEN3_5_FAMILY and (arch.linear_num_key_heads % size or arch.linear_num_value_heads % size):
         raise ShardError(f"{arch.linear_num_key_heads} key / {arch.linear_num_value_heads} value heads of the "
                          f"linear-attention layers do not split over {size} ranks")
-    if arch.architecture == "lfm2" and arch.hidden_size % size:
+    if arch.architecture in LFM2_FAMILY and arch.hidden_size % size:
         raise ShardError(f"the short conv's {arch.hidden_size} channels do not split over {size} ranks")
 
 
@@ -107,7 +119,7 @@ def shard_checkpoint(
                 b = blocks[name]
                 out_blocks[name] = Q4Blocks(b.kind, _pad_rows(b.data[rank * chunk : (rank + 1) * chunk], chunk))
             continue
-        split = rules.split(name)
+        split = rules.split(name, tensor.shape)
         out[name] = tensor if split is None else _take(tensor, split).contiguous()
         if name in blocks:
             out_blocks[name] = blocks[name] if split is None else _take_blocks(blocks[name], split)
@@ -129,18 +141,20 @@ class _Rules:
         a, n = self.arch, self.size
         return dataclasses.replace(
             a, num_heads=a.num_heads // n, num_kv_heads=len(kv_heads_of(a, self.rank, n)),
-            intermediate_size=a.intermediate_size // n,
+            intermediate_size=a.intermediate_size // n, moe_intermediate_size=a.moe_intermediate_size // n,
             linear_num_key_heads=a.linear_num_key_heads // n, linear_num_value_heads=a.linear_num_value_heads // n,
         )
 
-    def split(self, name: str) -> Split | None:
-        """How tensor `name` splits (None: replicated)."""
+    def split(self, name: str, shape: torch.Size) -> Split | None:
+        """How tensor `name` of `shape` splits (None: replicated)."""
+        if ".experts." in name or ".shared_expert." in name:
+            return self._expert_split(name, shape)
         a = self.arch
         hd, heads, kv = a.head_dim, a.num_heads, a.num_kv_heads
         q_heads, kv_heads = self.mine(heads), kv_heads_of(a, self.rank, self.size)
         rows_of = {
             # Qwen3.5's q_proj interleaves [query | gate] per head: a head is 2 * head_dim rows.
-            "self_attn.q_proj": Part(2 * hd if a.architecture == "qwen3_5_text" else hd, heads, q_heads),
+            "self_attn.q_proj": Part(2 * hd if a.architecture in QWEN3_5_FAMILY else hd, heads, q_heads),
             "self_attn.k_proj": Part(hd, kv, kv_heads),
             "self_attn.v_proj": Part(hd, kv, kv_heads),
             "mlp.gate_proj": Part(1, a.intermediate_size, self.mine(a.intermediate_size)),
@@ -162,20 +176,35 @@ class _Rules:
             return Split(1, (cols_of[module],)) if leaf == "weight" else None  # the bias: once, after the reduce
         return self._state_split(module, leaf, name)
 
+    def _expert_split(self, name: str, shape: torch.Size) -> Split | None:
+        """A routed or shared expert's projection, split along its own intermediate width
+        (the shared expert's is not the routed experts'; both read from the shape)."""
+        projection = name.rsplit(".", 2)[-2]
+        dim = 0 if projection in EXPERT_ROWS else 1 if projection in EXPERT_COLS else None
+        if dim is None:
+            return None
+        width = shape[dim]
+        if width % self.size:
+            raise ShardError(f"{name}: an expert's intermediate size {width} does not split over {self.size} ranks")
+        return Split(dim, (Part(1, width, self.mine(width)),))
+
     def _state_split(self, module: str, leaf: str, name: str) -> Split | None:
         a = self.arch
-        if a.architecture == "qwen3_5_text" and ".linear_attn." in name:
+        if a.architecture in QWEN3_5_FAMILY and ".linear_attn." in name:
             hk, hv, dk, dv = a.linear_num_key_heads, a.linear_num_value_heads, a.linear_key_head_dim, a.linear_value_head_dim
             per_value_head = Split(0, (Part(1, hv, self.mine(hv)),))
             if leaf in ("A_log", "dt_bias"):
                 return per_value_head
             qkv = Split(0, (Part(dk, hk, self.mine(hk)), Part(dk, hk, self.mine(hk)), Part(dv, hv, self.mine(hv))))
-            by_module = {"linear_attn.in_proj_qkv": qkv, "linear_attn.conv1d": qkv,
+            rep = hv // hk  # Qwen3-Next's fused projections: per key head [q | k | v... | z...] and [b... | a...]
+            by_module = {"linear_attn.in_proj_qkvz": Split(0, (Part(2 * dk + 2 * rep * dv, hk, self.mine(hk)),)),
+                         "linear_attn.in_proj_ba": Split(0, (Part(2 * rep, hk, self.mine(hk)),)),
+                         "linear_attn.in_proj_qkv": qkv, "linear_attn.conv1d": qkv,
                          "linear_attn.in_proj_z": Split(0, (Part(dv, hv, self.mine(hv)),)),
                          "linear_attn.in_proj_b": per_value_head, "linear_attn.in_proj_a": per_value_head,
                          "linear_attn.out_proj": Split(1, (Part(dv, hv, self.mine(hv)),))}
             return by_module.get(module)  # norm: one weight per head dim, replicated
-        if a.architecture == "lfm2" and ".conv." in name:
+        if a.architecture in LFM2_FAMILY and ".conv." in name:
             channels = Part(1, a.hidden_size, self.mine(a.hidden_size))
             if module == "conv.in_proj":
                 return Split(0, (channels, channels, channels))  # [B | C | x]
