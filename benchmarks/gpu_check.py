@@ -9,6 +9,9 @@
    random-weight Llama (SmolLM2's tokenizer), printed as one table; overlap on vs off.
 3. The speculative table (issue 23): `benchmarks/speculative.py --quick --no-llama
    --no-exactness` — tierserve with and without n-gram drafts, and whether the texts match.
+4. Tensor parallelism (issue 25), only with two GPUs or more: its tests on the devices
+   (NCCL), then the ~0.5B Llama at tp_size 2 against 1 with captured graphs (the
+   all-reduce inside each bucket's graph), as a ratio.
 
 Installs nothing beyond the project. Bounded: each part has a timeout (`--tests-timeout`,
 `--bench-timeout`; each test 150 s at most), the whole well under 8 minutes on one H200.
@@ -53,12 +56,13 @@ def run(cmd: list[str], timeout: int) -> tuple[int, str, float]:
     return rc, out, time.monotonic() - t0
 
 
-def throughput(model: str, graphs: str, json_path: Path, timeout: int, overlap: str = "auto") -> float | None:
+def throughput(model: str, graphs: str, json_path: Path, timeout: int, overlap: str = "auto", tp: int = 1) -> float | None:
     cmd = [sys.executable, "benchmarks/throughput.py", "--skip-baseline", "--num-requests", "64",
            "--output-max", "128", "--json", str(json_path), "--set", f"model.path={model}",
-           "--set", f"graphs.mode={graphs}", "--set", "model.attention=triton", "--set", f"scheduler.overlap={overlap}"]
+           "--set", f"graphs.mode={graphs}", "--set", "model.attention=triton", "--set", f"scheduler.overlap={overlap}",
+           "--set", f"parallel.tp_size={tp}"]
     rc, out, secs = run(cmd, timeout=timeout)
-    print(f"throughput {Path(model).name} graphs={graphs} overlap={overlap}: exit {rc} in {secs:.0f}s", flush=True)
+    print(f"throughput {Path(model).name} graphs={graphs} overlap={overlap} tp={tp}: exit {rc} in {secs:.0f}s", flush=True)
     if rc != 0:
         print(out[-2000:], file=sys.stderr)
         return None
@@ -122,6 +126,28 @@ def main() -> int:
     spec_rc, out, secs = run([sys.executable, "benchmarks/speculative.py", "--quick", "--no-llama", "--no-exactness",
                               "--no-progress"], timeout=4 * args.bench_timeout)
     print(f"\nspeculative table: exit {spec_rc} in {secs:.0f}s\n{out[-3000:]}")
+    return max(rc, tensor_parallel(pytest, args))
+
+
+def tensor_parallel(pytest: list[str], args: argparse.Namespace) -> int:
+    """Part 4: tp 2 on two GPUs (NCCL), tests then tp 2 / tp 1 throughput with graphs captured."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        print("\ntensor parallelism: one GPU here; tp_size 2 needs two (skipped)")
+        return 0
+    tests = ["tests/test_tensor_parallel.py", "tests/test_tensor_parallel_graphs.py", "tests/test_tensor_parallel_tiers.py"]
+    rc, out, secs = run([*pytest[:-4], *tests], timeout=args.tests_timeout)  # one file at a time: ranks need GPUs
+    print(f"\ntensor-parallel tests: exit {rc} in {secs:.0f}s\n{out[-3000:]}")
+    from tests.tiny_models import build_tiny_chat
+
+    with tempfile.TemporaryDirectory() as tmp:  # SmolLM2's 9 heads do not split 2 ways; these 20 do
+        model = str(build_tiny_chat(Path(tmp) / "llama05b", shape=LLAMA_05B))
+        one = throughput(model, "cuda", Path(tmp) / "tp1.json", args.bench_timeout, overlap="off")
+        two = throughput(model, "cuda", Path(tmp) / "tp2.json", args.bench_timeout, overlap="off", tp=2)
+    ratio = f"{two / one:.2f}x" if one and two else "n/a"
+    print(f"Llama ~0.5B, graphs captured, overlap off: tp 1 {one or 'failed'} tok/s, tp 2 {two or 'failed'} tok/s "
+          f"-> {ratio}")
     return rc
 
 

@@ -176,7 +176,7 @@ def _build_components(
         config.scheduler.overlap, device, hybrid=states is not None, speculative=config.speculative.enabled)
     log.info("overlap_scheduling", on=overlap, setting=config.scheduler.overlap, hybrid=states is not None)
     runner.inputs = _step_inputs(device, table.table.shape[0], overlap)
-    runner.graphs = _graph_runner(config, model, attention, states, device)
+    runner.graphs = build_graph_runner(config, model, attention, states, device)
     speculator = _speculator(config, states is not None, runner.graphs.decode_rows if runner.graphs else None, cache)
     if speculator is not None and isinstance(speculator.drafter, ModelDrafter):
         speculator.drafter.attach(build_draft(config, device, built, context, num_pages, table, attention_name,
@@ -243,7 +243,7 @@ def attention_backend(name: str, device: torch.device) -> str:
     return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") is not None else "torch"
 
 
-def _graph_runner(
+def build_graph_runner(
     config: Config, model: Any, attention: AttentionBackend, states: StatePool | None, device: torch.device
 ) -> GraphRunner | CpuStepRunner | None:
     """graphs.mode resolved (auto: cuda where it can run, cpu where the model has a native
@@ -258,8 +258,11 @@ def _graph_runner(
         raise ConfigError(f"graphs.mode: {mode} needs static shapes, and this model's MoE implementation reads "
                           "routing results on the host; use model.moe: dense (static shapes) or graphs.mode: off")
     decode_buckets = [b for b in graphs.decode_buckets if b <= sched.max_running_requests]
-    if config.parallel.tp_size > 1:
-        log.info("graphs_off", reason="tensor parallelism runs its collectives eagerly")
+    if config.parallel.tp_size > 1 and mode == "auto":
+        # NOTE: every rank runs this with the same config (kernel/parallel/worker.py), so
+        # all ranks hold the same buckets. The native CPU step has no collectives, and
+        # CUDA capture of the all-reduce is opted into (`cuda`), not picked by `auto`.
+        log.info("graphs_off", reason="tensor parallelism: graphs.mode emulate or cuda turn them on")
         return None
     if mode in ("auto", "cpu") and device.type == "cpu":
         why = cpu_step.unsupported(model, attention)
@@ -291,7 +294,7 @@ def _state_pool(config: Config, model: Any, dtype: torch.dtype, device: torch.de
     for the two-slot strategies, room for cached states), plus the reserved slot 0."""
     if not hasattr(model, "state_shapes"):
         return None
-    config.cache.check_state_grid()
+    config.cache.check_state_grid(config.scheduler.chunked_prefill_size)
     num = config.cache.state_slots or 3 * config.scheduler.max_running_requests + 1
     pool = StatePool(model.state_shapes(), num, dtype, device)
     log.info("state_pool_sized", slots=num, bytes_per_slot=pool.bytes_per_slot)

@@ -97,13 +97,21 @@ class CacheConfig:
             raise ConfigError(f"cache.state_slots must be >= 2 (slot 0 is reserved), got {self.state_slots}")
         _positive("cache.state_track_interval", self.state_track_interval)
 
-    def check_state_grid(self) -> None:
+    def check_state_grid(self, chunked_prefill_size: int) -> None:
         """Hybrid models only (a dense model never reads the state grid): checkpoints
-        must sit on page boundaries."""
+        must sit on page boundaries, and with the prefix cache (checkpoints on) a prompt
+        chunk must be able to reach the next one — every non-final chunk ends on the grid
+        (kernel/scheduling/chunk_planner.py), so a smaller chunk size would never run."""
         if self.state_track_interval % self.page_size:
             raise ConfigError(
                 f"cache.state_track_interval ({self.state_track_interval}) must be a multiple of "
                 f"cache.page_size ({self.page_size}) for a hybrid model"
+            )
+        if self.prefix == "radix" and chunked_prefill_size < self.state_track_interval:
+            raise ConfigError(
+                f"scheduler.chunked_prefill_size ({chunked_prefill_size}) must be at least "
+                f"cache.state_track_interval ({self.state_track_interval}) for a hybrid model with the "
+                "prefix cache: chunks end on state checkpoints"
             )
 
 
@@ -428,7 +436,7 @@ class Config:
         not_yet = {
             "speculative decoding": self.speculative.enabled,
             "scheduler.overlap: on": self.scheduler.overlap == "on",
-            f"graphs.mode: {self.graphs.mode}": self.graphs.mode not in ("auto", "off"),
+            "graphs.mode: cpu (the native decode step has no collectives)": self.graphs.mode == "cpu",
         }
         for what, used in not_yet.items():
             if used:

@@ -124,8 +124,19 @@ def test_state_grid_must_sit_on_pages_for_hybrid_models_only() -> None:
 
     config = load_config(None, {"cache.page_size": 128})  # dense models never read the grid
     with pytest.raises(ConfigError, match="state_track_interval"):
-        config.cache.check_state_grid()
-    load_config(None, {"cache.page_size": 16, "cache.state_track_interval": 48}).cache.check_state_grid()
+        config.cache.check_state_grid(512)
+    load_config(None, {"cache.page_size": 16, "cache.state_track_interval": 48}).cache.check_state_grid(512)
+
+
+def test_hybrid_chunks_smaller_than_the_state_grid_are_refused() -> None:
+    """With the prefix cache a hybrid's non-final chunks end on state checkpoints: a chunk
+    size below the interval could never end one, and a long prompt would wait forever."""
+    from kernel.config import ConfigError, load_config
+
+    small = {"cache.page_size": 16, "cache.state_track_interval": 64, "scheduler.chunked_prefill_size": 32}
+    with pytest.raises(ConfigError, match="chunked_prefill_size .32. must be at least cache.state_track_interval"):
+        load_config(None, {**small, "cache.prefix": "radix"}).cache.check_state_grid(32)
+    load_config(None, {**small, "cache.prefix": "none"}).cache.check_state_grid(32)  # no checkpoints
 
 
 def test_attention_auto_is_triton_on_cuda_only() -> None:

@@ -24,7 +24,7 @@ from gpu.kernels import cpu
 from gpu.models import llama_cpu_step
 from gpu.quant import gemv
 from kernel import Engine
-from kernel.components import _graph_runner
+from kernel.components import build_graph_runner
 from kernel.config import ConfigError
 from tests.conftest import CONFIG, FLOAT32
 from tests.tiny_models import VOCAB, build_tiny
@@ -167,7 +167,7 @@ def test_auto_picks_the_native_step_where_it_runs(native_engine: Engine, monkeyp
     parts = native_engine.engine.parts  # type: ignore[attr-defined]
     runner, config = parts.runner, native_engine.config
     auto = SimpleNamespace(**{**vars(config), "graphs": SimpleNamespace(**{**vars(config.graphs), "mode": "auto"})})
-    picked = _graph_runner(auto, runner.model, runner.attention, None, torch.device("cpu"))  # type: ignore[arg-type]
+    picked = build_graph_runner(auto, runner.model, runner.attention, None, torch.device("cpu"))  # type: ignore[arg-type]
     # the int8 head's row limit bounds the step (the 4-bit kernel takes any): 12 rows in
     # bfloat16 (any where the int8 kernel outruns bf16 GEMMs: then max_running_requests), 64
     # in float32 (gpu/quant/linears.py), so buckets up to 8 / 64
@@ -178,9 +178,9 @@ def test_auto_picks_the_native_step_where_it_runs(native_engine: Engine, monkeyp
     assert picked.max_rows == (64 if wide else 8)
     monkeypatch.setattr(runner.model, "fused", False)  # as in deterministic mode or with the kernels off
     assert cpu_step.unsupported(runner.model, runner.attention) is not None
-    assert _graph_runner(auto, runner.model, runner.attention, None, torch.device("cpu")) is None  # type: ignore[arg-type]
+    assert build_graph_runner(auto, runner.model, runner.attention, None, torch.device("cpu")) is None  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="graphs.mode: cpu needs the C\\+\\+ CPU kernels"):
-        _graph_runner(config, runner.model, runner.attention, None, torch.device("cpu"))
+        build_graph_runner(config, runner.model, runner.attention, None, torch.device("cpu"))
 
 
 def test_qkv_bias_model_is_bit_identical(tmp_path: Path) -> None:

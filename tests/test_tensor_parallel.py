@@ -198,6 +198,8 @@ def test_refused_at_start_without_leftover_workers(tmp_path: Path) -> None:
         engine(SMOLLM, 2)
     with pytest.raises(ConfigError, match="overlap"):
         engine(SMOLLM, 3, **{"scheduler.overlap": "on"})
+    with pytest.raises(ConfigError, match="graphs.mode: cpu"):  # the native step has no collectives
+        engine(SMOLLM, 3, **{"graphs.mode": "cpu"})
     children = [p for p in os.listdir("/proc") if p.isdigit() and _child_of_us(int(p))]
     assert children == []
 

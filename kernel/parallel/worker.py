@@ -31,10 +31,11 @@ import torch.distributed as dist
 from cache.kv_pool import KVPool
 from cache.state_pool import StatePool
 from gpu.forward_batch import ForwardBatch
+from gpu.graphs.runner import Bucket, GraphRunner
 from gpu.model_runner import ModelRunner
 from gpu.parallel import group
 from kernel import registry
-from kernel.components import pick_device
+from kernel.components import build_graph_runner, pick_device
 from kernel.config import Config
 from kernel.logging_setup import setup_logging
 from kernel.model_build import build_model
@@ -55,6 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(config.model.num_threads or max(1, len(cpus)))
     runner, copies = _build(config, args.rank, args.size)
     dist.barrier()  # built: rank 0's start-up goes on (kernel/parallel/workers.py `set_up`)
+    # Rank 0 builds its graph runner next: the warm-ups (emulate) or captures (cuda) run
+    # the forward's collectives, so this rank runs the same ones, bucket for bucket.
+    runner.graphs = build_graph_runner(config, runner.model, runner.attention, runner.states, runner.device)
+    if isinstance(runner.graphs, GraphRunner):
+        runner.graphs.inputs = runner.inputs
     with torch.inference_mode():
         while (message := group.receive())[0] != "stop":
             if message[0] == "copy_states":
@@ -64,15 +70,16 @@ def main(argv: list[str] | None = None) -> int:
                 assert copies is not None, "a host copy, and this rank has no host pages"
                 copies.run(*message[1:])
                 continue
-            _, batch, (rows, lens, flat) = message
+            _, batch, (rows, lens, flat), bucket = message
             write_table_rows(runner.attention.req_to_token, rows, lens, flat)
+            runner.check_bucket(batch, bucket)
             runner.run(batch)
     dist.barrier()  # rank 0 waits here too: nobody closes a connection another still reads
     dist.destroy_process_group()
     return 0
 
 
-def _build(config: Config, rank: int, size: int) -> tuple[ModelRunner, WorkerCopies | None]:
+def _build(config: Config, rank: int, size: int) -> tuple[WorkerRunner, WorkerCopies | None]:
     """This rank's model shard and pools, shaped as rank 0's `Setup` says."""
     device = pick_device(config)
     if device.type == "cuda":
@@ -98,6 +105,21 @@ class WorkerRunner(ModelRunner):
 
     def sample(self, logits: torch.Tensor, batch: ForwardBatch) -> None:
         return None
+
+    def check_bucket(self, batch: ForwardBatch, bucket: Bucket | None) -> None:
+        """Raise BucketMismatch unless this rank runs the batch in rank 0's graph bucket
+        (or, like it, eagerly). NOTE: checked before the step's first collective: ranks
+        padding one batch to different shapes would mismatch every all-reduce (gloo
+        aborts the process that receives more than it expects: rank 0 may be that one).
+        Raised here, it ends this worker, and rank 0's collective fails: the engine halts."""
+        graph = self.graphs.bucket_for(batch) if isinstance(self.graphs, GraphRunner) else None
+        mine = graph.bucket if graph is not None else None
+        if mine != bucket:
+            raise BucketMismatch(f"rank 0 runs this batch in graph bucket {bucket}, this rank in {mine}")
+
+
+class BucketMismatch(RuntimeError):
+    """A worker would run a batch at another static shape than rank 0."""
 
 
 def _die_with_parent() -> None:

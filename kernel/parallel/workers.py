@@ -33,6 +33,7 @@ from cache.host_pool import HostPool
 from cache.kv_pool import KVPool
 from cache.req_table import ReqToTokenTable
 from gpu.forward_batch import ForwardBatch
+from gpu.graphs.runner import Bucket, GraphRunner
 from gpu.model_runner import ModelRunner, PendingStep, StepFatal
 from gpu.parallel import group
 from kernel.config import Config
@@ -154,10 +155,16 @@ class TensorParallelRunner(ModelRunner):
         failed a step the ranks may be inside different collectives, and a later step
         would hang or mix them up."""
         try:
-            self.workers.send(("run", for_workers(batch), table_rows(self.table.table, batch)))
+            self.workers.send(("run", for_workers(batch), table_rows(self.table.table, batch), self.bucket_of(batch)))
             return super().run(batch)
         except Exception as exc:
             raise StepFatal(f"tensor-parallel step failed on rank 0: {exc}") from exc
+
+    def bucket_of(self, batch: ForwardBatch) -> Bucket | None:
+        """The graph bucket this rank runs the batch in (None: eagerly); every worker checks
+        it picked the same (kernel/parallel/worker.py `check_bucket`)."""
+        graph = self.graphs.bucket_for(batch) if isinstance(self.graphs, GraphRunner) else None
+        return graph.bucket if graph is not None else None
 
     def copy_states(self, copies: Sequence[tuple[int, int]]) -> None:
         """Queued state copies run on every rank (each holds its heads' part of a slot)."""
