@@ -60,6 +60,7 @@ def assert_same(ref: list[dict[str, Any]], got: list[dict[str, Any]], tol: float
         assert max(abs(a - b) for a, b in zip(want, have)) < tol
 
 
+THREE_WAYS = {"hidden_size": 96, "intermediate_size": 96, "num_attention_heads": 6, "num_key_value_heads": 1}
 CASES = {
     "llama-heads-divide": (lambda f: build_tiny_llama(f, 6, 2), 2),
     "llama-kv-replicated": (lambda f: build_tiny_llama(f, 6, 1), 3),
@@ -68,6 +69,11 @@ CASES = {
     "qwen3": (lambda f: build_tiny("qwen3", f), 2),
     "qwen3_5-gated-deltanet": (lambda f: build_tiny_qwen3_5(f), 2),
     "lfm2-short-conv": (lambda f: build_tiny_lfm2(f), 2),
+    # Three ranks, one KV head replicated on each (6 query heads, 96 channels).
+    "qwen3-tp3-kv-replicated": (lambda f: build_tiny("qwen3", f, shape=THREE_WAYS), 3),
+    "qwen3_5-tp3-kv-replicated": (lambda f: build_tiny_qwen3_5(f, shape={
+        **THREE_WAYS, "linear_num_key_heads": 3, "linear_num_value_heads": 6}), 3),
+    "lfm2-tp3-kv-replicated": (lambda f: build_tiny_lfm2(f, shape={**THREE_WAYS, "block_auto_adjust_ff_dim": False}), 3),
     # Mixture of experts: experts and shared experts split along their intermediate width.
     "qwen3_moe": (lambda f: build_tiny("qwen3_moe", f), 2),
     "qwen3_next": (lambda f: build_tiny_qwen3_next(f), 2),

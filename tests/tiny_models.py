@@ -24,7 +24,7 @@ TINY_SHAPE = {
 }
 
 
-def build_tiny(arch: str, folder: Path, seed: int = 0) -> Path:
+def build_tiny(arch: str, folder: Path, seed: int = 0, shape: dict[str, Any] | None = None) -> Path:
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -52,7 +52,7 @@ def build_tiny(arch: str, folder: Path, seed: int = 0) -> Path:
     }
     config_cls, model_cls, extra = classes[arch]
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**{**common, **extra}))
+    model = model_cls(config_cls(**{**common, **extra, **(shape or {})}))
     with torch.no_grad():  # random biases/norms (and routers) so that those code paths matter
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:

@@ -39,11 +39,13 @@ _COMMON: dict[str, Any] = {
 }
 
 
-def build_tiny_qwen3_5(folder: Path, seed: int = 0, max_positions: int = 1024) -> Path:
-    """4 layers: linear, full, linear, linear; 2 key heads serve 4 value heads; dk != dv."""
+def build_tiny_qwen3_5(folder: Path, seed: int = 0, max_positions: int = 1024,
+                       shape: dict[str, Any] | None = None) -> Path:
+    """4 layers: linear, full, linear, linear; 2 key heads serve 4 value heads; dk != dv.
+    `shape`: config fields that replace these (e.g. head counts that split 3 ways)."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    config = Qwen3_5TextConfig(**_qwen3_5_shape(max_positions), intermediate_size=96)
+    config = Qwen3_5TextConfig(**{**_qwen3_5_shape(max_positions), "intermediate_size": 96, **(shape or {})})
     return _save(Qwen3_5ForCausalLM, config, folder, seed)
 
 
@@ -122,23 +124,21 @@ def _save(model_cls: Any, config: Any, folder: Path, seed: int) -> Path:
     return folder
 
 
-def build_tiny_lfm2(folder: Path, seed: int = 0, max_positions: int = 1024) -> Path:
-    """4 layers: conv, conv, attention, conv; the ff dim goes through LFM2's auto-adjust."""
+def build_tiny_lfm2(folder: Path, seed: int = 0, max_positions: int = 1024,
+                    shape: dict[str, Any] | None = None) -> Path:
+    """4 layers: conv, conv, attention, conv; the ff dim goes through LFM2's auto-adjust.
+    `shape`: config fields that replace these."""
     from transformers import Lfm2Config, Lfm2ForCausalLM
 
-    config = Lfm2Config(
-        **{**_COMMON, "max_position_embeddings": max_positions},
-        intermediate_size=160,  # auto-adjusted: int(2 * 160 / 3) = 106 -> rounded up to 128
-        block_multiple_of=32,
-        block_ffn_dim_multiplier=1.0,
-        block_auto_adjust_ff_dim=True,
-        num_hidden_layers=4,
-        layer_types=["conv", "conv", "full_attention", "conv"],
-        conv_L_cache=3,
-        conv_bias=True,
-        norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    )
+    fields: dict[str, Any] = {
+        **_COMMON, "max_position_embeddings": max_positions,
+        "intermediate_size": 160,  # auto-adjusted: int(2 * 160 / 3) = 106 -> rounded up to 128
+        "block_multiple_of": 32, "block_ffn_dim_multiplier": 1.0, "block_auto_adjust_ff_dim": True,
+        "num_hidden_layers": 4, "layer_types": ["conv", "conv", "full_attention", "conv"],
+        "conv_L_cache": 3, "conv_bias": True, "norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    }
+    config = Lfm2Config(**{**fields, **(shape or {})})
     torch.manual_seed(seed)
     model = Lfm2ForCausalLM(config)
     _perturb(model)
