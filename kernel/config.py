@@ -434,7 +434,6 @@ class Config:
     def _check_tensor_parallel(self) -> None:
         """What tensor parallelism does not cover yet is refused at start-up, by name."""
         not_yet = {
-            "speculative decoding": self.speculative.enabled,
             "scheduler.overlap: on": self.scheduler.overlap == "on",
             "graphs.mode: cpu (the native decode step has no collectives)": self.graphs.mode == "cpu",
         }

@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
             if message[0] == "copy_states":
                 runner.copy_states(message[1])
                 continue
+            if message[0] == "move_kv":
+                runner.move_kv(message[1])
+                continue
             if message[0] == "copy":
                 assert copies is not None, "a host copy, and this rank has no host pages"
                 copies.run(*message[1:])

@@ -174,6 +174,14 @@ class TensorParallelRunner(ModelRunner):
         except Exception as exc:
             raise StepFatal(f"tensor-parallel state copy failed on rank 0: {exc}") from exc
 
+    def move_kv(self, moves: Sequence[tuple[int, int]]) -> None:
+        """A token tree's accepted side KV moves on every rank (each holds its heads' part)."""
+        try:
+            self.workers.send(("move_kv", tuple(moves)))
+            super().move_kv(moves)
+        except Exception as exc:
+            raise StepFatal(f"tensor-parallel KV move failed on rank 0: {exc}") from exc
+
     def close(self) -> None:
         self.workers.stop()
 

@@ -27,8 +27,10 @@ def build_draft(config: Config, device: torch.device, target: BuiltModel, contex
     assert spec.draft_model is not None
     section = dataclasses.replace(config.model, path=spec.draft_model, dtype=spec.draft_dtype,
                                   quantization=spec.draft_quantization)
-    # The draft's numerics never reach an output: no batch-invariant kernels for it.
-    draft = build_model(dataclasses.replace(config, model=section, deterministic=False), device)
+    # The draft's numerics never reach an output: no batch-invariant kernels for it. Under
+    # tensor parallelism it is whole, on rank 0 only: it drafts there, with no collectives.
+    single = dataclasses.replace(config.parallel, tp_size=1)
+    draft = build_model(dataclasses.replace(config, model=section, deterministic=False, parallel=single), device)
     check_vocabulary(target, draft)
     if hasattr(draft.model, "state_shapes"):
         raise ConfigError("speculative.draft_model: hybrid draft models are not supported yet; use a dense one")
