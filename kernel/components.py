@@ -157,13 +157,18 @@ def _build_components(
             )
             if hybrid is not None:
                 prefix.host.state_pending = lambda slot: any(dst == slot for _, dst in hybrid.copies)
+    overlap = resolve_overlap(config.scheduler.overlap, device, hybrid=states is not None,
+                              speculative=config.speculative.enabled)
     if workers is not None:
+        # Tensor parallelism: `auto` leaves overlap off (on: rank 0 broadcasts each step's
+        # tokens, kernel/parallel/workers.py); not yet measured on a multi-GPU machine.
+        overlap = overlap and config.scheduler.overlap == "on"
         # NOTE: every rank's pools get rank 0's page count and table shape: one allocator,
         # one tree, the same page and slot ids everywhere.
         workers.set_up(Setup(num_pages, table.num_rows, table.max_context, table.num_scratch,
                              str(kv_dtype).removeprefix("torch."), attention_name,
                              states.num_slots if states is not None else 0,
-                             shared_host.share if shared_host is not None else None))
+                             shared_host.share if shared_host is not None else None, overlap))
         if shared_host is not None:
             shared_host.close()  # every worker mapped its host pages
         tp_runner = TensorParallelRunner(model, pool, attention, states, cpu_kernels=cpu_kernels)
@@ -171,11 +176,8 @@ def _build_components(
         runner: ModelRunner = tp_runner
     else:
         runner = ModelRunner(model, pool, attention, states, cpu_kernels=cpu_kernels)
-    # Tensor parallelism: rank 0 samples, so no step is sent before its inputs are known.
-    overlap = config.parallel.tp_size == 1 and resolve_overlap(
-        config.scheduler.overlap, device, hybrid=states is not None, speculative=config.speculative.enabled)
     log.info("overlap_scheduling", on=overlap, setting=config.scheduler.overlap, hybrid=states is not None)
-    runner.inputs = _step_inputs(device, table.table.shape[0], overlap)
+    runner.inputs = step_inputs(device, table.table.shape[0], overlap)
     runner.graphs = build_graph_runner(config, model, attention, states, device)
     speculator = _speculator(config, states is not None, runner.graphs.decode_rows if runner.graphs else None, cache)
     if speculator is not None and isinstance(speculator.drafter, ModelDrafter):
@@ -230,7 +232,7 @@ def _tree_rows(config: Config, hybrid: bool) -> int:
     return (spec.topk - 1) * spec.num_draft_tokens * min(spec.max_batch, config.scheduler.max_running_requests)
 
 
-def _step_inputs(device: torch.device, num_rows: int, overlap: bool) -> StepInputs:
+def step_inputs(device: torch.device, num_rows: int, overlap: bool) -> StepInputs:
     """Index tensors of each step, with the per-row next-token tensor when overlap
     scheduling is on (copies to a CUDA device never block: gpu/upload.py)."""
     return StepInputs(device, NextTokens(num_rows, device) if overlap else None)

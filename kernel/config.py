@@ -434,7 +434,6 @@ class Config:
     def _check_tensor_parallel(self) -> None:
         """What tensor parallelism does not cover yet is refused at start-up, by name."""
         not_yet = {
-            "scheduler.overlap: on": self.scheduler.overlap == "on",
             "graphs.mode: cpu (the native decode step has no collectives)": self.graphs.mode == "cpu",
         }
         for what, used in not_yet.items():

@@ -200,10 +200,10 @@ def test_killed_worker_halts_the_engine_and_leaves_no_process(tmp_path: Path) ->
 
 
 def test_refused_at_start_without_leftover_workers(tmp_path: Path) -> None:
+    """A split that does not divide (before any worker starts) and a mode that has no
+    collectives (after they started: they are stopped)."""
     with pytest.raises(ConfigError, match="9 attention heads do not split over 2"):
         engine(SMOLLM, 2)
-    with pytest.raises(ConfigError, match="overlap"):
-        engine(SMOLLM, 3, **{"scheduler.overlap": "on"})
     with pytest.raises(ConfigError, match="graphs.mode: cpu"):  # the native step has no collectives
         engine(SMOLLM, 3, **{"graphs.mode": "cpu"})
     children = [p for p in os.listdir("/proc") if p.isdigit() and _child_of_us(int(p))]
@@ -225,3 +225,39 @@ def _cmdline(pid: int) -> str:
             return f.read().decode(errors="replace")
     except FileNotFoundError:
         return ""
+
+
+SAMPLED = {"max_new_tokens": 12, "temperature": 1.1, "top_p": 0.9, "seed": 3, "ignore_eos": True,
+           "return_logprob": True}
+
+
+def test_overlap_scheduling_at_tp2_equals_serial(tmp_path: Path) -> None:
+    """scheduler.overlap on: step N+1 is sent with placeholders before N's tokens are on the
+    host; every rank resolves them from the tokens rank 0 broadcasts. Deterministic: `==`."""
+    path = str(build_tiny_llama(tmp_path, 6, 2))
+    params = [GREEDY, SAMPLED, GREEDY]
+    outs = {}
+    for overlap in ("off", "on"):
+        e = engine(path, 2, deterministic=True, **{"scheduler.overlap": overlap})
+        try:
+            assert e.engine.parts.overlap == (overlap == "on")  # type: ignore[attr-defined]
+            outs[overlap] = e.generate(PROMPTS, params)
+        finally:
+            e.shutdown()
+    for on, off in zip(outs["on"], outs["off"]):
+        assert on["output_ids"] == off["output_ids"]
+        assert on["meta_info"]["output_token_logprobs"] == off["meta_info"]["output_token_logprobs"]
+
+
+def test_planted_worker_ignoring_the_broadcast_tokens_goes_red(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 broadcasts a token off by one (the workers' placeholders resolve to another
+    token than rank 0's): red."""
+    path = str(build_tiny_llama(tmp_path, 6, 2))
+    ref = run(path, 2, PROMPTS, deterministic=True, **{"scheduler.overlap": "on"})
+    real = workers_mod.dist.broadcast
+
+    def shifted(tensor: Any, src: int = 0, **kw: Any) -> Any:
+        return real(tensor + 1, src=src, **kw)
+
+    monkeypatch.setattr(workers_mod.dist, "broadcast", shifted)
+    assert _max_gap(ref, run(path, 2, PROMPTS, deterministic=True, **{"scheduler.overlap": "on"})) > 1e-3

@@ -35,7 +35,7 @@ from gpu.graphs.runner import Bucket, GraphRunner
 from gpu.model_runner import ModelRunner
 from gpu.parallel import group
 from kernel import registry
-from kernel.components import build_graph_runner, pick_device
+from kernel.components import build_graph_runner, pick_device, step_inputs
 from kernel.config import Config
 from kernel.logging_setup import setup_logging
 from kernel.model_build import build_model
@@ -99,7 +99,9 @@ def _build(config: Config, rank: int, size: int) -> tuple[WorkerRunner, WorkerCo
     attention = registry.lookup("attention", setup.attention)(pool, table, cpu_kernels=built.cpu_kernels)
     states = StatePool(model.state_shapes(), setup.state_slots, built.dtype, device) if setup.state_slots else None
     copies = WorkerCopies(pool, states, setup.host, rank, size) if setup.host is not None else None
-    return WorkerRunner(model, pool, attention, states, cpu_kernels=built.cpu_kernels), copies
+    runner = WorkerRunner(model, pool, attention, states, cpu_kernels=built.cpu_kernels)
+    runner.inputs = step_inputs(device, table.shape[0], setup.overlap)
+    return runner, copies
 
 
 class WorkerRunner(ModelRunner):
@@ -107,6 +109,14 @@ class WorkerRunner(ModelRunner):
     no sampling: rank 0 samples from the logits every rank gathered."""
 
     def sample(self, logits: torch.Tensor, batch: ForwardBatch) -> None:
+        """Nothing to sample; with overlap scheduling, rank 0's tokens for the next step's
+        placeholders (kernel/parallel/workers.py `TensorParallelRunner.sample`)."""
+        next_tokens = self.inputs.next_tokens
+        if next_tokens is None:
+            return None
+        tokens = torch.empty(len(batch.sample_rows), dtype=torch.int64, device=self.device)
+        dist.broadcast(tokens, src=0)
+        next_tokens.record([batch.rows[i] for i in batch.sample_rows], tokens)
         return None
 
     def check_bucket(self, batch: ForwardBatch, bucket: Bucket | None) -> None:

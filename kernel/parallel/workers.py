@@ -35,6 +35,7 @@ from cache.req_table import ReqToTokenTable
 from gpu.forward_batch import ForwardBatch
 from gpu.graphs.runner import Bucket, GraphRunner
 from gpu.model_runner import ModelRunner, PendingStep, StepFatal
+from gpu.sampling import DeviceSample
 from gpu.parallel import group
 from kernel.config import Config
 from kernel.parallel.host_shards import HostShare
@@ -60,6 +61,7 @@ class Setup:
     attention: str
     state_slots: int  # hybrid models' state pool (0: none)
     host: HostShare | None = None  # the host tier's pages of each worker (kernel/parallel/host_shards.py)
+    overlap: bool = False  # overlap scheduling: rank 0 broadcasts each step's sampled tokens
 
 
 class Workers:
@@ -159,6 +161,16 @@ class TensorParallelRunner(ModelRunner):
             return super().run(batch)
         except Exception as exc:
             raise StepFatal(f"tensor-parallel step failed on rank 0: {exc}") from exc
+
+    def sample(self, logits: torch.Tensor, batch: ForwardBatch) -> DeviceSample | None:
+        """Rank 0 samples. NOTE: with overlap scheduling the next step may already be on its
+        way with placeholders for these tokens, so every rank needs them on its device:
+        they are broadcast here, in order with the steps' collectives (a worker receives
+        them right after the same forward: kernel/parallel/worker.py)."""
+        sampled = super().sample(logits, batch)
+        if sampled is not None and self.inputs.next_tokens is not None:
+            dist.broadcast(sampled.tokens.to(torch.int64).contiguous(), src=0)
+        return sampled
 
     def bucket_of(self, batch: ForwardBatch) -> Bucket | None:
         """The graph bucket this rank runs the batch in (None: eagerly); every worker checks
