@@ -16,7 +16,7 @@ from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
@@ -92,18 +92,42 @@ def counters(stats: dict[str, Any]) -> Iterable[Metric]:
     if stats["audit"] is not None:
         yield from audit_metrics(stats["audit"])
     if stats.get("moe"):
-        routed = CounterMetricFamily("tierserve_moe_expert_tokens", "Tokens routed to each expert of each "
-                                     "mixture-of-experts layer (routing skew).", labels=["layer", "expert"])
-        for layer, counts in stats["moe"].items():
-            for expert, n in enumerate(counts):
-                routed.add_metric([str(layer), str(expert)], n)
-        yield routed
+        yield from moe_metrics(stats["moe"])
     yield CounterMetricFamily(
         "tierserve_retractions", "Running requests sent back to the queue for lack of pages.",
         stats["num_retractions"],
     )
     if stats.get("parallel"):
         yield from parallel_metrics(stats["parallel"])
+
+
+# An expert's load: its share of the layer's routed tokens over the even share (1 = even).
+EXPERT_LOAD_BUCKETS = (0.0, 0.25, 0.5, 0.75, 0.9, 1.1, 1.5, 2.0, 4.0, 8.0)
+
+
+def moe_metrics(moe: dict[str, list[int]]) -> Iterable[Metric]:
+    """Per sparse layer: tokens routed to each expert (a counter), and the experts' loads as
+    a histogram (one observation per expert, relative to an even split), so routing skew
+    reads as one heatmap row per layer: all experts near 1 is even; mass at 0 and far
+    above 1 is a few experts taking most tokens."""
+    routed = CounterMetricFamily("tierserve_moe_expert_tokens", "Tokens routed to each expert of each "
+                                 "mixture-of-experts layer (routing skew).", labels=["layer", "expert"])
+    load = HistogramMetricFamily("tierserve_moe_expert_load", "Each expert's share of its layer's routed tokens "
+                                 "over an even share (1 = even), one observation per expert.", labels=["layer"])
+    for layer, counts in moe.items():
+        for expert, n in enumerate(counts):
+            routed.add_metric([str(layer), str(expert)], n)
+        loads = expert_loads(counts)
+        buckets = [(str(le), sum(1 for x in loads if x <= le)) for le in EXPERT_LOAD_BUCKETS]
+        load.add_metric([str(layer)], [*buckets, ("+Inf", len(loads))], sum(loads))
+    yield routed
+    yield load
+
+
+def expert_loads(counts: list[int]) -> list[float]:
+    """Each expert's tokens over the layer's mean per expert (all 0 before any token)."""
+    total = sum(counts)
+    return [n * len(counts) / total if total else 0.0 for n in counts]
 
 
 def parallel_metrics(par: dict[str, Any]) -> Iterable[Metric]:

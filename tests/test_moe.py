@@ -143,6 +143,29 @@ def test_tokens_per_expert_are_counted(det: Engine) -> None:
     assert sum(s.value for s in family.samples if s.name.endswith("_total")) == sum(map(sum, after.values()))
 
 
+def test_expert_loads_histogram() -> None:
+    """One observation per expert, its tokens over an even share: 60 tokens over 4 experts
+    (15 each if even) routed 0 / 10 / 10 / 40 are loads 0, 2/3, 2/3, 8/3."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from plugins.metrics import moe_metrics
+
+    class One:
+        def collect(self) -> Any:
+            return moe_metrics({"0": [0, 10, 10, 40], "2": [0, 0, 0, 0]})
+
+    registry = CollectorRegistry()
+    registry.register(One())  # type: ignore[arg-type]
+    text = generate_latest(registry).decode()
+    buckets = {le: float(v) for le, v in
+               (line.split('le="')[1].split('"} ') for line in text.splitlines()
+                if line.startswith('tierserve_moe_expert_load_bucket{layer="0"'))}
+    assert (buckets["0.0"], buckets["0.5"], buckets["0.75"], buckets["2.0"], buckets["4.0"], buckets["+Inf"]) == (
+        1, 1, 3, 3, 4, 4)
+    assert 'tierserve_moe_expert_load_sum{layer="0"} 4.0' in text
+    assert 'tierserve_moe_expert_load_bucket{layer="2",le="0.0"} 4.0' in text  # nothing routed yet
+
+
 def test_graph_padding_rows_are_not_counted(moe_folder: str) -> None:
     """Under the graph runner (`model.moe: dense`, emulated) a bucket's padding rows are routed
     like tokens: only the live ones are counted, and the capture's warm-up forwards not at all."""
