@@ -3,8 +3,11 @@
 in it, plus new user words) through `python -m plugins.cluster` layouts:
 
 - `round_robin, no shared tier`: SGLang's gateway, round_robin, replicas without storage;
-- `sglang cache_aware + redis`: SGLang's gateway, cache_aware, the shared Redis tier;
-- `vllm kv_aware + redis`: vLLM's router following the replicas' ZMQ KV events, the shared tier.
+- `sglang cache_aware` (+ `redis`): SGLang's gateway, cache_aware, without (with) the shared Redis tier;
+- `vllm kv_aware` (+ `redis`): vLLM's router following the replicas' ZMQ KV events, without
+  (with) the shared tier;
+- `one server, 2x memory`: one replica with both replicas' device and host pools, no storage:
+  the prefix-hit rate a two-replica layout should reach (issue 26's second target).
 
 Each layout is a fresh cluster (the packaged model, device pools far smaller than all
 sessions' context, so histories leave the device). Prompts go to /v1/completions, streamed
@@ -12,8 +15,8 @@ sessions' context, so histories leave the device). Prompts go to /v1/completions
 only, and as token ids through vLLM's router, whose kv_aware policy scores token ids (a
 replica's /v1/tokenize, before the turn's clock starts).
 Printed per layout: mean / p90 TTFT, output tok/s, and the prompt tokens served from each
-tier (summed over the replicas' /server_info), then each layout's mean-TTFT ratio to
-round-robin (target for kv_aware + redis: <= 0.5x).
+tier (summed over the replicas' /server_info) and the hit rate over them, then each layout's
+mean-TTFT ratio to round-robin (target for kv_aware + redis: <= 0.5x).
 
     .venv/bin/python benchmarks/cluster.py
     .venv/bin/python benchmarks/cluster.py --sessions 4 --turns 3     # quick
@@ -30,7 +33,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import orjson
@@ -39,11 +42,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench
 
 from plugins.cluster import start
 
-LAYOUTS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
-    # name: (router, replica overrides, router arguments)
-    "round_robin, no shared tier": ("sglang", ("hicache.storage=none",), ("--policy", "round_robin")),
-    "sglang cache_aware + redis": ("sglang", (), ()),
-    "vllm kv_aware + redis": ("vllm", (), ()),
+
+class Layout(NamedTuple):
+    router: str
+    overrides: tuple[str, ...] = ()  # replica settings
+    router_args: tuple[str, ...] = ()
+    replicas: int = 2
+    memory: int = 1  # each replica's device and host pools, in multiples of --device-pages / --host-pages
+
+
+NO_STORAGE = ("hicache.storage=none",)
+LAYOUTS: dict[str, Layout] = {
+    "round_robin, no shared tier": Layout("sglang", NO_STORAGE, ("--policy", "round_robin")),
+    "sglang cache_aware": Layout("sglang", NO_STORAGE),
+    "sglang cache_aware + redis": Layout("sglang"),
+    "vllm kv_aware": Layout("vllm", NO_STORAGE),
+    "vllm kv_aware + redis": Layout("vllm"),
+    # The hit-rate yardstick: one server holding both replicas' device and host memory.
+    "one server, 2x memory": Layout("sglang", NO_STORAGE, ("--policy", "round_robin"), replicas=1, memory=2),
 }
 
 
@@ -134,17 +150,22 @@ def main() -> int:
     p.add_argument("--device-pages", type=int, default=96, help="each replica's device pool, pages of 16 tokens")
     p.add_argument("--host-pages", type=int, default=96, help="each replica's host pool")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", nargs="*", default=(), help="run the layouts whose names contain one of these")
     args = p.parse_args()
     rows = []
-    for name, (router, overrides, router_args) in LAYOUTS.items():
-        sets = (f"cache.num_pages={args.device_pages}", f"hicache.host_pages={args.host_pages}", *overrides)
+    for name, layout in LAYOUTS.items():
+        if args.only and not any(o in name for o in args.only):
+            continue
+        sets = (f"cache.num_pages={args.device_pages * layout.memory}",
+                f"hicache.host_pages={args.host_pages * layout.memory}", *layout.overrides)
         with tempfile.TemporaryDirectory() as logs:
-            cluster = start(2, router, overrides=sets, router_args=router_args, log_dir=Path(logs))
+            cluster = start(layout.replicas, layout.router, overrides=sets, router_args=layout.router_args,
+                            log_dir=Path(logs))
             try:
                 with urllib.request.urlopen(f"{cluster.replicas[0].url}/server_info", timeout=5) as r:
                     model = orjson.loads(r.read())["served_model_name"]
                 ttfts, tokens, secs = asyncio.run(workload(cluster.router_url, cluster.replicas[0].url, model,
-                                                           router == "vllm", args))
+                                                           layout.router == "vllm", args))
                 tiers = tier_tokens(cluster.replicas)
             finally:
                 cluster.stop()
@@ -152,9 +173,11 @@ def main() -> int:
         rows.append((name, statistics.mean(ttfts), ttfts[int(0.9 * (len(ttfts) - 1))], tokens / secs, tiers))
         print(f"{name}: done in {secs:.1f} s", flush=True)
     base = rows[0][1]
-    print(f"\n{'layout':<30} {'mean TTFT s':>11} {'p90 TTFT s':>10} {'out tok/s':>9} {'vs rr':>6}  prompt tokens from device / host / storage (of queried)")
+    print(f"\n{'layout':<30} {'mean TTFT s':>11} {'p90 TTFT s':>10} {'out tok/s':>9} {'vs first':>8} {'hit %':>6}  "
+          "prompt tokens from device / host / storage (of queried)")
     for name, mean, p90, tput, t in rows:
-        print(f"{name:<30} {mean:>11.3f} {p90:>10.3f} {tput:>9.1f} {mean / base:>5.2f}x  "
+        hit = 100 * (t["device"] + t["host"] + t["storage"]) / max(1, t["queried"])
+        print(f"{name:<30} {mean:>11.3f} {p90:>10.3f} {tput:>9.1f} {mean / base:>7.2f}x {hit:>6.1f}  "
               f"{t['device']} / {t['host']} / {t['storage']} (of {t['queried']})")
     return 0
 
