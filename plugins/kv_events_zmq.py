@@ -15,8 +15,12 @@ client recomputes from token ids) leaves the process as vLLM's publisher sends i
   copy that left ("device": still matchable from its host copy; "host": the device copy
   stays) or null when the block left the cache entirely.
 - ROUTER socket at `kv_events.replay_endpoint` (optional): a request `[start seq]`
-  (8 bytes, big-endian) is answered with `[seq, payload]` for each kept batch from there
-  on (the last `kv_events.buffer`), then `[-1 (8 bytes, signed), b""]`.
+  (8 bytes, big-endian) is answered with `[topic, seq, payload]` for each kept batch from
+  there on (the last `kv_events.buffer`), framed like the live ones, then
+  `[topic, -1 (8 bytes, signed), b""]`. NOTE: the topic frame is what vllm-router reads
+  (seq second from last, at least four frames with the delimiter); a reply without it
+  is ignored there, and the router's index stays missing the batches of a gap (found
+  with vllm-router 0.1.17: tests/test_routers_e2e.py plants the old framing).
 
 Hybrid trees' StateStored / StateRemoved have no place in vLLM's schema and are not sent.
 The cache calls `publish` on the event loop; encoding happens there (cheap), the sockets
@@ -129,11 +133,12 @@ class ZmqKvPublisher:
             log.warning("kv_events_replay_bad_request", frames=len(frames))
             return
         client, empty, start = frames
+        topic = self.config.topic.encode("utf-8")
         first = int.from_bytes(start, "big")
         for seq, payload in list(kept):
             if seq >= first:
-                replay.send_multipart((client, empty, seq.to_bytes(8, "big"), payload))
-        replay.send_multipart((client, empty, END_SEQ, b""))
+                replay.send_multipart((client, empty, topic, seq.to_bytes(8, "big"), payload))
+        replay.send_multipart((client, empty, topic, END_SEQ, b""))
 
 
 def start_kv_events(config: KvEventsConfig, subscribe: Any) -> ZmqKvPublisher | None:

@@ -96,7 +96,8 @@ def test_published_batches_decode_as_vllm_reads_them(tiny_chat_folder: str) -> N
         replayed = []
         while True:
             assert dealer.poll(5000), "no replay answer"
-            _, seq, payload = dealer.recv_multipart()
+            _, topic, seq, payload = dealer.recv_multipart()
+            assert topic == b"kv@w1"  # framed like a live batch
             if seq == END_SEQ:
                 assert payload == b""
                 break

@@ -4,6 +4,8 @@ the served model (from /model_info and /server_info), every request sent through
 with the official OpenAI client is answered, and each answer equals what one replica
 gives alone (deterministic mode: the replica and the batch do not change tokens). SGLang's
 router also reads the replicas' load (/get_load) and flushes their caches (/flush_cache).
+vLLM's router follows the replicas' KV events (kv_aware) and fills a gap in them from
+the replay socket.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -138,3 +141,89 @@ def test_vllm_router_kv_aware_follows_the_kv_events(replicas: list[ServerProcess
             assert cached >= 100, (trial, cached, router.log_text())  # it ran where the prefix was
     finally:
         router.stop()
+
+
+def routed_to_holder(router: Router, replicas: list[ServerProcess], model: str, holder: int, trials: int,
+                     place: Any, seed: int) -> int:
+    """How many of `trials` prompts the router sent to replica `holder`, each prompt's
+    blocks first made known to the router by `place(ids)` (no replica computed them)."""
+    rng = random.Random(seed)
+    page = replicas[0].info()["block_size"]
+    hits = 0
+    for _ in range(trials):
+        ids = [rng.randint(100, 40000) for _ in range(8 * page)]
+        place(ids, page, rng)
+        time.sleep(0.8)  # the events reach the router
+        before = [r.info()["cache"]["prefix_query_tokens"] for r in replicas]
+        body = {"model": model, "prompt": ids + [7, 8], "max_tokens": 1, "temperature": 0}
+        requests.post(f"{router.url}/v1/completions", json=body, timeout=60).raise_for_status()
+        after = [r.info()["cache"]["prefix_query_tokens"] for r in replicas]
+        hits += after[holder] > before[holder]
+    return hits
+
+
+@pytest.mark.parametrize("framing", ["topic, seq, payload", "planted: seq, payload"])
+def test_vllm_router_fills_a_gap_from_the_replay_socket(replicas: list[ServerProcess], framing: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch the router's SUB socket never saw (dropped on the PUB side: a gap in seq) is
+    fetched from the replay socket when the next batch arrives, and the router routes by
+    it. The publisher runs here, as replica 0's event source, so the drop can be planted;
+    its blocks are ones no replica computed, so only the replayed batch can send the
+    prompt to replica 0 (without it the router picks replica 1). Planted: vLLM's older
+    reply framing without the topic frame, which vllm-router 0.1.17 ignores -> red."""
+    from cache.kv_events import BlockStored
+    from kernel.config import KvEventsConfig
+    from plugins import kv_events_zmq as kz
+
+    hidden = [False]
+
+    class DropWhileHidden:  # the PUB socket, losing what is sent while `hidden`
+        def __init__(self, sock: Any) -> None:
+            self.sock = sock
+
+        def send_multipart(self, frames: Any) -> None:
+            if not hidden[0]:
+                self.sock.send_multipart(frames)
+
+    serve = kz.ZmqKvPublisher._serve
+    monkeypatch.setattr(kz.ZmqKvPublisher, "_serve", lambda self, pub, rep: serve(self, DropWhileHidden(pub), rep))
+    if framing.startswith("planted"):
+        def three_frames(self: Any, replay: Any, kept: Any) -> None:
+            client, empty, start = replay.recv_multipart()
+            for seq, payload in list(kept):
+                if seq >= int.from_bytes(start, "big"):
+                    replay.send_multipart((client, empty, seq.to_bytes(8, "big"), payload))
+            replay.send_multipart((client, empty, kz.END_SEQ, b""))
+
+        monkeypatch.setattr(kz.ZmqKvPublisher, "_answer", three_frames)
+    pub_at, replay_at = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    publisher = kz.ZmqKvPublisher(KvEventsConfig(publisher="zmq", endpoint=pub_at, replay_endpoint=replay_at))
+    model, page = replicas[0].info()["served_model_name"], replicas[0].info()["block_size"]
+    router = Router("vllm", [r.url for r in replicas], (
+        "--policy", "kv_aware", "--kv-event-block-size", str(page), "--kv-event-model", model,
+        "--kv-event-source", f"{replicas[0].url}={pub_at}", "--kv-event-replay-source", f"{replicas[0].url}={replay_at}"))
+
+    def filler(rng: random.Random) -> BlockStored:
+        return BlockStored([rng.randint(1, 2**62)], None, [rng.randint(100, 40000) for _ in range(page)], page)
+
+    def place(ids: list[int], size: int, rng: random.Random) -> None:
+        publisher.publish([filler(rng)])  # seen live: the router's last seq
+        time.sleep(0.3)
+        hidden[0] = True
+        publisher.publish([BlockStored([rng.randint(1, 2**62) for _ in range(8)], None, ids, size)])
+        time.sleep(0.3)
+        hidden[0] = False
+        publisher.publish([filler(rng)])  # seq jumps by 2: the router asks the replay socket
+
+    try:
+        router.wait_models()
+        time.sleep(1.0)  # the SUB socket joins
+        hits = routed_to_holder(router, replicas, model, 0, 4, place, seed=11)
+    finally:
+        router.stop()
+        publisher.close()
+    if framing.startswith("planted"):
+        assert hits == 0, f"the router used a replay it should have ignored ({hits} of 4)"
+    else:
+        assert hits == 4, f"{hits} of 4 prompts went to the replica whose replayed blocks hold them"
+
