@@ -10,6 +10,9 @@ layer's experts stacked, `blk.{i}.ffn_{gate,up,down}_exps` [experts, rows, cols]
 as `ffn_gate_inp`; they are split back into the per-expert Hugging Face tensors (raw Q4 blocks
 too: a block never crosses a row, so an expert's blocks are its rows). llama.cpp renormalizes
 the top-k routing weights of both architectures (build_moe_ffn's norm_w), so the config says so.
+
+Hybrid architectures (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, LFM2, LFM2-MoE) have their own names
+and transformations to undo: gpu/loader/gguf_hybrid.py.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
 from gpu.loader.checkpoint import Checkpoint
+from gpu.loader.gguf_hybrid import HYBRID_ARCHITECTURES, hybrid_arch_config, hybrid_weights
 from gpu.loader.gguf_tokenizer import build_gguf_tokenizer
 from gpu.model_config import ModelArchConfig
 from gpu.moe.names import HF_NAMES, MIXTRAL_NAMES
@@ -36,7 +40,7 @@ from gpu.tokenizer import Tokenizer
 
 log = structlog.get_logger("tierserve")
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", *HYBRID_ARCHITECTURES)
 _REGISTRY_NAMES = {"qwen3moe": "qwen3_moe"}  # GGUF architecture -> model registry name
 _ROPE_PERMUTED = ("llama", "mixtral")  # the converter interleaved their q/k rows
 
@@ -103,6 +107,8 @@ def load_q4_blocks(tensors: list[ReaderTensor], arch: ModelArchConfig) -> dict[s
     """Raw Q4_0/Q4_1 blocks of every 2-D weight stored that way, as uint8 [rows, row bytes]
     (a block never crosses a row, so the q/k row permutation applies to them unchanged)."""
     blocks: dict[str, Q4Blocks] = {}
+    if arch.architecture in HYBRID_ARCHITECTURES.values():
+        return blocks  # their models are float-only, and some rows' undoing would cross blocks
     for t in tensors:
         kind = t.tensor_type.name
         if t.name in _IGNORED or not is_q4(kind) or len(t.shape) not in (2, 3):
@@ -130,6 +136,8 @@ def build_arch_config(meta: Mapping[str, Any], tensors: list[ReaderTensor]) -> M
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}")
     names = {t.name for t in tensors}
+    if arch in HYBRID_ARCHITECTURES:
+        return hybrid_arch_config(meta, names, _vocab_size(meta, tensors), _rope_scaling(meta, arch))
     hidden = int(meta[f"{arch}.embedding_length"])
     heads = int(meta[f"{arch}.attention.head_count"])
     experts = int(meta.get(f"{arch}.expert_count", 0))
@@ -172,8 +180,13 @@ def load_weights(
             log.warning("ignoring GGUF tensor", tensor=t.name)
     # numpy releases the GIL inside large array ops, so on many-core hosts tensors overlap.
     workers = max(1, min(8, os.cpu_count() or 1))
+    hybrid = arch.architecture in HYBRID_ARCHITECTURES.values()
+    # A hybrid's vectors (norms shifted by 1, -exp(A_log)) are undone in float32, then cast.
+    precise = {t.name for t in wanted if hybrid and len(t.shape) == 1}
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        loaded = list(pool.map(lambda t: to_torch(t, dtype), wanted))
+        loaded = list(pool.map(lambda t: to_torch(t, torch.float32 if t.name in precise else dtype), wanted))
+    if hybrid:
+        return hybrid_weights({t.name: w for t, w in zip(wanted, loaded)}, arch, dtype)
     weights: dict[str, torch.Tensor] = {}
     for t, stacked in zip(wanted, loaded):
         for name, w in hf_tensors(t.name, stacked, arch):

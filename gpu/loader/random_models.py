@@ -57,45 +57,46 @@ _MOE: dict[str, Any] = {
 }
 
 
-def build_tiny_qwen3_next(folder: Path, seed: int = 0, max_positions: int = 1024) -> Path:
+def build_tiny_qwen3_next(folder: Path, seed: int = 0, max_positions: int = 1024,
+                          shape: dict[str, Any] | None = None) -> Path:
     """Qwen3.5's layers and shapes with sparse MoE blocks (6 experts, top 2, a gated shared
-    expert) in layers 0, 1 and 3; layer 2 dense (mlp_only_layers)."""
+    expert) in layers 0, 1 and 3; layer 2 dense (mlp_only_layers). `shape`: config fields
+    that replace these."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    config = Qwen3NextConfig(**_qwen3_5_shape(max_positions), **_MOE, intermediate_size=96, decoder_sparse_step=1,
-                             mlp_only_layers=[2], norm_topk_prob=True)
+    fields = {**_qwen3_5_shape(max_positions), **_MOE, "intermediate_size": 96, "decoder_sparse_step": 1,
+              "mlp_only_layers": [2], "norm_topk_prob": True}
+    config = Qwen3NextConfig(**{**fields, **(shape or {})})
     return _save(Qwen3NextForCausalLM, config, folder, seed)
 
 
-def build_tiny_qwen3_5_moe(folder: Path, seed: int = 0, max_positions: int = 1024) -> Path:
-    """Qwen3.5's layers and shapes, every MLP a sparse MoE block with a gated shared expert."""
+def build_tiny_qwen3_5_moe(folder: Path, seed: int = 0, max_positions: int = 1024,
+                           shape: dict[str, Any] | None = None) -> Path:
+    """Qwen3.5's layers and shapes, every MLP a sparse MoE block with a gated shared expert.
+    `shape`: config fields that replace these."""
     from transformers import Qwen3_5MoeTextConfig
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
 
-    config = Qwen3_5MoeTextConfig(**_qwen3_5_shape(max_positions), **_MOE)
+    config = Qwen3_5MoeTextConfig(**{**_qwen3_5_shape(max_positions), **_MOE, **(shape or {})})
     return _save(Qwen3_5MoeForCausalLM, config, folder, seed)
 
 
-def build_tiny_lfm2_moe(folder: Path, seed: int = 0, max_positions: int = 1024) -> Path:
+def build_tiny_lfm2_moe(folder: Path, seed: int = 0, max_positions: int = 1024,
+                        shape: dict[str, Any] | None = None) -> Path:
     """LFM2's layers (conv, conv, attention, conv); layer 0 dense, the rest sparse MoE blocks
-    (6 experts, top 2, sigmoid routing with an expert bias, no shared expert)."""
+    (6 experts, top 2, sigmoid routing with an expert bias, no shared expert). `shape`:
+    config fields that replace these."""
     from transformers import Lfm2MoeConfig, Lfm2MoeForCausalLM
 
-    config = Lfm2MoeConfig(
-        **{**_COMMON, "max_position_embeddings": max_positions},
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=4,
-        layer_types=["conv", "conv", "full_attention", "conv"],
-        num_dense_layers=1,
-        num_experts=6,
-        num_experts_per_tok=2,
-        routed_scaling_factor=1.5,
-        conv_L_cache=3,
-        conv_bias=True,
-        norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    )
+    fields: dict[str, Any] = {
+        **_COMMON, "max_position_embeddings": max_positions,
+        "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 4,
+        "layer_types": ["conv", "conv", "full_attention", "conv"], "num_dense_layers": 1,
+        "num_experts": 6, "num_experts_per_tok": 2, "routed_scaling_factor": 1.5,
+        "conv_L_cache": 3, "conv_bias": True, "norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    }
+    config = Lfm2MoeConfig(**{**fields, **(shape or {})})
     return _save(Lfm2MoeForCausalLM, config, folder, seed)
 
 
