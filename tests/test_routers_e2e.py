@@ -4,8 +4,8 @@ the served model (from /model_info and /server_info), every request sent through
 with the official OpenAI client is answered, and each answer equals what one replica
 gives alone (deterministic mode: the replica and the batch do not change tokens). SGLang's
 router also reads the replicas' load (/get_load) and flushes their caches (/flush_cache).
-vLLM's router follows the replicas' KV events (kv_aware) and fills a gap in them from
-the replay socket.
+vLLM's router follows the replicas' KV events (kv_aware), fills a gap in them from the
+replay socket, and follows a block from the device to the host tier.
 """
 
 from __future__ import annotations
@@ -162,6 +162,40 @@ def routed_to_holder(router: Router, replicas: list[ServerProcess], model: str, 
     return hits
 
 
+class InProcessSource:
+    """A KV-event publisher in the test process, registered as replica 0's event source
+    (with its replay socket), so a test can publish events no replica computed and plant
+    drops; `hidden[0]` True drops what the PUB socket sends meanwhile (kept for replay)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from kernel.config import KvEventsConfig
+        from plugins import kv_events_zmq as kz
+
+        self.hidden = [False]
+        hidden = self.hidden
+
+        class DropWhileHidden:
+            def __init__(self, sock: Any) -> None:
+                self.sock = sock
+
+            def send_multipart(self, frames: Any) -> None:
+                if not hidden[0]:
+                    self.sock.send_multipart(frames)
+
+        serve = kz.ZmqKvPublisher._serve
+        monkeypatch.setattr(kz.ZmqKvPublisher, "_serve", lambda p, pub, rep: serve(p, DropWhileHidden(pub), rep))
+        self.pub_at, self.replay_at = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+        self.publisher = kz.ZmqKvPublisher(KvEventsConfig(publisher="zmq", endpoint=self.pub_at,
+                                                          replay_endpoint=self.replay_at))
+
+    def router(self, replicas: list[ServerProcess]) -> Router:
+        model, page = replicas[0].info()["served_model_name"], replicas[0].info()["block_size"]
+        return Router("vllm", [r.url for r in replicas], (
+            "--policy", "kv_aware", "--kv-event-block-size", str(page), "--kv-event-model", model,
+            "--kv-event-source", f"{replicas[0].url}={self.pub_at}",
+            "--kv-event-replay-source", f"{replicas[0].url}={self.replay_at}"))
+
+
 @pytest.mark.parametrize("framing", ["topic, seq, payload", "planted: seq, payload"])
 def test_vllm_router_fills_a_gap_from_the_replay_socket(replicas: list[ServerProcess], framing: str,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -172,21 +206,8 @@ def test_vllm_router_fills_a_gap_from_the_replay_socket(replicas: list[ServerPro
     prompt to replica 0 (without it the router picks replica 1). Planted: vLLM's older
     reply framing without the topic frame, which vllm-router 0.1.17 ignores -> red."""
     from cache.kv_events import BlockStored
-    from kernel.config import KvEventsConfig
     from plugins import kv_events_zmq as kz
 
-    hidden = [False]
-
-    class DropWhileHidden:  # the PUB socket, losing what is sent while `hidden`
-        def __init__(self, sock: Any) -> None:
-            self.sock = sock
-
-        def send_multipart(self, frames: Any) -> None:
-            if not hidden[0]:
-                self.sock.send_multipart(frames)
-
-    serve = kz.ZmqKvPublisher._serve
-    monkeypatch.setattr(kz.ZmqKvPublisher, "_serve", lambda self, pub, rep: serve(self, DropWhileHidden(pub), rep))
     if framing.startswith("planted"):
         def three_frames(self: Any, replay: Any, kept: Any) -> None:
             client, empty, start = replay.recv_multipart()
@@ -196,12 +217,10 @@ def test_vllm_router_fills_a_gap_from_the_replay_socket(replicas: list[ServerPro
             replay.send_multipart((client, empty, kz.END_SEQ, b""))
 
         monkeypatch.setattr(kz.ZmqKvPublisher, "_answer", three_frames)
-    pub_at, replay_at = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    publisher = kz.ZmqKvPublisher(KvEventsConfig(publisher="zmq", endpoint=pub_at, replay_endpoint=replay_at))
+    source = InProcessSource(monkeypatch)
+    publisher, hidden = source.publisher, source.hidden
     model, page = replicas[0].info()["served_model_name"], replicas[0].info()["block_size"]
-    router = Router("vllm", [r.url for r in replicas], (
-        "--policy", "kv_aware", "--kv-event-block-size", str(page), "--kv-event-model", model,
-        "--kv-event-source", f"{replicas[0].url}={pub_at}", "--kv-event-replay-source", f"{replicas[0].url}={replay_at}"))
+    router = source.router(replicas)
 
     def filler(rng: random.Random) -> BlockStored:
         return BlockStored([rng.randint(1, 2**62)], None, [rng.randint(100, 40000) for _ in range(page)], page)
@@ -227,3 +246,38 @@ def test_vllm_router_fills_a_gap_from_the_replay_socket(replicas: list[ServerPro
     else:
         assert hits == 4, f"{hits} of 4 prompts went to the replica whose replayed blocks hold them"
 
+
+
+@pytest.mark.parametrize("events", ["device removed, host stored", "planted: device removed only"])
+def test_vllm_router_follows_a_block_to_the_host_tier(replicas: list[ServerProcess], events: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a replica with a host tier publishes when a page leaves the device but stays
+    in host memory (tests/test_kv_events_zmq.py `test_tiers_name_their_medium`):
+    `BlockStored(medium="host")` and `BlockRemoved(medium="device")`. The router keeps the
+    replica as the block's holder (its host credit, `--kv-penalty-host`) and sends the
+    prompt there. Planted: the host copy not published — the router forgets the block."""
+    from cache.kv_events import BlockRemoved, BlockStored
+
+    source = InProcessSource(monkeypatch)
+    model = replicas[0].info()["served_model_name"]
+    router = source.router(replicas)
+
+    def place(ids: list[int], size: int, rng: random.Random) -> None:
+        hashes = [rng.randint(1, 2**62) for _ in range(len(ids) // size)]
+        source.publisher.publish([BlockStored(hashes, None, ids, size, medium="device")])
+        offloaded: list[Any] = [BlockStored(hashes, None, ids, size, medium="host")]
+        if events.startswith("planted"):
+            offloaded = []
+        source.publisher.publish([*offloaded, BlockRemoved(hashes, medium="device")])
+
+    try:
+        router.wait_models()
+        time.sleep(1.0)
+        hits = routed_to_holder(router, replicas, model, 0, 4, place, seed=12)
+    finally:
+        router.stop()
+        source.publisher.close()
+    if events.startswith("planted"):
+        assert hits == 0, f"the router kept a block no tier holds ({hits} of 4)"
+    else:
+        assert hits == 4, f"{hits} of 4 prompts went to the replica holding them in host memory"
