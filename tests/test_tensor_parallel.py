@@ -42,14 +42,18 @@ def engine(path: str, tp: int, **extra: Any) -> Engine:
     return Engine(None, {"model.path": path, **BASE, "parallel.tp_size": tp, **extra})
 
 
-def run(path: str, tp: int, prompts: list[Any], **extra: Any) -> list[dict[str, Any]]:
-    e = engine(path, tp, **extra)
+def outputs(e: Engine, prompts: list[Any], params: Any) -> list[dict[str, Any]]:
+    """The engine's outputs of `prompts`, then the engine shut down."""
     try:
-        out = e.generate(prompts, GREEDY)
+        out = e.generate(prompts, params)
         assert isinstance(out, list)
         return out
     finally:
         e.shutdown()
+
+
+def run(path: str, tp: int, prompts: list[Any], **extra: Any) -> list[dict[str, Any]]:
+    return outputs(engine(path, tp, **extra), prompts, GREEDY)
 
 
 def assert_same(ref: list[dict[str, Any]], got: list[dict[str, Any]], tol: float = 1e-4) -> None:

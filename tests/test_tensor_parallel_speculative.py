@@ -17,20 +17,11 @@ from kernel.parallel.workers import TensorParallelRunner
 from tests.spec_drafters import Oracle
 from tests.test_speculative import ORACLE, PARAMS, PROMPTS, answers, same
 from tests.test_speculative_tree import TREE
-from tests.test_tensor_parallel import engine
+from tests.test_tensor_parallel import engine, outputs
 from tests.tiny_hybrid import build_tiny_qwen3_5
 
 DET = {"deterministic": True, "cache.prefix": "radix"}
 NGRAM = {"speculative.method": "ngram", "speculative.num_draft_tokens": 4}
-
-
-def outputs(e: Engine, prompts: list[list[int]], params: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    try:
-        outs = e.generate(prompts, params)
-        assert isinstance(outs, list)
-        return outs
-    finally:
-        e.shutdown()
 
 
 @pytest.fixture(scope="module")
