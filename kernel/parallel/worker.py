@@ -113,11 +113,10 @@ class WorkerRunner(ModelRunner):
         placeholders (kernel/parallel/workers.py `TensorParallelRunner.sample`)."""
         next_tokens = self.inputs.next_tokens
         if next_tokens is None:
-            return None
+            return
         tokens = torch.empty(len(batch.sample_rows), dtype=torch.int64, device=self.device)
         dist.broadcast(tokens, src=0)
         next_tokens.record([batch.rows[i] for i in batch.sample_rows], tokens)
-        return None
 
     def check_bucket(self, batch: ForwardBatch, bucket: Bucket | None) -> None:
         """Raise BucketMismatch unless this rank runs the batch in rank 0's graph bucket

@@ -35,8 +35,8 @@ from cache.req_table import ReqToTokenTable
 from gpu.forward_batch import ForwardBatch
 from gpu.graphs.runner import Bucket, GraphRunner
 from gpu.model_runner import ModelRunner, PendingStep, StepFatal
-from gpu.sampling import DeviceSample
 from gpu.parallel import group
+from gpu.sampling import DeviceSample
 from kernel.config import Config
 from kernel.parallel.host_shards import HostShare
 
