@@ -163,9 +163,12 @@ def routed_to_holder(router: Router, replicas: list[ServerProcess], model: str, 
 
 
 class InProcessSource:
-    """A KV-event publisher in the test process, registered as replica 0's event source
-    (with its replay socket), so a test can publish events no replica computed and plant
-    drops; `hidden[0]` True drops what the PUB socket sends meanwhile (kept for replay)."""
+    """KV-event publishers in the test process, registered as the replicas' event sources
+    (replica 0's with its replay socket), so a test can publish events no replica computed
+    and plant drops; `hidden[0]` True drops what replica 0's PUB socket sends meanwhile
+    (kept for replay). `rival(ids, page)`: replica 1 claims the prompt's first two pages,
+    so a router that knows nothing of replica 0's blocks deterministically picks replica 1
+    (with no blocks known anywhere its choice is its own, and differed between runs)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         from kernel.config import KvEventsConfig
@@ -175,25 +178,39 @@ class InProcessSource:
         hidden = self.hidden
 
         class DropWhileHidden:
-            def __init__(self, sock: Any) -> None:
-                self.sock = sock
+            def __init__(self, sock: Any, drops: bool) -> None:
+                self.sock, self.drops = sock, drops
 
             def send_multipart(self, frames: Any) -> None:
-                if not hidden[0]:
+                if not (self.drops and hidden[0]):
                     self.sock.send_multipart(frames)
 
-        serve = kz.ZmqKvPublisher._serve
-        monkeypatch.setattr(kz.ZmqKvPublisher, "_serve", lambda p, pub, rep: serve(p, DropWhileHidden(pub), rep))
         self.pub_at, self.replay_at = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+        serve = kz.ZmqKvPublisher._serve
+        monkeypatch.setattr(kz.ZmqKvPublisher, "_serve", lambda p, pub, rep: serve(
+            p, DropWhileHidden(pub, p.config.endpoint == self.pub_at), rep))
+        self.rival_at = f"tcp://127.0.0.1:{free_port()}"
+        self.rival_publisher = kz.ZmqKvPublisher(KvEventsConfig(publisher="zmq", endpoint=self.rival_at))
         self.publisher = kz.ZmqKvPublisher(KvEventsConfig(publisher="zmq", endpoint=self.pub_at,
                                                           replay_endpoint=self.replay_at))
+
+    def rival(self, ids: list[int], page: int, rng: random.Random) -> None:
+        from cache.kv_events import BlockStored
+
+        self.rival_publisher.publish([BlockStored([rng.randint(1, 2**62) for _ in range(2)], None, ids[: 2 * page],
+                                                  page, medium="device")])
 
     def router(self, replicas: list[ServerProcess]) -> Router:
         model, page = replicas[0].info()["served_model_name"], replicas[0].info()["block_size"]
         return Router("vllm", [r.url for r in replicas], (
             "--policy", "kv_aware", "--kv-event-block-size", str(page), "--kv-event-model", model,
             "--kv-event-source", f"{replicas[0].url}={self.pub_at}",
-            "--kv-event-replay-source", f"{replicas[0].url}={self.replay_at}"))
+            "--kv-event-replay-source", f"{replicas[0].url}={self.replay_at}",
+            "--kv-event-source", f"{replicas[1].url}={self.rival_at}"))
+
+    def close(self) -> None:
+        self.publisher.close()
+        self.rival_publisher.close()
 
 
 @pytest.mark.parametrize("framing", ["topic, seq, payload", "planted: seq, payload"])
@@ -203,7 +220,8 @@ def test_vllm_router_fills_a_gap_from_the_replay_socket(replicas: list[ServerPro
     fetched from the replay socket when the next batch arrives, and the router routes by
     it. The publisher runs here, as replica 0's event source, so the drop can be planted;
     its blocks are ones no replica computed, so only the replayed batch can send the
-    prompt to replica 0 (without it the router picks replica 1). Planted: vLLM's older
+    prompt to replica 0 (replica 1 claims the first two pages: without the replay the
+    router picks it). Planted: vLLM's older
     reply framing without the topic frame, which vllm-router 0.1.17 ignores -> red."""
     from cache.kv_events import BlockStored
     from plugins import kv_events_zmq as kz
@@ -226,6 +244,7 @@ def test_vllm_router_fills_a_gap_from_the_replay_socket(replicas: list[ServerPro
         return BlockStored([rng.randint(1, 2**62)], None, [rng.randint(100, 40000) for _ in range(page)], page)
 
     def place(ids: list[int], size: int, rng: random.Random) -> None:
+        source.rival(ids, size, rng)
         publisher.publish([filler(rng)])  # seen live: the router's last seq
         time.sleep(0.3)
         hidden[0] = True
@@ -240,7 +259,7 @@ def test_vllm_router_fills_a_gap_from_the_replay_socket(replicas: list[ServerPro
         hits = routed_to_holder(router, replicas, model, 0, 4, place, seed=11)
     finally:
         router.stop()
-        publisher.close()
+        source.close()
     if framing.startswith("planted"):
         assert hits == 0, f"the router used a replay it should have ignored ({hits} of 4)"
     else:
@@ -263,6 +282,7 @@ def test_vllm_router_follows_a_block_to_the_host_tier(replicas: list[ServerProce
     router = source.router(replicas)
 
     def place(ids: list[int], size: int, rng: random.Random) -> None:
+        source.rival(ids, size, rng)
         hashes = [rng.randint(1, 2**62) for _ in range(len(ids) // size)]
         source.publisher.publish([BlockStored(hashes, None, ids, size, medium="device")])
         offloaded: list[Any] = [BlockStored(hashes, None, ids, size, medium="host")]
@@ -276,7 +296,7 @@ def test_vllm_router_follows_a_block_to_the_host_tier(replicas: list[ServerProce
         hits = routed_to_holder(router, replicas, model, 0, 4, place, seed=12)
     finally:
         router.stop()
-        source.publisher.close()
+        source.close()
     if events.startswith("planted"):
         assert hits == 0, f"the router kept a block no tier holds ({hits} of 4)"
     else:
