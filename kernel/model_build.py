@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import structlog
 import torch
 
 from gpu.loader import load_checkpoint
@@ -21,9 +22,12 @@ from kernel.numerics_choice import (
     resolve_dtype,
     resolve_quantization,
     use_cpu_kernels,
+    use_native_recurrence,
     wants_blocks,
 )
 from kernel.tiers.storage_io import weights_fingerprint
+
+log = structlog.get_logger("tierserve")
 
 
 class BuiltModel(NamedTuple):
@@ -75,5 +79,9 @@ def build_model(config: Config, device: torch.device, fingerprint: bool = False,
     if getattr(model_cls, "accepts_moe", False):
         extra["moe"] = config.model.moe
     model = model_cls(arch, weights, dtype, device, deterministic=config.deterministic, **extra)
+    if hasattr(model, "native_recurrence"):  # Gated DeltaNet models (gpu/models/qwen3_5.py)
+        model.native_recurrence = use_native_recurrence(config, device)
+        log.info("gated_delta", form="native recurrent" if model.native_recurrence else
+                 "recurrent" if config.deterministic else "chunked")
     model_id = storage_model_id(ckpt.weights, quantization) if fingerprint else ""
     return BuiltModel(model, arch, ckpt.tokenizer, dtype, quantization, cpu_kernels, model_id)

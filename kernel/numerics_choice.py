@@ -12,6 +12,7 @@ import structlog
 import torch
 
 from gpu.kernels import cpu as cpu_kernels
+from gpu.kernels import gated_delta
 from gpu.numerics import auto_dtype, auto_quantization, int4_op_available, int8_op_available
 from kernel.config import Config, ConfigError
 
@@ -49,6 +50,15 @@ def resolve_quantization(config: Config, device: torch.device, model_cls: Any, h
     if not (int4_op_available() if mode == "int4" else int8_op_available()):
         raise ConfigError(f"model.quantization: {mode} needs a torch with the {mode} CPU matmul op")
     return mode
+
+
+def use_native_recurrence(config: Config, device: torch.device) -> bool:
+    """Whether a Gated DeltaNet model runs its delta rule through the C++ recurrent form
+    (gpu/kernels/gated_delta.py `native_varlen`). NOTE: unlike the other C++ kernels, in
+    deterministic mode too: its arithmetic per (request, head) is fixed, so a state is the
+    same bits however the tokens were batched or chunked."""
+    on = config.model.cpu_kernels == "auto" and not cpu_kernels.switched_off()
+    return on and gated_delta.native_available(device)
 
 
 def use_cpu_kernels(config: Config, device: torch.device) -> bool:

@@ -13,6 +13,10 @@ Three forms of the same recurrence:
   to running those tokens as decode steps (deterministic mode);
 - `chunk_prefill`: the chunked (WY / UT-transform) form, a few matmuls per chunk of 64
   tokens; faster for long prompts, equal to the recurrent form up to rounding.
+And the recurrent form natively (`native_varlen`, gpu/kernels/cpu/gated_delta.cpp): every
+request's tokens in one C++ call, decode and prefill alike, its arithmetic per (request,
+head) fixed, so deterministic mode runs it on CPU where it builds (not torch's bits: a
+process uses one or the other for every step).
 `gated_delta_varlen` runs a whole step's flattened tokens (several requests, mixed
 prefill and decode) with one of them. Each takes the per-token inputs as one `DeltaInputs`;
 all inputs and states are float32.
@@ -26,6 +30,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from gpu.batch_invariant import pointwise
+from gpu.kernels import cpu
 from gpu.upload import to_device
 
 CHUNK_SIZE = 64
@@ -201,6 +207,32 @@ def _chunk_loop(
     return out.movedim(1, 0).contiguous(), s, boundaries
 
 
+NATIVE = "gated_delta"  # gpu/kernels/cpu/gated_delta.cpp
+
+
+def native_available(device: torch.device) -> bool:
+    """Whether the C++ recurrence runs here (CPU, the kernel built)."""
+    return device.type == "cpu" and cpu.load(NATIVE)
+
+
+def native_varlen(
+    x: DeltaInputs, states: torch.Tensor, extend_lens: Sequence[int], track: Sequence[tuple[int, int]] = ()
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`gated_delta_varlen`'s recurrent mode in one C++ call (same arguments and results).
+    The decay exp(g) is taken in torch first, through `pointwise` (a batch-invariant
+    elementwise exp)."""
+    starts = torch.zeros(len(extend_lens) + 1, dtype=torch.int64)
+    starts[1:] = torch.tensor(list(extend_lens), dtype=torch.int64).cumsum(0)
+    new_states = states.contiguous().clone()
+    out = torch.empty_like(x.v, memory_format=torch.contiguous_format)
+    tracked = states.new_empty((len(track), *states.shape[1:]))
+    pairs = torch.tensor([list(p) for p in track], dtype=torch.int64).reshape(-1, 2)
+    q, k, v, g, beta = (t.contiguous() for t in x)
+    torch.ops.tierserve_cpu.gated_delta_recurrent(q, k, v, pointwise(torch.exp, g).contiguous(), beta, new_states,
+                                                  starts, out, pairs, tracked)
+    return out, new_states, tracked
+
+
 def gated_delta_varlen(
     x: DeltaInputs,
     states: torch.Tensor,
@@ -208,6 +240,7 @@ def gated_delta_varlen(
     prefix_lens: Sequence[int],
     recurrent: bool,
     track: Sequence[tuple[int, int]] = (),
+    native: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A step's flattened tokens (requests back to back, `extend_lens` each, starting at
     `prefix_lens`) from per-request states [R, H, dk, dv] -> (output [T, H, dv], states
@@ -220,12 +253,17 @@ def gated_delta_varlen(
     advanced together one position at a time. Otherwise one-token requests are batched
     through `recurrent_step` and longer ones run `chunk_prefill`.
 
+    `native` (with `recurrent`): the whole step through `native_varlen` instead, decode
+    steps included (its arithmetic is not torch's: the caller picks it for every step).
+
     NOTE: a decode step (one token per request) is one `recurrent_step` over the inputs
     as they are, in either mode: no index tensor built from the lengths, nothing read
     back, so a captured decode graph of a hybrid model replays the step itself.
     """
     if any(not 0 < n < extend_lens[r] for r, n in track):
         raise ValueError(f"tracked points {list(track)} are not inside their chunks {list(extend_lens)}")
+    if recurrent and native:
+        return native_varlen(x, states, extend_lens, track)
     out = torch.empty_like(x.v)
     new_states = states.clone()
     tracked = states.new_empty((len(track), *states.shape[1:]))

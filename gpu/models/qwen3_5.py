@@ -49,9 +49,13 @@ class _DeltaNet(NamedTuple):
 @register("model", "qwen3_5_text")
 class Qwen3_5Model(HybridDecoder[_Attention, _DeltaNet]):
     """Deterministic mode adds, to the batch-invariant matmuls, the recurrent form of the
-    delta rule in prefill, so a state is the same whether reached by prefill or decode."""
+    delta rule in prefill, so a state is the same whether reached by prefill or decode.
+    `native_recurrence` (set by kernel/model_build.py where the C++ kernel runs: CPU,
+    `model.cpu_kernels` auto): every step's delta rule, prefill and decode, in any mode,
+    through the C++ recurrent form (gpu/kernels/gated_delta.py `native_varlen`)."""
 
     name = "qwen3_5_text"
+    native_recurrence = False
     state_kind = LINEAR
     final_norm = "model.norm.weight"
     block_names = BlockNames(
@@ -150,8 +154,9 @@ class Qwen3_5Model(HybridDecoder[_Attention, _DeltaNet]):
             step.load(rec_pool),
             step.extend_lens,
             step.prefix_lens,
-            recurrent=self.deterministic,
+            recurrent=self.deterministic or self.native_recurrence,
             track=step.track_points,
+            native=self.native_recurrence,
         )
         step.store(rec_pool, states)
         step.store_tracked(rec_pool, tracked)
