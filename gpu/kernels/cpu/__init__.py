@@ -19,8 +19,9 @@ any aten op.
 `model.cpu_kernels: auto` (the default) uses them on CPU outside deterministic mode;
 `off`, a machine without a C++ compiler, or a failed build run the plain-torch code
 instead (a failed build logs `cpu_kernels_unavailable` once and is not retried in the
-process). NOTE: the kernels are never used in deterministic mode, whose bit-exactness
-rests on the batch-invariant torch paths.
+process). NOTE: the kernels are not used in deterministic mode, whose bit-exactness
+rests on the batch-invariant torch paths — except `gated_delta`, whose arithmetic per
+(request, head) is fixed by construction (kernel/numerics_choice.py `use_native_recurrence`).
 """
 
 from __future__ import annotations
