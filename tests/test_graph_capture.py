@@ -104,21 +104,34 @@ def test_dense_forward_makes_no_host_tensors(
                                  live, kind)
 
 
-@pytest.mark.parametrize("family,planted", [("qwen3_5_text", "delta"), ("lfm2", "conv")])
+@pytest.mark.parametrize("family,planted", [("qwen3_5_text", "delta"), ("qwen3_5_text", "native"), ("lfm2", "conv")])
 def test_red_decode_path_indexing_by_lengths(
     hybrid_folders: dict[str, str], monkeypatch: pytest.MonkeyPatch, family: str, planted: str
 ) -> None:
     """Planted: the decode path gathers its rows through index tensors built from the
-    lengths (what the general path does): the check above goes red."""
+    lengths (what the general path does): the check above goes red. `delta`: torch's
+    form (the C++ kernels off); `native`: the C++ form's request offsets made from the
+    lengths in a decode step too (a bug this check caught)."""
+    extra: dict[str, Any] = {}
     if planted == "delta":
         def by_lengths(x: gated_delta.DeltaInputs, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             rows = torch.tensor(list(range(states.shape[0])), device=states.device)
             return gated_delta.recurrent_step(x.rows(rows), states[rows])
         monkeypatch.setattr(gated_delta, "decode_step", by_lengths)
+        extra["model.cpu_kernels"] = "off"
+    elif planted == "native":
+        if not gated_delta.native_available(torch.device("cpu")):
+            pytest.skip("the C++ gated-delta kernel does not build here")
+        real = gated_delta.native_varlen
+
+        def offsets_from_lengths(x: Any, states: torch.Tensor, extend_lens: Any, track: Any = ()) -> Any:
+            torch.tensor(list(extend_lens), dtype=torch.int64).cumsum(0)
+            return real(x, states, extend_lens, track)
+        monkeypatch.setattr(gated_delta, "native_varlen", offsets_from_lengths)
     else:
         monkeypatch.setattr(short_conv, "_one_token_each", lambda x, windows, weight, bias: short_conv._varlen(
             x, windows, [1] * x.shape[0], weight, bias))
-    components = parts(hybrid_folders[family], HYBRID_OVERRIDES, **GRAPHS_EMULATE)
+    components = parts(hybrid_folders[family], HYBRID_OVERRIDES, **GRAPHS_EMULATE, **extra)
     with pytest.raises(HostRead, match="torch.tensor during a captured forward"):
         forward_without_host_traffic(components, monkeypatch)
 

@@ -221,12 +221,17 @@ def native_varlen(
     """`gated_delta_varlen`'s recurrent mode in one C++ call (same arguments and results).
     The decay exp(g) is taken in torch first, through `pointwise` (a batch-invariant
     elementwise exp)."""
-    starts = torch.zeros(len(extend_lens) + 1, dtype=torch.int64)
-    starts[1:] = torch.tensor(list(extend_lens), dtype=torch.int64).cumsum(0)
+    if all(n == 1 for n in extend_lens):
+        # A decode step: no tensor made from host values (a captured graph would freeze them;
+        # the NOTE of `gated_delta_varlen`), and nothing tracked inside one token.
+        starts = torch.arange(len(extend_lens) + 1)
+    else:
+        starts = torch.zeros(len(extend_lens) + 1, dtype=torch.int64)
+        starts[1:] = torch.tensor(list(extend_lens), dtype=torch.int64).cumsum(0)
     new_states = states.contiguous().clone()
     out = torch.empty_like(x.v, memory_format=torch.contiguous_format)
     tracked = states.new_empty((len(track), *states.shape[1:]))
-    pairs = torch.tensor([list(p) for p in track], dtype=torch.int64).reshape(-1, 2)
+    pairs = torch.tensor([list(p) for p in track], dtype=torch.int64) if track else torch.empty((0, 2), dtype=torch.int64)
     q, k, v, g, beta = (t.contiguous() for t in x)
     torch.ops.tierserve_cpu.gated_delta_recurrent(q, k, v, pointwise(torch.exp, g).contiguous(), beta, new_states,
                                                   starts, out, pairs, tracked)
