@@ -6,6 +6,7 @@ strategy, with and without deterministic mode) is benchmarks/hybrid_prefix.py.
 
     .venv/bin/python benchmarks/deterministic.py                       # 48 requests, 2 rounds
     .venv/bin/python benchmarks/deterministic.py --num-requests 24 --output-max 64 --rounds 1
+    .venv/bin/python benchmarks/deterministic.py --features --num-requests 24 --output-max 64  # cost per feature
 """
 
 from __future__ import annotations
@@ -21,12 +22,42 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def output_tok_per_s(deterministic: bool, args: argparse.Namespace, json_path: Path) -> float:
+# `--features`: deterministic mode's cost with each feature on (README "Deterministic mode"):
+# name -> the settings that turn it on, beside the default config's.
+FEATURES: dict[str, tuple[str, ...]] = {
+    "default config": (),
+    "float32, no quantization": ("model.dtype=float32", "model.quantization=none"),
+    "host + file storage tiers": ("hicache.host_ratio=1", "hicache.storage=file"),
+    "speculative ngram": ("speculative.method=ngram",),
+    "overlap scheduling on": ("scheduler.overlap=on",),
+}
+
+
+def output_tok_per_s(deterministic: bool, args: argparse.Namespace, json_path: Path,
+                     settings: tuple[str, ...] = ()) -> float:
     cmd = [sys.executable, "benchmarks/throughput.py", "--skip-baseline", "--num-requests", str(args.num_requests),
            "--output-max", str(args.output_max), "--json", str(json_path),
            "--set", f"deterministic={str(deterministic).lower()}"]
+    for item in settings:
+        cmd += ["--set", item]
     subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True)
     return float(json.loads(json_path.read_text())["systems"]["tierserve"]["output_tok_per_s"])
+
+
+def feature_table(args: argparse.Namespace, tmp: Path) -> None:
+    """Default vs deterministic with each feature of FEATURES on, one pair at a time."""
+    storage = tmp / "kv"
+    rows = []
+    for name, settings in FEATURES.items():
+        pair = []
+        for det in (False, True):
+            extra = (*settings, f"hicache.storage_dir={storage / f'{name}-{det}'}")
+            pair.append(output_tok_per_s(det, args, tmp / "feature.json", extra))
+        rows.append((name, *pair))
+        print(f"{name}: default {pair[0]:.1f}, deterministic {pair[1]:.1f} output tok/s", flush=True)
+    print("\n| feature | default tok/s | deterministic tok/s | deterministic / default |\n|---|---|---|---|")
+    for name, default, det in rows:
+        print(f"| {name} | {default:.1f} | {det:.1f} | {det / default:.2f}x |")
 
 
 def main() -> int:
@@ -34,8 +65,13 @@ def main() -> int:
     p.add_argument("--num-requests", type=int, default=48)
     p.add_argument("--output-max", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--features", action="store_true", help="one default/deterministic pair per feature instead")
     args = p.parse_args()
     runs: dict[bool, list[float]] = {False: [], True: []}
+    if args.features:
+        with tempfile.TemporaryDirectory() as tmp:
+            feature_table(args, Path(tmp))
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for det in (False, True):
