@@ -40,12 +40,27 @@ class BuiltModel(NamedTuple):
     model_id: str  # the weights' storage fingerprint ("" unless asked for)
 
 
-def storage_model_id(weights: dict[str, torch.Tensor], quantization: str) -> str:
+def storage_model_id(weights: dict[str, torch.Tensor], quantization: str, exact: str = "") -> str:
     """The weights' fingerprint, plus the quantization when there is one: quantized linears
     compute other KV from the same file, so their pages must never be served to (or from)
-    a server without it."""
-    fingerprint = weights_fingerprint(weights)
-    return fingerprint if quantization == "none" else f"{fingerprint}+{quantization}"
+    a server without it. `exact` (deterministic mode's arithmetic, `exact_numerics`): its
+    pages and states are a cold run's bits only on a server computing the same way, so
+    they get keys of their own (a default-mode page is a miss there, not a hit with other
+    bits: seen with the packaged model's default bf16 + int4, whose default-mode prefill
+    runs the dense copy where deterministic mode runs the 4-bit op)."""
+    parts = [weights_fingerprint(weights)]
+    parts += [quantization] if quantization != "none" else []
+    parts += [exact] if exact else []
+    return "+".join(parts)
+
+
+def exact_numerics(config: Config, model: Any) -> str:
+    """'' outside deterministic mode; in it, a name for its arithmetic: "det", and with a
+    Gated DeltaNet model on the C++ recurrence "det.native_delta" (its states' bits are
+    not torch's form's)."""
+    if not config.deterministic:
+        return ""
+    return "det.native_delta" if getattr(model, "native_recurrence", False) else "det"
 
 
 def build_model(config: Config, device: torch.device, fingerprint: bool = False, rank: int = 0) -> BuiltModel:
@@ -83,5 +98,5 @@ def build_model(config: Config, device: torch.device, fingerprint: bool = False,
         model.native_recurrence = use_native_recurrence(config, device)
         log.info("gated_delta", form="native recurrent" if model.native_recurrence else
                  "recurrent" if config.deterministic else "chunked")
-    model_id = storage_model_id(ckpt.weights, quantization) if fingerprint else ""
+    model_id = storage_model_id(ckpt.weights, quantization, exact_numerics(config, model)) if fingerprint else ""
     return BuiltModel(model, arch, ckpt.tokenizer, dtype, quantization, cpu_kernels, model_id)

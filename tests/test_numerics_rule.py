@@ -116,3 +116,6 @@ def test_storage_model_id_names_the_quantization() -> None:
     ids = {q: storage_model_id(weights, q) for q in ("none", "int8", "int4")}
     assert len(set(ids.values())) == 3
     assert ids["none"] == weights_fingerprint(weights)  # unquantized keys are unchanged
+    # Deterministic mode's arithmetic names its own keys (tests/test_storage_tier.py shows why).
+    exact = {storage_model_id(weights, q, "det") for q in ("none", "int4")}
+    assert len(exact) == 2 and not exact & set(ids.values())

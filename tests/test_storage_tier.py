@@ -20,7 +20,7 @@ from cache.host_pool import HostPool
 from kernel import Engine
 from kernel.tiers.storage_tier import Fetch, StorageTier
 from tests import leaks
-from tests.conftest import TINY_OVERRIDES
+from tests.conftest import SMOLLM, TINY_OVERRIDES
 from tests.slow_storage import Hold
 from tests.test_host_tier import GREEDY, TIERED, logprobs, tokens
 
@@ -435,3 +435,54 @@ def test_red_missed_writes_forgotten(tiny_chat_folder: str, tmp_path: Path, monk
         assert warm["meta_info"]["cached_tokens_by_tier"]["storage"] == 0 and same(warm, ref)
     finally:
         engine.shutdown()
+
+
+def packaged(storage_dir: Path, deterministic: bool) -> Engine:
+    """The packaged model at its default numerics (bf16 or float32, with int4 linears)."""
+    return Engine(None, {"model.path": SMOLLM, "cache.prefix": "radix", "cache.num_pages": 64,
+                         "hicache.host_pages": 200, "hicache.storage": "file",
+                         "hicache.storage_dir": str(storage_dir), "deterministic": deterministic,
+                         "debug.check_invariants": True})
+
+
+def read_after_the_other_mode(tmp_path: Path, writer_det: bool) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    """(a server of the other mode's output of PROMPT over the writer's storage, its cold
+    run over empty storage, its storage stats)."""
+    writer = packaged(tmp_path, writer_det)
+    try:
+        writer.generate(PROMPT, GREEDY)
+        settle(writer)
+    finally:
+        writer.shutdown()
+    reader, cold = packaged(tmp_path, not writer_det), packaged(tmp_path / "empty", not writer_det)
+    try:
+        out, ref = reader.generate(PROMPT, GREEDY), cold.generate(PROMPT, GREEDY)
+        return out, ref, tier(reader).stats()  # type: ignore[return-value]
+    finally:
+        reader.shutdown()
+        cold.shutdown()
+
+
+@pytest.mark.parametrize("writer_det", [False, True], ids=["default-writes", "deterministic-writes"])
+def test_pages_of_the_other_numerics_are_a_miss(tmp_path: Path, writer_det: bool) -> None:
+    """Deterministic mode's pages are a cold run's bits only on a server computing the same
+    way: a page one mode stored is a counted miss for the other (the storage key names the
+    arithmetic, kernel/model_build.py `exact_numerics`)."""
+    out, ref, stats = read_after_the_other_mode(tmp_path, writer_det)
+    assert out["meta_info"]["cached_tokens_by_tier"]["storage"] == 0
+    assert stats["prefetch"]["empty"] >= 1  # looked, found nothing of its numerics
+    if not writer_det:
+        assert same(out, ref)  # the deterministic reader: its own cold run's bits
+
+
+def test_red_pages_keyed_without_the_numerics(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted: the key without deterministic mode's name. The packaged model's default
+    numerics run the dense copy of its 4-bit linears in a default-mode prefill and the
+    4-bit op in deterministic mode: a deterministic server reads the default server's
+    pages and its output is not its cold run's."""
+    import kernel.model_build as build_mod
+
+    monkeypatch.setattr(build_mod, "exact_numerics", lambda config, model: "")
+    out, ref, _ = read_after_the_other_mode(tmp_path, writer_det=False)
+    assert out["meta_info"]["cached_tokens_by_tier"]["storage"] > 0
+    assert not same(out, ref)
