@@ -212,6 +212,18 @@ class InProcessSource:
         self.publisher.close()
         self.rival_publisher.close()
 
+    def routed_to_replica0(self, replicas: list[ServerProcess], place: Any, seed: int) -> int:
+        """Behind a fresh kv_aware router: of 4 prompts placed by `place`, how many went to
+        replica 0; the router and the publishers are stopped after."""
+        router = self.router(replicas)
+        try:
+            router.wait_models()
+            time.sleep(1.0)  # the SUB sockets join
+            return routed_to_holder(router, replicas, replicas[0].info()["served_model_name"], 0, 4, place, seed)
+        finally:
+            router.stop()
+            self.close()
+
 
 @pytest.mark.parametrize("framing", ["topic, seq, payload", "planted: seq, payload"])
 def test_vllm_router_fills_a_gap_from_the_replay_socket(replicas: list[ServerProcess], framing: str,
@@ -237,8 +249,7 @@ def test_vllm_router_fills_a_gap_from_the_replay_socket(replicas: list[ServerPro
         monkeypatch.setattr(kz.ZmqKvPublisher, "_answer", three_frames)
     source = InProcessSource(monkeypatch)
     publisher, hidden = source.publisher, source.hidden
-    model, page = replicas[0].info()["served_model_name"], replicas[0].info()["block_size"]
-    router = source.router(replicas)
+    page = replicas[0].info()["block_size"]
 
     def filler(rng: random.Random) -> BlockStored:
         return BlockStored([rng.randint(1, 2**62)], None, [rng.randint(100, 40000) for _ in range(page)], page)
@@ -253,18 +264,11 @@ def test_vllm_router_fills_a_gap_from_the_replay_socket(replicas: list[ServerPro
         hidden[0] = False
         publisher.publish([filler(rng)])  # seq jumps by 2: the router asks the replay socket
 
-    try:
-        router.wait_models()
-        time.sleep(1.0)  # the SUB socket joins
-        hits = routed_to_holder(router, replicas, model, 0, 4, place, seed=11)
-    finally:
-        router.stop()
-        source.close()
+    hits = source.routed_to_replica0(replicas, place, seed=11)
     if framing.startswith("planted"):
         assert hits == 0, f"the router used a replay it should have ignored ({hits} of 4)"
     else:
         assert hits == 4, f"{hits} of 4 prompts went to the replica whose replayed blocks hold them"
-
 
 
 @pytest.mark.parametrize("events", ["device removed, host stored", "planted: device removed only"])
@@ -278,8 +282,6 @@ def test_vllm_router_follows_a_block_to_the_host_tier(replicas: list[ServerProce
     from cache.kv_events import BlockRemoved, BlockStored
 
     source = InProcessSource(monkeypatch)
-    model = replicas[0].info()["served_model_name"]
-    router = source.router(replicas)
 
     def place(ids: list[int], size: int, rng: random.Random) -> None:
         source.rival(ids, size, rng)
@@ -290,13 +292,7 @@ def test_vllm_router_follows_a_block_to_the_host_tier(replicas: list[ServerProce
             offloaded = []
         source.publisher.publish([*offloaded, BlockRemoved(hashes, medium="device")])
 
-    try:
-        router.wait_models()
-        time.sleep(1.0)
-        hits = routed_to_holder(router, replicas, model, 0, 4, place, seed=12)
-    finally:
-        router.stop()
-        source.close()
+    hits = source.routed_to_replica0(replicas, place, seed=12)
     if events.startswith("planted"):
         assert hits == 0, f"the router kept a block no tier holds ({hits} of 4)"
     else:
