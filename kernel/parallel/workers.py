@@ -21,7 +21,7 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -180,19 +180,21 @@ class TensorParallelRunner(ModelRunner):
 
     def copy_states(self, copies: Sequence[tuple[int, int]]) -> None:
         """Queued state copies run on every rank (each holds its heads' part of a slot)."""
-        try:
-            self.workers.send(("copy_states", tuple(copies)))
-            super().copy_states(copies)
-        except Exception as exc:
-            raise StepFatal(f"tensor-parallel state copy failed on rank 0: {exc}") from exc
+        self._on_every_rank("copy_states", copies, super().copy_states)
 
     def move_kv(self, moves: Sequence[tuple[int, int]]) -> None:
         """A token tree's accepted side KV moves on every rank (each holds its heads' part)."""
+        self._on_every_rank("move_kv", moves, super().move_kv)
+
+    def _on_every_rank(self, kind: str, pairs: Sequence[tuple[int, int]],
+                       here: Callable[[Sequence[tuple[int, int]]], None]) -> None:
+        """Send (kind, pairs) to the workers (kernel/parallel/worker.py runs the same method),
+        then run it here; any failure is fatal, as a step's is (`run`)."""
         try:
-            self.workers.send(("move_kv", tuple(moves)))
-            super().move_kv(moves)
+            self.workers.send((kind, tuple(pairs)))
+            here(pairs)
         except Exception as exc:
-            raise StepFatal(f"tensor-parallel KV move failed on rank 0: {exc}") from exc
+            raise StepFatal(f"tensor-parallel {kind} failed on rank 0: {exc}") from exc
 
     def close(self) -> None:
         self.workers.stop()
