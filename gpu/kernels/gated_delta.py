@@ -258,8 +258,9 @@ def gated_delta_varlen(
     advanced together one position at a time. Otherwise one-token requests are batched
     through `recurrent_step` and longer ones run `chunk_prefill`.
 
-    `native` (with `recurrent`): the whole step through `native_varlen` instead, decode
-    steps included (its arithmetic is not torch's: the caller picks it for every step).
+    `native`: the whole step through `native_varlen` instead, whatever `recurrent` says
+    (it is the recurrent form), decode steps included (its arithmetic is not torch's: the
+    caller picks it for every step).
 
     NOTE: a decode step (one token per request) is one `recurrent_step` over the inputs
     as they are, in either mode: no index tensor built from the lengths, nothing read
@@ -267,7 +268,7 @@ def gated_delta_varlen(
     """
     if any(not 0 < n < extend_lens[r] for r, n in track):
         raise ValueError(f"tracked points {list(track)} are not inside their chunks {list(extend_lens)}")
-    if recurrent and native:
+    if native:
         return native_varlen(x, states, extend_lens, track)
     out = torch.empty_like(x.v)
     new_states = states.clone()

@@ -154,7 +154,7 @@ class Qwen3_5Model(HybridDecoder[_Attention, _DeltaNet]):
             step.load(rec_pool),
             step.extend_lens,
             step.prefix_lens,
-            recurrent=self.deterministic or self.native_recurrence,
+            recurrent=self.deterministic,
             track=step.track_points,
             native=self.native_recurrence,
         )
