@@ -1,5 +1,5 @@
 """The draft model of `speculative.method: draft`, built beside the target: any checkpoint
-tierserve loads (its own dtype and quantization), checked at start-up to share the
+tierserve loads (its own dtype and quantization; dense or hybrid), checked at start-up to share the
 target's vocabulary, with a KV pool of the target's page count over the target's
 request-token table (kernel/speculative/draft_model.py says why)."""
 
@@ -12,13 +12,14 @@ import torch
 
 from cache.kv_pool import KVPool
 from cache.req_table import ReqToTokenTable
+from cache.state_pool import StatePool
 from gpu.graphs import cpu_step
 from gpu.graphs.cpu_step import CpuStepRunner
 from gpu.model_runner import ModelRunner
 from kernel import registry
 from kernel.config import Config, ConfigError
 from kernel.model_build import BuiltModel, build_model
-from kernel.speculative.draft_model import DraftModel
+from kernel.speculative.draft_model import DraftModel, state_slots
 
 
 def build_draft(config: Config, device: torch.device, target: BuiltModel, context: int, num_pages: int,
@@ -32,19 +33,22 @@ def build_draft(config: Config, device: torch.device, target: BuiltModel, contex
     single = dataclasses.replace(config.parallel, tp_size=1)
     draft = build_model(dataclasses.replace(config, model=section, deterministic=False, parallel=single), device)
     check_vocabulary(target, draft)
-    if hasattr(draft.model, "state_shapes"):
-        raise ConfigError("speculative.draft_model: hybrid draft models are not supported yet; use a dense one")
     if draft.arch.max_position_embeddings < context:
         raise ConfigError(
             f"speculative.draft_model: it reaches {draft.arch.max_position_embeddings} positions, the target "
             f"serves {context}; set model.context_length to at most that"
         )
     arch = draft.arch
-    pool = KVPool(arch.num_layers, num_pages, config.cache.page_size, arch.num_kv_heads, arch.head_dim, draft.dtype,
+    kv_layers = getattr(draft.model, "num_kv_layers", arch.num_layers)  # hybrids: attention layers only
+    pool = KVPool(kv_layers, num_pages, config.cache.page_size, arch.num_kv_heads, arch.head_dim, draft.dtype,
                   device)
     name = "torch" if attention_name == "deterministic" else attention_name
     attention = registry.lookup("attention", name)(pool, table.table, cpu_kernels=draft.cpu_kernels)
-    runner = ModelRunner(draft.model, pool, attention, cpu_kernels=draft.cpu_kernels)
+    # A hybrid draft: two state slots per table row (kernel/speculative/draft_model.py), the
+    # request rows' only — a token tree's scratch rows run the target, never the draft.
+    states = (StatePool(draft.model.state_shapes(), state_slots(table.num_rows), draft.dtype, device)
+              if hasattr(draft.model, "state_shapes") else None)
+    runner = ModelRunner(draft.model, pool, attention, states, cpu_kernels=draft.cpu_kernels)
     if device.type == "cpu" and cpu_step.unsupported(draft.model, attention) is None:
         runner.graphs = CpuStepRunner(draft.model, attention, decode_buckets)  # its decode steps, natively
     return DraftModel(runner)

@@ -13,6 +13,12 @@ A draft job runs on the device thread before the step that verifies its drafts
 (kernel/scheduling/step_loop.py `fill_drafts`): per request one chunk of the tokens the
 draft has not seen yet (up to the last one), then k - 1 batched decode steps of its own
 greedy picks, written at the positions the verify step's drafted tokens take.
+
+A hybrid draft model (recurrent state layers) keeps two state slots per request-table
+row, fixed by the row (nothing to allocate or free): `base`, the state after the tokens
+the last job read, and `scratch`, where its greedy steps run on. The next job resumes
+from `base` (the drafted tokens' state is dropped, whatever the verify step accepted), or
+reads the request from its first token where `base` is not the state its start needs.
 """
 
 from __future__ import annotations
@@ -44,25 +50,53 @@ class DraftJob(NamedTuple):
     others: int = 0  # token trees: next-best tokens wanted beside each draft
 
 
+def base_slot(row: int) -> int:
+    """A hybrid draft's state after the tokens its last job read, for table row `row`."""
+    return 2 * row - 1
+
+
+def scratch_slot(row: int) -> int:
+    """Where a hybrid draft's greedy steps for row `row` run (dropped after the job)."""
+    return 2 * row
+
+
+def state_slots(num_rows: int) -> int:
+    """Slots a hybrid draft's state pool needs for `num_rows` table rows (row 0 included)."""
+    return 2 * num_rows
+
+
 class DraftModel:
-    """Owned by the device thread: the draft model's runner (its model, pool, attention)."""
+    """Owned by the device thread: the draft model's runner (its model, pool, attention,
+    and for a hybrid draft its state pool, two slots a row)."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
+
+    @property
+    def recurrent(self) -> bool:
+        return self.runner.states is not None
+
+    def _chunk(self, tokens: tuple[int, ...], row: int, start: int, step: int) -> PrefillChunk:
+        """A job's chunk (step 0: its known tokens, from `base` back to `base`) or one of
+        its greedy steps (from `base`, then `scratch`, into `scratch`)."""
+        if not self.recurrent:
+            return PrefillChunk(tokens, row, start)
+        src = base_slot(row) if step <= 1 else scratch_slot(row)
+        return PrefillChunk(tokens, row, start, src, base_slot(row) if step == 0 else scratch_slot(row))
 
     @torch.inference_mode()
     def draft(self, jobs: Sequence[DraftJob]) -> list[list[int]]:
         """The greedy drafts of every job, in order (device thread); a job with `others`
         also gets, after its drafts, the next-best tokens at each of their positions
         (`others` a position, best first: the side nodes of `ModelDrafter.propose_tree`)."""
-        chunks = [PrefillChunk(job.tokens, job.row, job.start) for job in jobs]
+        chunks = [self._chunk(job.tokens, job.row, job.start, 0) for job in jobs]
         others = max(job.others for job in jobs)
         picks, alts = self._greedy(chunks, others)
         drafts = [[t] for t in picks]
         beside = [[a] for a in alts]
         for step in range(1, max(job.wanted for job in jobs)):
             live = [i for i, job in enumerate(jobs) if job.wanted > step]
-            chunks = [PrefillChunk((drafts[i][-1],), jobs[i].row, jobs[i].start + len(jobs[i].tokens) + step - 1)
+            chunks = [self._chunk((drafts[i][-1],), jobs[i].row, jobs[i].start + len(jobs[i].tokens) + step - 1, step)
                       for i in live]
             picks, alts = self._greedy(chunks, others)
             for i, token, alt in zip(live, picks, alts):
@@ -94,7 +128,7 @@ class ModelDrafter(Drafter):
         super().__init__(**options)
         self.model: DraftModel | None = None  # attached by the engine builder (`attach`)
         self.pages: DraftPages | None = None
-        self._seen: dict[str, int] = {}  # per request: tokens the draft's KV covers
+        self._seen: dict[str, tuple[int, int]] = {}  # per request: (table row, tokens the draft has read)
 
     def attach(self, model: DraftModel, page_size: int) -> None:
         self.model = model
@@ -118,12 +152,18 @@ class ModelDrafter(Drafter):
         """The draft work for `req`'s PENDING drafts: the tokens its KV lacks, then `count`
         picks. A request's first job starts after the leading pages whose draft KV is of
         its own tokens (kernel/speculative/draft_pages.py), later ones after what the
-        previous job read (its drafts' positions are redone: they may have been rejected)."""
-        assert req.row is not None and self.pages is not None
+        previous job read (its drafts' positions are redone: they may have been rejected).
+        A hybrid draft resumes only where its `base` state is (the same row, the same
+        count), else from the request's first token: its state at a page is not kept."""
+        assert req.row is not None and self.pages is not None and self.model is not None
         total = req.total_len
         seen = self._seen.get(req.rid)
-        start = min(self.pages.trusted(req) if seen is None else seen, req.kv_len, total - 1)
-        self._seen[req.rid] = total
+        if self.model.recurrent:
+            start = seen[1] if seen is not None and seen[0] == req.row else 0
+            start = start if start <= min(req.kv_len, total - 1) else 0
+        else:
+            start = min(self.pages.trusted(req) if seen is None else seen[1], req.kv_len, total - 1)
+        self._seen[req.rid] = (req.row, total)
         self.pages.written(req, start, total, total + count - 1)
         return DraftJob(req.row, start, tuple(req.token_slice(start, total)), count, others)
 
