@@ -26,6 +26,10 @@ from tests.test_speculative_hybrid import PARAMS, PROMPTS, STRATEGIES, make
 
 OTHER = dict(zip(HYBRID_FAMILIES, reversed(HYBRID_FAMILIES)))
 GREEDY = {**PARAMS[0], "max_new_tokens": 40}
+# Measured on an AVX-512 Xeon, greedy, 40 tokens: the same weights 31/31 accepted (both
+# families); the planted bug below 7/25 (Qwen3.5) and 28/35 (LFM2: its short conv's window
+# forgets the wrong state within a few tokens); the other family 0/20.
+AGREES = 0.9
 
 
 def drafting(folder: str, draft: str, strategy: str = "extra_buffer") -> Engine:
@@ -66,11 +70,11 @@ def test_same_weights_draft_is_exact_and_accepted(family: str, strategy: str, hy
         for out, ref in zip(outs, refs[family]):
             same(out, ref)
         # Greedy, the same weights: the draft (its own, not batch-invariant numerics) agrees.
-        assert acceptance(outs[-1]) > 0.8, outs[-1]["meta_info"]
+        assert acceptance(outs[-1]) >= AGREES, outs[-1]["meta_info"]
         # A second turn on the same row's slots: its first job starts over from token 0.
         again = engine.generate(PROMPTS[1], GREEDY)
         assert isinstance(again, dict)
-        assert acceptance(again) > 0.8
+        assert acceptance(again) >= AGREES
     finally:
         engine.shutdown()
 
@@ -84,7 +88,7 @@ def test_the_other_family_as_draft_is_exact(family: str, hybrid_folders: dict[st
         assert isinstance(outs, list)
         for out, ref in zip(outs, refs[family]):
             same(out, ref)
-        assert acceptance(outs[-1]) < 0.8  # a random other model: most drafts rejected, output unchanged
+        assert acceptance(outs[-1]) < AGREES  # a random other model: most drafts rejected, output unchanged
     finally:
         engine.shutdown()
 
@@ -108,6 +112,6 @@ def test_planted_draft_state_not_rolled_back_red(family: str, hybrid_folders: di
         assert isinstance(out, dict)
         same(out, refs[family][-1])  # the target verified every draft
         with pytest.raises(AssertionError):
-            assert acceptance(out) > 0.8
+            assert acceptance(out) >= AGREES
     finally:
         engine.shutdown()
