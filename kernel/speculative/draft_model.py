@@ -158,13 +158,13 @@ class ModelDrafter(Drafter):
         assert req.row is not None and self.pages is not None and self.model is not None
         total = req.total_len
         seen = self._seen.get(req.rid)
-        if self.model.recurrent:
-            start = seen[1] if seen is not None and seen[0] == req.row else 0
-            start = start if start <= min(req.kv_len, total - 1) else 0
+        if self.model.recurrent:  # no page marks: a hybrid draft never starts at a page
+            resumable = seen is not None and seen[0] == req.row and seen[1] <= min(req.kv_len, total - 1)
+            start = seen[1] if resumable and seen is not None else 0
         else:
             start = min(self.pages.trusted(req) if seen is None else seen[1], req.kv_len, total - 1)
+            self.pages.written(req, start, total, total + count - 1)
         self._seen[req.rid] = (req.row, total)
-        self.pages.written(req, start, total, total + count - 1)
         return DraftJob(req.row, start, tuple(req.token_slice(start, total)), count, others)
 
     def forget(self, req: Request) -> None:
