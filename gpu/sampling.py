@@ -310,7 +310,7 @@ class DeviceSample(Pending):
 
 def native_argmax_ready(cpu_kernels: bool, device: torch.device) -> bool:
     """Whether greedy picks may run the C++ argmax (gpu/kernels/cpu/sampling.cpp): the
-    CPU kernels allowed (model.cpu_kernels, never in deterministic mode) and built."""
+    CPU kernels allowed (model.cpu_kernels; an argmax is exact, so deterministic mode too) and built."""
     return cpu_kernels and device.type == "cpu" and cpu.load(NATIVE_ARGMAX)
 
 

@@ -20,6 +20,7 @@ from cache.radix_tree import RadixTree
 from cache.req_table import ReqToTokenTable
 from cache.state_pool import StatePool
 from cache.storage import PageFormat, StorageBackend
+from gpu.attention import paged_decode
 from gpu.attention.base import AttentionBackend
 from gpu.cpu_threads import share_cpus
 from gpu.graphs import cpu_step
@@ -117,6 +118,10 @@ def _build_components(
     max_ctx_padded = pages_for(context, page_size) * page_size
     table = ReqToTokenTable(config.scheduler.max_running_requests + 1, max_ctx_padded, device,
                             scratch_rows=_tree_rows(config, hybrid=getattr(model, "num_kv_layers", None) is not None))
+    if config.deterministic and paged_decode.kernel_ready(cpu_kernels, pool):
+        # NOTE: invariant 7 on CPU: every token through the C++ paged kernel, batch-invariant
+        # and the same arithmetic for prefill and decode (gpu/attention/deterministic_paged.py).
+        attention_name = "deterministic_paged"
     attention = registry.lookup("attention", attention_name)(pool, table.table, cpu_kernels=cpu_kernels)
     policy = registry.lookup("schedule", config.scheduler.policy)(
         lpm_fallback_queue=config.scheduler.lpm_fallback_queue

@@ -78,7 +78,7 @@ class CacheConfig:
     # The KV pool's element type: "model" (the compute dtype), "float16" (a float32 model on
     # CPU with the torch attention backend: half the bytes decode attention reads, twice the
     # pages a byte budget holds), or "auto": float16 where the native CPU path runs a dense
-    # float32 Llama-family model (model.cpu_kernels on, so never in deterministic mode),
+    # float32 Llama-family model outside deterministic mode (model.cpu_kernels on),
     # else the model's (kernel/numerics_choice.py resolve_kv_dtype).
     kv_dtype: str = "auto"
 

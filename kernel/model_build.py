@@ -54,13 +54,15 @@ def storage_model_id(weights: dict[str, torch.Tensor], quantization: str, exact:
     return "+".join(parts)
 
 
-def exact_numerics(config: Config, model: Any) -> str:
-    """'' outside deterministic mode; in it, a name for its arithmetic: "det", and with a
-    Gated DeltaNet model on the C++ recurrence "det.native_delta" (its states' bits are
-    not torch's form's)."""
+def exact_numerics(config: Config, model: Any, cpu_kernels: bool) -> str:
+    """'' outside deterministic mode; in it, a name for its arithmetic: "det", plus
+    ".native_delta" with a Gated DeltaNet model on the C++ recurrence (its states' bits are
+    not torch's form's) and ".cpu_kernels" where the C++ kernels run (their bits are not
+    the torch fallbacks')."""
     if not config.deterministic:
         return ""
-    return "det.native_delta" if getattr(model, "native_recurrence", False) else "det"
+    native_delta = ".native_delta" if getattr(model, "native_recurrence", False) else ""
+    return "det" + native_delta + (".cpu_kernels" if cpu_kernels else "")
 
 
 def build_model(config: Config, device: torch.device, fingerprint: bool = False, rank: int = 0) -> BuiltModel:
@@ -98,5 +100,5 @@ def build_model(config: Config, device: torch.device, fingerprint: bool = False,
         model.native_recurrence = use_native_recurrence(config, device)
         log.info("gated_delta", form="native recurrent" if model.native_recurrence else
                  "recurrent" if config.deterministic else "chunked")
-    model_id = storage_model_id(ckpt.weights, quantization, exact_numerics(config, model)) if fingerprint else ""
+    model_id = storage_model_id(ckpt.weights, quantization, exact_numerics(config, model, cpu_kernels)) if fingerprint else ""
     return BuiltModel(model, arch, ckpt.tokenizer, dtype, quantization, cpu_kernels, model_id)

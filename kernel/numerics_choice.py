@@ -63,8 +63,13 @@ def use_native_recurrence(config: Config, device: torch.device) -> bool:
 
 def use_cpu_kernels(config: Config, device: torch.device) -> bool:
     """Whether the model, its quantized linears and the attention backend try tierserve's
-    C++ CPU kernels (gpu/kernels/cpu/: each falls back to torch ops if its build fails)."""
-    on = config.model.cpu_kernels == "auto" and device.type == "cpu" and not config.deterministic
+    C++ CPU kernels (gpu/kernels/cpu/: each falls back to torch ops if its build fails).
+
+    NOTE: invariant 7: in deterministic mode too, where each consumer takes only the
+    kernels whose rows depend on their own inputs alone (the quantized matmuls, the Llama
+    glue, paged attention for every token, the native decode step built on them); the
+    few-row float GEMV sums in another order than the tiled GEMMs and stays off there."""
+    on = config.model.cpu_kernels == "auto" and device.type == "cpu"
     return on and not cpu_kernels.switched_off()
 
 

@@ -158,18 +158,18 @@ HOST_TENSORS: dict[str, tuple[Any, str]] = {
 def test_red_forward_making_a_tensor_from_host_values(
     dense_emulated: Components, monkeypatch: pytest.MonkeyPatch, construct: str
 ) -> None:
-    """Each construct planted into the dense forward (after its rope) trips the trap."""
-    from gpu.models import llama
+    """Each construct planted into the dense forward (after a layer's attention) trips the trap."""
+    from gpu.models.llama import LlamaModel
 
     plant, message = HOST_TENSORS[construct]
-    real = llama._apply_rope
+    real = LlamaModel._attention
 
-    def rope_then_plant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        out = real(x, cos, sin)
+    def attention_then_plant(self: LlamaModel, *args: Any) -> torch.Tensor:
+        out = real(self, *args)
         plant(out)
         return out
 
-    monkeypatch.setattr(llama, "_apply_rope", rope_then_plant)
+    monkeypatch.setattr(LlamaModel, "_attention", attention_then_plant)
     with pytest.raises(HostRead, match=f"^{message}.* during a captured forward$"):
         forward_without_host_traffic(dense_emulated, monkeypatch)
 
@@ -239,7 +239,8 @@ def test_red_backend_binding_a_per_step_value(tiny_chat_folder: str, monkeypatch
         self.live_tiles = int((views["tile_tok"][:, 0] >= 0).sum())  # type: ignore[attr-defined]
 
     monkeypatch.setattr(DeterministicAttention, "bind_static", keeps_live_count)
-    components = parts(tiny_chat_folder, TINY_OVERRIDES, **GRAPHS_EMULATE)
+    # The torch form of deterministic attention (the C++ kernels off): its tiles are the per-step value.
+    components = parts(tiny_chat_folder, {**TINY_OVERRIDES, "model.cpu_kernels": "off"}, **GRAPHS_EMULATE)
     graphs = components.runner.graphs
     assert isinstance(graphs, GraphRunner)
     live = batch([1, 1, 1], prefix=5)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import gpu.graphs.runner as runner_mod
-from gpu.attention.deterministic import DeterministicAttention
+from gpu.attention.base import AttentionBackend
 from gpu.forward_batch import ForwardBatch, PrefillChunk, SamplingRow
 from gpu.graphs.runner import Bucket, GraphRunner, capture_batch, padding_lens
 from gpu.graphs.static_buffers import BufferSpec, StaticBufferError, StaticBuffers
@@ -121,13 +121,14 @@ def test_registry_refuses_unregistered_and_missing_values() -> None:
 
 # ---- unregistered reads fail the capture ----------------------------------------
 def test_unregistered_attention_metadata_fails_capture(dense: Components, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = DeterministicAttention.bind_static
+    backend = type(dense.runner.attention)  # deterministic mode's (on CPU: deterministic_paged)
+    real = backend.bind_static
 
-    def with_extra(self: DeterministicAttention, views: Any) -> None:
+    def with_extra(self: AttentionBackend, views: Any) -> None:
         real(self, views)
-        self._kv_lens = torch.zeros(4, dtype=torch.int64)  # planted: metadata outside the registry
+        self._kv_lens = torch.zeros(4, dtype=torch.int64)  # type: ignore[attr-defined]  # planted: outside the registry
 
-    monkeypatch.setattr(DeterministicAttention, "bind_static", with_extra)
+    monkeypatch.setattr(backend, "bind_static", with_extra)
     runner = GraphRunner(dense.runner.model, dense.runner.attention, None, "emulate", [1, 2], [16], 2)
     with pytest.raises(StaticBufferError, match="reads attention._kv_lens, which is not a registered"):
         runner.capture()

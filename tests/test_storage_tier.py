@@ -482,7 +482,7 @@ def test_red_pages_keyed_without_the_numerics(tmp_path: Path, monkeypatch: pytes
     pages and its output is not its cold run's."""
     import kernel.model_build as build_mod
 
-    monkeypatch.setattr(build_mod, "exact_numerics", lambda config, model: "")
+    monkeypatch.setattr(build_mod, "exact_numerics", lambda config, model, cpu_kernels: "")
     out, ref, _ = read_after_the_other_mode(tmp_path, writer_det=False)
     assert out["meta_info"]["cached_tokens_by_tier"]["storage"] > 0
     assert not same(out, ref)

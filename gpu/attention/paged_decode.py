@@ -64,6 +64,19 @@ def build(
     return PagedDecode(tok, page_table, seq_lens)
 
 
+def token_layout(
+    rows: torch.Tensor, prefix: torch.Tensor, extend: torch.Tensor, tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each of a step's `tokens` new tokens' table row and position, in flat token order,
+    from its requests' rows, cached lengths and new-token counts (a few tensor ops)."""
+    if tokens == rows.shape[0]:  # one token per request (decodes): at its cached length
+        return rows, prefix
+    starts = torch.cumsum(extend, 0) - extend
+    offsets = torch.arange(tokens, device=rows.device) - torch.repeat_interleave(starts, extend, output_size=tokens)
+    positions = torch.repeat_interleave(prefix, extend, output_size=tokens) + offsets
+    return torch.repeat_interleave(rows, extend, output_size=tokens), positions
+
+
 def decode_slots(
     req_to_token: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, page_size: int
 ) -> tuple[torch.Tensor, PagedDecode]:

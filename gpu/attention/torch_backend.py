@@ -107,14 +107,8 @@ class TorchAttention(AttentionBackend):
         self, rows: torch.Tensor, prefix: torch.Tensor, extend: torch.Tensor, tokens: int
     ) -> torch.Tensor:
         """KV slot of every new token: its request's table row at its position."""
-        if tokens == rows.shape[0]:  # decodes only: one token per request, at prefix
-            return self.req_to_token[rows, prefix]
-        starts = torch.cumsum(extend, 0) - extend
-        offsets = torch.arange(tokens, device=rows.device) - torch.repeat_interleave(
-            starts, extend, output_size=tokens
-        )
-        positions = torch.repeat_interleave(prefix, extend, output_size=tokens) + offsets
-        return self.req_to_token[torch.repeat_interleave(rows, extend, output_size=tokens), positions]
+        token_rows, positions = paged_decode.token_layout(rows, prefix, extend, tokens)
+        return self.req_to_token[token_rows, positions]
 
     def _extend(self, row: int, tok_start: int, num: int, prefix: int) -> _Extend:
         if prefix == 0:

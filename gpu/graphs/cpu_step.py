@@ -23,6 +23,7 @@ import structlog
 import torch
 
 from gpu.attention.base import AttentionBackend
+from gpu.attention.deterministic_paged import PagedDeterministicAttention
 from gpu.attention.torch_backend import TorchAttention
 from gpu.forward_batch import ForwardBatch
 from gpu.graphs.runner import Bucket, Graph
@@ -32,11 +33,15 @@ from gpu.step_inputs import StepInputs
 
 log = structlog.get_logger("tierserve")
 
+# The backends whose decode metadata the native step reads (`prepare_decodes`, `paged_decodes`);
+# deterministic mode's runs the same kernel code for every token, so the step is exact there too.
+PAGED_BACKENDS = (TorchAttention, PagedDeterministicAttention)
+
 
 def unsupported(model: Any, attention: AttentionBackend) -> str | None:
     """Why `graphs.mode: cpu` cannot run this model and backend (None: it can)."""
-    if not isinstance(attention, TorchAttention) or not attention.uses_paged_kernel:
-        return "needs the torch attention backend with the C++ paged decode kernel"
+    if not isinstance(attention, PAGED_BACKENDS) or not attention.uses_paged_kernel:
+        return "needs an attention backend over the C++ paged decode kernel (torch, or deterministic_paged)"
     if not isinstance(model, LlamaModel):
         return f"has no native decode step for {type(model).__name__}"
     if model.arch.sparse_layers:
@@ -48,7 +53,7 @@ class CpuStepRunner:
     """Owned by the device thread, beside the ModelRunner (which asks `bucket_for`)."""
 
     def __init__(self, model: Any, attention: AttentionBackend, decode_buckets: Sequence[int]) -> None:
-        assert isinstance(attention, TorchAttention), "check unsupported() first"
+        assert isinstance(attention, PAGED_BACKENDS), "check unsupported() first"
         self.attention = attention
         self.decoder = llama_cpu_step.build(model, attention.pool)
         fitting = [b for b in sorted(decode_buckets) if b <= self.decoder.max_rows]

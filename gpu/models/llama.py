@@ -62,8 +62,9 @@ class LlamaModel:
         # (gpu/parallel/shard.py); vocab_size stays the whole vocabulary.
         self.arch = arch
         self.tp = tp
-        self.cpu_kernels = cpu_kernels  # may use gpu/kernels/cpu/ (never in deterministic mode)
-        # The fused C++ glue (norms, residual adds, RoPE, SiLU*up) where it can run.
+        self.cpu_kernels = cpu_kernels  # may use gpu/kernels/cpu/
+        # The fused C++ glue (norms, residual adds, RoPE, SiLU*up) where it can run; in
+        # deterministic mode too: each row's (head's, element's) arithmetic is its own.
         self.fused = glue.available(cpu_kernels, dtype, device)
         # Deterministic mode: every matmul is batch-invariant (see gpu/batch_invariant.py).
         # Float32 weights (an unquantized model, a MoE model's experts): few-row steps through

@@ -65,7 +65,7 @@ def unsupported(model: LlamaModel, pool: KVPool) -> str | None:
     """Why this model and pool cannot take the native step (None: they can)."""
     arch = model.arch
     if model.device.type != "cpu" or not model.fused:
-        return "needs the C++ CPU kernels on a CPU model (model.cpu_kernels, not deterministic)"
+        return "needs the C++ CPU kernels on a CPU model (model.cpu_kernels)"
     pool_dtype = pool.k[0].dtype if pool.k else None
     same = model.dtype in (torch.float32, torch.bfloat16) and pool_dtype == model.dtype
     if not same and (model.dtype, pool_dtype) != (torch.float32, torch.float16):

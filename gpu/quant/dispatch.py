@@ -13,7 +13,7 @@ benchmarks/quant_linear.py), where weight bytes bound the time (decode); larger 
 compute-bound and bfloat16/float32 GEMMs beat the quantized ops there
 (benchmarks/quant_linear.py), so the layer keeps its dense weight for them too: memory is
 the dense weight plus the quantized one (+25 % over bf16 for int4, +50 % for int8).
-With `QuantSpec.cpu_kernels` (model.cpu_kernels on, never in deterministic mode) the
+With `QuantSpec.cpu_kernels` (model.cpu_kernels on) the
 quantized linears run tierserve's C++ kernels instead of torch's ops (gpu/quant/gemv.py), in
 the same number of bytes, both on int8 activations: int8 up to its crossover (12 rows against
 bfloat16 GEMMs, every batch where the kernel has AVX512-VNNI and the GEMMs no AMX; 64 against
@@ -21,9 +21,10 @@ float32 ones), 4-bit at every batch size (it beats float32 GEMMs at
 prefill shapes too: `benchmarks/quant_linear.py --model --force-quant`), so a 4-bit layer then
 keeps no dense copy.
 
-NOTE: invariant 7. In deterministic mode every row runs the quantized op in fixed tiles of
-LINEAR_TILE rows (never the dense copy, which is not kept), so a token's logits do not
-depend on how many rows share its step.
+NOTE: invariant 7. In deterministic mode every row runs the quantized op (never the dense
+copy, which is not kept): the C++ kernels as they are (a row's result depends on its own x
+and the weight only, quant_gemv_core.h), torch's ops in fixed tiles of LINEAR_TILE rows; so
+a token's logits do not depend on how many rows share its step.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def make_linear(dense_linear: Linear, deterministic: bool, float_linear: Linear 
         if isinstance(weight, torch.Tensor):
             return on_floats(x, weight, bias)
         if deterministic:
-            return quant_tiled(weight.quant, x, bias)
+            # NOTE: invariant 7: the C++ kernels' rows are their own (any row count); torch's ops in tiles.
+            return weight.quant(x, bias) if weight.quant.row_invariant else quant_tiled(weight.quant, x, bias)
         if x.shape[0] <= weight.quant.max_rows or weight.dense is None:
             return weight.quant(x, bias)
         return dense_linear(x, weight.dense, bias)

@@ -13,8 +13,8 @@ kernels (below) quantize them too.
   to scale = d, zero = m + 8 d, and a Q4_0 block (w = d * (q - 8)) to scale = d, zero = 0.
 
 Both are callables `layer(x, bias=None)` like `F.linear(x, weight, bias)`; gpu/quant/dispatch.py
-chooses between them and a dense copy per call. Built with `kernels=True` (model.cpu_kernels,
-never in deterministic mode) and the C++ kernels available for the dtype, they run
+chooses between them and a dense copy per call. Built with `kernels=True` (model.cpu_kernels)
+and the C++ kernels available for the dtype, they run
 tierserve's kernels instead (gpu/quant/gemv.py: x quantized to int8 per group of 32, integer
 dot products; the weights repacked into the kernels' interleaved tiles, and only the format
 the layer runs is kept).
@@ -70,6 +70,11 @@ class Int8Linear:
         scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).to(dtype)
         q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
         return cls(q, scales, kernels)
+
+    @property
+    def row_invariant(self) -> bool:
+        """Each output row depends on its own input row only, at any row count (the C++ kernel)."""
+        return self.kernel_scales is not None
 
     def dequantize(self) -> torch.Tensor:
         q = self.qweight if self.kernel_scales is None else gemv.unpack_int8(self.packed, self.out_features)
@@ -142,6 +147,11 @@ class Int4Linear:
         scale = ((hi - lo) / 15.0).clamp(min=1e-12)
         q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
         return cls(q.reshape(n, k), scale, lo + 8 * scale, dtype, kernels)
+
+    @property
+    def row_invariant(self) -> bool:
+        """Each output row depends on its own input row only, at any row count (the C++ kernel)."""
+        return self.kernel
 
     def dequantize(self) -> torch.Tensor:
         """The float weight the op computes with (for tests)."""

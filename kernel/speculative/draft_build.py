@@ -42,7 +42,7 @@ def build_draft(config: Config, device: torch.device, target: BuiltModel, contex
     kv_layers = getattr(draft.model, "num_kv_layers", arch.num_layers)  # hybrids: attention layers only
     pool = KVPool(kv_layers, num_pages, config.cache.page_size, arch.num_kv_heads, arch.head_dim, draft.dtype,
                   device)
-    name = "torch" if attention_name == "deterministic" else attention_name
+    name = "torch" if attention_name.startswith("deterministic") else attention_name
     attention = registry.lookup("attention", name)(pool, table.table, cpu_kernels=draft.cpu_kernels)
     # A hybrid draft: two state slots per table row (kernel/speculative/draft_model.py), the
     # request rows' only — a token tree's scratch rows run the target, never the draft.
