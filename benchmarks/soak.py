@@ -194,7 +194,9 @@ def compare(report: Report, outcomes: list[Outcome], expected: dict[int, tuple[s
         report.violations.append(f"{len(wrong)} greedy outputs differ from the reference run: jobs {wrong[:10]}")
 
 
-async def soak(args: argparse.Namespace, model: str, folder: Path) -> Report:
+async def soak(args: argparse.Namespace, model: str, folder: Path, server_env: dict[str, str] | None = None) -> Report:
+    """server_env: variables for the soaked server's process (a test plants a bug through
+    PYTHONPATH; the reference server never gets them)."""
     report = Report()
     mix = Mix()
     jobs = make_jobs(args.requests, args.seed, mix)
@@ -202,7 +204,7 @@ async def soak(args: argparse.Namespace, model: str, folder: Path) -> Report:
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        server = SoakServer(soak_config(args, model, folder / "kv"), folder, "soak")
+        server = SoakServer(soak_config(args, model, folder / "kv"), folder, "soak", server_env)
         try:
             await server.wait_healthy(session)
             await run_jobs(session, server.url, warmup, args.concurrency, float("inf"),

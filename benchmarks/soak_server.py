@@ -30,7 +30,8 @@ def free_port() -> int:
 class SoakServer:
     """`python -m plugins.cli serve --config <yaml>` on 127.0.0.1 (this checkout's code)."""
 
-    def __init__(self, config: dict[str, Any], folder: Path, name: str) -> None:
+    def __init__(self, config: dict[str, Any], folder: Path, name: str, env: dict[str, str] | None = None) -> None:
+        """env: variables set for the server process beside this one's."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = {**config, "server": {**config.get("server", {}), "host": "127.0.0.1", "port": self.port}}
@@ -38,7 +39,8 @@ class SoakServer:
         self.config_path.write_text(yaml.safe_dump(config))
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"tierserve-soak-{name}-", suffix=".log")  # noqa: SIM115
         self.proc = subprocess.Popen([sys.executable, "-m", "plugins.cli", "serve", "--config", str(self.config_path)],
-                                     cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
+                                     cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
 
     async def wait_healthy(self, session: aiohttp.ClientSession, timeout_s: float = 120.0) -> None:
         problem = await wait_healthy(session, self.url, self.proc.poll, timeout_s, 0.1)

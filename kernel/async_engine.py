@@ -144,6 +144,7 @@ class AsyncEngine:
             raise RequestError(f"request id {rid!r} is already in use")
         req = self.admission.build(prompt, params, rid, priority, namespace)
         req.audit = audit
+        req.audit_logprobs = audit or (self.auditor is not None and self.auditor.draw())
         key = self.grammars.check(req.params)
         detok = None
         if self.tokenizer is not None:

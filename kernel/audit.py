@@ -1,9 +1,10 @@
 """The online audit: a running server checking its own cache hits against cold runs.
 
-`audit.sample_rate` of the requests that finished (stop or length) with a cache hit are
-queued (at most `audit.queue`; more are dropped and counted) with what they served:
-tokens, logprobs where they asked for them, the tier the deepest part of their hit came
-from. One replay at a time runs when no live request waits: the same prompt, sampling
+`audit.sample_rate` of the requests are drawn when they arrive; those that finished (stop
+or length) with a cache hit are queued (at most `audit.queue`; more are dropped and
+counted) with what they served: tokens, their logprobs (a drawn request computes them
+whether or not its client asked: a stale hit often moves logprobs long before a greedy
+token), the tier the deepest part of their hit came from. One replay at a time runs when no live request waits: the same prompt, sampling
 parameters and seed, as an audit request (`Request.audit`: no prefix match, no insert,
 no storage probe; admitted after and retracted before every live request). Then:
 
@@ -48,7 +49,7 @@ class Served(NamedTuple):
     namespace: str | None
     tier: str  # the deepest tier its hit came from
     output_ids: list[int]
-    logprobs: list[float] | None  # None where it did not ask for them
+    logprobs: list[float] | None  # None where none were computed (a request served before the audit drew)
 
 
 class Replayed(NamedTuple):
@@ -71,7 +72,7 @@ def served(req: Request) -> Served:
     return Served(
         rid=req.rid, prompt_ids=list(req.prompt_ids), params=dataclasses.replace(p, seed=req.seed),
         namespace=req.namespace, tier=deepest_tier(req.cached_by_tier), output_ids=list(req.output_ids),
-        logprobs=list(req.output_logprobs) if p.return_logprob else None,
+        logprobs=list(req.output_logprobs) if req.audit_logprobs or p.return_logprob else None,
     )
 
 
@@ -122,11 +123,14 @@ class Auditor:
         self.last_mismatch: dict[str, Any] | None = None
         self._task = asyncio.get_running_loop().create_task(self._run())
 
+    def draw(self) -> bool:
+        """A request arrives: whether it is in the sample (its logprobs are then kept)."""
+        return self._rng.random() < self.config.sample_rate
+
     def offer(self, req: Request) -> None:
-        """A request just finished: sample it for a replay (cheap: the loop is calling)."""
-        if req.audit or not req.cached_tokens or req.finish_reason not in AUDITED_REASONS:
-            return
-        if self._rng.random() >= self.config.sample_rate:
+        """A request just finished: queue its replay if it was drawn and hit the cache
+        (cheap: the loop is calling)."""
+        if req.audit or not req.audit_logprobs or not req.cached_tokens or req.finish_reason not in AUDITED_REASONS:
             return
         try:
             self._queue.put_nowait(served(req))

@@ -40,6 +40,9 @@ class Request:
     # caches nothing, probes no storage, is admitted after every live request, retracted
     # before any, and counted in no served-traffic counter or lifecycle event.
     audit: bool = False
+    # Drawn for the audit when it arrived (or an audit replay): its chosen tokens' logprobs
+    # are computed and kept for the bitwise comparison even where the client did not ask.
+    audit_logprobs: bool = False
     arrival: int = field(default_factory=lambda: next(_arrival))
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)

@@ -95,3 +95,43 @@ def test_tally_and_compare_go_red() -> None:
     differs = Report()
     compare(differs, [outcome(job, text="abd")], {0: ("abc", None)})
     assert differs.violations and "differ" in differs.violations[0]
+
+
+# Planted in the soaked server's process at start (its sitecustomize, through PYTHONPATH):
+# tests/test_audit.py's stale page, a hit mapping its first cached page where its second belongs.
+STALE_PAGE_PLANT = '''
+from kernel.scheduling.prefix_reuse import PrefixReuse
+
+_real_match = PrefixReuse.match
+
+
+def _stale_second_page(self, req):
+    _real_match(self, req)
+    if req.shared_pages >= 2:
+        self.req_table.write_pages(req.row, 1, [req.pages[0]], self.page_size)
+
+
+PrefixReuse.match = _stale_second_page
+'''
+
+
+async def test_red_a_stale_page_on_a_soak_is_caught_by_the_audit(tiny_chat_folder: str, tmp_path: Path) -> None:
+    """The stale-page bug planted in a real server under the soak (tiers on, disconnects,
+    the integrity check off, no reference run): the audit's sampled replays catch it, the
+    soak reports it, and the server keeps serving every request to the end."""
+    import os
+
+    plant = tmp_path / "plant"
+    plant.mkdir()
+    (plant / "sitecustomize.py").write_text(STALE_PAGE_PLANT)
+    path = os.pathsep.join(p for p in (str(plant), os.environ.get("PYTHONPATH", "")) if p)
+    args = parse_args([*SHORT, "--no-check-invariants", "--no-reference"])
+    report = await soak(args, tiny_chat_folder, tmp_path, server_env={"PYTHONPATH": path})
+    audit = report.audit
+    assert audit is not None
+    checked, mismatched = sum(audit["checked"].values()), sum(audit["mismatched"].values())
+    assert mismatched >= 1 and audit["last_mismatch"] is not None, audit
+    assert checked <= 60, audit  # within the run's sampled hits (half the hits of 60 requests)
+    assert any("audit" in v for v in report.violations), report.violations
+    assert report.server_errors == 0 and report.requests == 60 and report.completed > 30, report
+    assert report.exit_code == 0

@@ -332,7 +332,7 @@ def sampling_row(req: Request) -> SamplingRow:
         frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
         repetition_penalty=p.repetition_penalty, top_logprobs_num=p.top_logprobs_num,
         seed=req.seed, step=len(req.output_ids), logit_bias=p.logit_bias, grammar=req.grammar,
-        logprobs=p.return_logprob or p.top_logprobs_num > 0,
+        logprobs=p.return_logprob or p.top_logprobs_num > 0 or req.audit_logprobs,
     )
     if not row.needs_history:
         return row
