@@ -13,9 +13,11 @@ so K/V a decode step wrote equal what a cold prefill of the same tokens writes (
 answer reused as the next turn's prompt). The native decode step (graphs.mode cpu,
 decode_step.cpp) runs the very same kernel code, so it may take this backend's decodes.
 
-Cost: a prefill token reads its keys once per token (no reuse across a chunk's queries,
-as a tiled prefill kernel would have); at SmolLM2's sizes that is a few percent of a
-prefill's matmul work up to a few thousand tokens of context.
+Cost: each (token, key) pays the decode form's dot product, lane-sum transposition and
+softmax step, with no GEMM-shaped reuse across a chunk's queries: a 2,048-token prefill
+takes ~7x SDPA-flash's time (still 2.5-5x faster than the torch block-looped
+gpu/attention/deterministic.py); at prompts of a few hundred tokens it is a few percent
+of a step. A faster form must change the decode kernel's arithmetic too, to stay one.
 """
 
 from __future__ import annotations
