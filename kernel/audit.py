@@ -49,7 +49,7 @@ class Served(NamedTuple):
     namespace: str | None
     tier: str  # the deepest tier its hit came from
     output_ids: list[int]
-    logprobs: list[float] | None  # None where none were computed (a request served before the audit drew)
+    logprobs: list[float] | None  # served() always keeps them (a drawn request computes them); None: tokens only
 
 
 class Replayed(NamedTuple):
@@ -72,7 +72,7 @@ def served(req: Request) -> Served:
     return Served(
         rid=req.rid, prompt_ids=list(req.prompt_ids), params=dataclasses.replace(p, seed=req.seed),
         namespace=req.namespace, tier=deepest_tier(req.cached_by_tier), output_ids=list(req.output_ids),
-        logprobs=list(req.output_logprobs) if req.audit_logprobs or p.return_logprob else None,
+        logprobs=list(req.output_logprobs),  # a drawn request computed them (Request.audit_logprobs)
     )
 
 
