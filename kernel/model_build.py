@@ -57,12 +57,13 @@ def storage_model_id(weights: dict[str, torch.Tensor], quantization: str, exact:
 def exact_numerics(config: Config, model: Any, cpu_kernels: bool) -> str:
     """'' outside deterministic mode; in it, a name for its arithmetic: "det", plus
     ".native_delta" with a Gated DeltaNet model on the C++ recurrence (its states' bits are
-    not torch's form's) and ".cpu_kernels" where the C++ kernels run (their bits are not
-    the torch fallbacks')."""
+    not torch's form's) and ".cpu_chained" where the C++ kernels run (their bits are not
+    the torch fallbacks'; attention in the chained form, whose bits are not those of the
+    decode kernel that deterministic mode ran before it, so older pages stay misses)."""
     if not config.deterministic:
         return ""
     native_delta = ".native_delta" if getattr(model, "native_recurrence", False) else ""
-    return "det" + native_delta + (".cpu_kernels" if cpu_kernels else "")
+    return "det" + native_delta + (".cpu_chained" if cpu_kernels else "")
 
 
 def build_model(config: Config, device: torch.device, fingerprint: bool = False, rank: int = 0) -> BuiltModel:

@@ -16,6 +16,7 @@ import pytest
 from gpu.attention.deterministic_paged import PagedDeterministicAttention
 from gpu.graphs.cpu_step import CpuStepRunner
 from gpu.kernels import cpu
+from gpu.models import llama_cpu_step
 from gpu.quant.dispatch import QuantizedWeight
 from kernel import Engine
 from tests.conftest import CONFIG, TINY_OVERRIDES
@@ -100,6 +101,27 @@ def test_red_decode_step_reading_a_key_short(monkeypatch: pytest.MonkeyPatch) ->
 
     monkeypatch.setattr(PagedDeterministicAttention, "paged_decodes", short)
     engine = make(**{"debug.check_invariants": False})
+    try:
+        with pytest.raises(AssertionError, match="bit-exact guard"):
+            guard_decode_hit(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_red_decode_step_in_the_decode_kernels_arithmetic(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted: the native step attends in the paged decode kernel's arithmetic while prefill
+    runs the chained form, so decode-written K/V differ from a cold prefill's in the last
+    bits: the decode-hit guard goes red. In float32 (with bf16 the two forms' last-bit
+    differences seldom survive the rounding of the attention's output)."""
+    f32 = {"debug.check_invariants": False, "model.dtype": "float32"}
+    engine = make(**f32)
+    try:
+        guard_decode_hit(engine)  # unplanted: green
+    finally:
+        engine.shutdown()
+    real = llama_cpu_step.build
+    monkeypatch.setattr(llama_cpu_step, "build", lambda model, pool, chained=False: real(model, pool, False))
+    engine = make(**f32)
     try:
         with pytest.raises(AssertionError, match="bit-exact guard"):
             guard_decode_hit(engine)

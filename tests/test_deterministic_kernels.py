@@ -16,8 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu.attention import deterministic_paged
+from gpu.attention import deterministic_paged, paged_decode
 from gpu.attention.deterministic_paged import PagedDeterministicAttention
+from gpu.attention.paged_decode import PagedDecode
 from gpu.kernels import cpu
 from gpu.models import llama_glue as glue
 from gpu.quant.dispatch import QuantizedWeight, make_linear
@@ -153,11 +154,21 @@ def cuts_of(rng: random.Random, n: int) -> list[int]:
     return cuts
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_a_tokens_attention_is_the_same_in_every_step(dtype: torch.dtype) -> None:
+# Head dims on each of the chained form's paths (whole vectors, a tail, under one vector),
+# GQA groups 1-4, and a float16 pool under float32.
+SHAPES = [SHAPE._replace(dtype=dtype) for dtype in DTYPES] + [
+    Shape(page_size=16, heads=4, kv_heads=2, dim=16),
+    Shape(page_size=4, heads=4, kv_heads=4, dim=24, dtype=torch.bfloat16),
+    Shape(page_size=8, heads=8, kv_heads=2, dim=80, kv_dtype=torch.float16),
+    Shape(page_size=4, heads=3, kv_heads=1, dim=8),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"h{s.heads}-kv{s.kv_heads}-d{s.dim}-{s.dtype}-{s.kv_dtype}")
+def test_a_tokens_attention_is_the_same_in_every_step(shape: Shape) -> None:
     """Request 0's tokens: among 1-64 other requests, alone, in chunks, one decode step at a
     time: the same bits; and close to SDPA's values."""
-    rng, shape = random.Random(4), SHAPE._replace(dtype=dtype)
+    rng, dtype, group = random.Random(4), shape.dtype, shape.heads // shape.kv_heads
     case = mixed_case(rng, 65)
     whole = attend(case, shape, seed=9)[0]
     assert torch.equal(attend(case, shape, 9, requests=[0])[0], whole)
@@ -174,8 +185,8 @@ def test_a_tokens_attention_is_the_same_in_every_step(dtype: torch.dtype) -> Non
     keys, values = lay.pool.k[0][slots].float(), lay.pool.v[0][slots].float()
     mask = torch.arange(prefix + extend)[None, :] <= torch.arange(prefix, prefix + extend)[:, None]
     ref = F.scaled_dot_product_attention(
-        lay.q[:extend].float().transpose(0, 1), keys.transpose(0, 1).repeat_interleave(3, 0),
-        values.transpose(0, 1).repeat_interleave(3, 0), attn_mask=mask).transpose(0, 1)
+        lay.q[:extend].float().transpose(0, 1), keys.transpose(0, 1).repeat_interleave(group, 0),
+        values.transpose(0, 1).repeat_interleave(group, 0), attn_mask=mask).transpose(0, 1)
     torch.testing.assert_close(whole.float(), ref, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
 
 
@@ -198,6 +209,22 @@ def test_red_prefill_through_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(deterministic_paged.PagedDeterministicAttention, "forward", sdpa_for_chunks)
     case = [(0, 40)]
     whole = attend(case, SHAPE, 5)[0]
+    assert not torch.equal(attend_in_chunks(case, SHAPE, 5, 0, [1] * 40), whole)
+
+
+def test_red_decodes_in_the_decode_kernels_arithmetic(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted: one-row steps (decodes) attend in the paged decode kernel's arithmetic, tiles
+    in the chained form. The decode-steps-vs-whole guard goes red."""
+    real = paged_decode.attend
+
+    def split_forms(step: PagedDecode, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    page_size: int, chained: bool = False) -> torch.Tensor:
+        return real(step, q, k_cache, v_cache, page_size, chained=chained and q.shape[0] > 1)
+
+    case = [(0, 40)]
+    whole = attend(case, SHAPE, 5)[0]
+    assert torch.equal(attend_in_chunks(case, SHAPE, 5, 0, [1] * 40), whole)
+    monkeypatch.setattr(paged_decode, "attend", split_forms)
     assert not torch.equal(attend_in_chunks(case, SHAPE, 5, 0, [1] * 40), whole)
 
 

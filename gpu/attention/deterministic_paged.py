@@ -113,4 +113,4 @@ class PagedDeterministicAttention(AttentionBackend):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.pool.write(layer, self.out_cache_loc, k, v)
         step = PagedDecode(None, self._page_table, self._seq_lens)
-        return paged_decode.attend(step, q, self.pool.k[layer], self.pool.v[layer], self.pool.page_size)
+        return paged_decode.attend(step, q, self.pool.k[layer], self.pool.v[layer], self.pool.page_size, chained=True)

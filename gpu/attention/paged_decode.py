@@ -91,10 +91,18 @@ def decode_slots(
 
 
 def attend(
-    step: PagedDecode, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int
+    step: PagedDecode,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_size: int,
+    chained: bool = False,
 ) -> torch.Tensor:
-    """Attention output [b, H, D] of the step's decode queries q [b, H, D]."""
+    """Attention output [b, H, D] of the step's decode queries q [b, H, D].
+
+    chained: in deterministic mode's arithmetic (gpu/kernels/cpu/chained_attention.h), which
+    computes a request's consecutive rows (a prefill chunk) as tiles with the bits each row
+    gets alone; else the paged decode kernel's."""
     scale = q.shape[-1] ** -0.5  # SDPA's default, which the torch path uses
-    return torch.ops.tierserve_cpu.paged_attention_decode(
-        q, k_cache, v_cache, step.page_table, step.seq_lens, page_size, scale
-    )
+    op = torch.ops.tierserve_cpu.paged_attention_chained if chained else torch.ops.tierserve_cpu.paged_attention_decode
+    return op(q, k_cache, v_cache, step.page_table, step.seq_lens, page_size, scale)

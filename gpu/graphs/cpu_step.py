@@ -34,7 +34,8 @@ from gpu.step_inputs import StepInputs
 log = structlog.get_logger("tierserve")
 
 # The backends whose decode metadata the native step reads (`prepare_decodes`, `paged_decodes`);
-# deterministic mode's runs the same kernel code for every token, so the step is exact there too.
+# deterministic mode's runs one arithmetic for every token (the chained form), which the step
+# then runs too, so the step is exact there as well.
 PAGED_BACKENDS = (TorchAttention, PagedDeterministicAttention)
 
 
@@ -55,7 +56,8 @@ class CpuStepRunner:
     def __init__(self, model: Any, attention: AttentionBackend, decode_buckets: Sequence[int]) -> None:
         assert isinstance(attention, PAGED_BACKENDS), "check unsupported() first"
         self.attention = attention
-        self.decoder = llama_cpu_step.build(model, attention.pool)
+        chained = isinstance(attention, PagedDeterministicAttention)  # its prefill's arithmetic, for decodes too
+        self.decoder = llama_cpu_step.build(model, attention.pool, chained)
         fitting = [b for b in sorted(decode_buckets) if b <= self.decoder.max_rows]
         self.max_rows = fitting[-1] if fitting else 0
         # One handle per row count (what GraphRunner.bucket_for hands out, with nothing captured).

@@ -7,8 +7,9 @@ from the attention backend's own metadata (the KV slots and page table it prepar
 
 It runs what the torch path with the C++ kernels runs for a decode batch of at most
 `max_rows` rows (every linear on its quantized kernel: gpu/quant/dispatch.py's rule), so
-its logits are bit-identical to that path's (the NOTE in decode_step.cpp). Not covered (the
-torch path runs them): deterministic mode, dense (unquantized) linears, QK-norm (Qwen3).
+its logits are bit-identical to that path's (the NOTE in decode_step.cpp); in deterministic
+mode its attention is that backend's chained form (`chained`). Not covered (the torch path
+runs them): dense (unquantized) linears, QK-norm (Qwen3).
 QKV bias (Qwen2) is added in the qkv matmul's epilogue, rounded as the torch path's add.
 """
 
@@ -86,8 +87,9 @@ def unsupported(model: LlamaModel, pool: KVPool) -> str | None:
     return None
 
 
-def build(model: LlamaModel, pool: KVPool) -> CpuDecoder:
-    """The native decoder of `model` over `pool` (check `unsupported` first)."""
+def build(model: LlamaModel, pool: KVPool, chained: bool = False) -> CpuDecoder:
+    """The native decoder of `model` over `pool` (check `unsupported` first); chained: its
+    attention in deterministic mode's arithmetic (gpu/attention/deterministic_paged.py)."""
     arch = model.arch
     dims = [
         arch.num_layers, arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
@@ -108,6 +110,7 @@ def build(model: LlamaModel, pool: KVPool) -> CpuDecoder:
         )
     head = _required(model.lm_head)
     native.set_head(head.kind, head.weight, head.scales)
+    native.set_chained(chained)
     return CpuDecoder(native, min(rows + [head.max_rows]))
 
 

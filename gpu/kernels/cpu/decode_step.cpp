@@ -35,6 +35,7 @@
 #include <utility>
 #include <vector>
 
+#include "chained_attention.h"
 #include "llama_glue_core.h"
 #include "paged_attention_core.h"
 #include "quant_gemv_core.h"
@@ -43,6 +44,7 @@ namespace {
 
 namespace gemv = tierserve_gemv;
 namespace paged = tierserve_paged;
+namespace chain = tierserve_chained;
 namespace glue = tierserve_glue;
 
 enum Kind : int64_t { kInt8 = 1, kQ4 = 2 };  // the weight formats of quant_gemv_core.h
@@ -136,6 +138,10 @@ class LlamaDecoder : public torch::CustomClassHolder {
 
   void set_head(int64_t kind, at::Tensor weight, at::Tensor scales) { head_ = linear(kind, weight, scales, vocab_, hidden_); }
 
+  // Attention in the chained form (chained_attention.h: deterministic mode's, which its
+  // prefill runs too) instead of the paged decode kernel's.
+  void set_chained(bool chained) { chained_ = chained; }
+
   // One decode step of B rows: ids, positions, out_loc (each row's new KV slot) [B],
   // page_table [B, pages], seq_lens [B] (keys, the new one included), logit_rows [R]
   // (rows of the batch whose logits are returned) -> float32 logits [R, vocab].
@@ -215,6 +221,7 @@ class LlamaDecoder : public torch::CustomClassHolder {
            const at::Tensor& seq_lens, const at::Tensor& logit_rows, at::Tensor& logits);
 
   float eps_, scale_;
+  bool chained_ = false;
   int64_t num_layers_ = 0, hidden_ = 0, heads_ = 0, kv_heads_ = 0, dim_ = 0, inter_ = 0, vocab_ = 0, page_size_ = 0;
   at::ScalarType dtype_, kv_dtype_ = at::kFloat;
   at::Tensor embed_, rope_, final_norm_;
@@ -354,8 +361,16 @@ void LlamaDecoder::run(const at::Tensor& ids, const at::Tensor& positions, const
   // The attention's work items (the same every layer: they depend on the lengths only).
   const int threads = std::max(1, at::get_num_threads());
   std::vector<paged::Split> splits;
-  const std::vector<paged::Item> items =
-      paged::plan(seq_lens.data_ptr<int64_t>(), B, paged::kChunk, kv_heads_, threads, splits);
+  std::vector<chain::Tile> tiles;
+  std::vector<paged::Item> items;
+  if (chained_) {
+    tiles = chain::tiles_of(page_table.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), B, page_table.size(1),
+                            page_size_);
+    items = chain::plan(tiles, seq_lens.data_ptr<int64_t>(), B, kv_heads_, threads, splits);
+  } else {
+    items = paged::plan(seq_lens.data_ptr<int64_t>(), B, paged::kChunk, kv_heads_, threads, splits);
+  }
+  const int64_t groups = static_cast<int64_t>(splits.size()) / B;  // chained: 0 where items are whole tiles
   const int64_t width = paged::partial_width(heads_, D);
   std::vector<float> partials(paged::partial_slots(splits) * width);
   const int64_t head_tiles = D / gemv::kTile, qkv_heads = heads_ + 2 * kv_heads_, gate_tiles = inter_ / gemv::kTile;
@@ -441,13 +456,20 @@ void LlamaDecoder::run(const at::Tensor& ids, const at::Tensor& positions, const
                                  reinterpret_cast<const K*>(L.v_pool.data_ptr()), page_table.data_ptr<int64_t>(),
                                  seq_lens.data_ptr<int64_t>(), att.data(), page_table.size(1), page_size_, heads_,
                                  kv_heads_, D, heads_ / kv_heads_, scale_};
-      paged::with_variant<K>(D, [&](auto variant) {
-        using V = decltype(variant);
-        paged::Attender<typename V::S, V::NV, E, K> attender(ap);
+      if (chained_) {
+        chain::Attender<tierserve_paged_vec::Simd, E, K> attender(ap);
         part(1, [&](int64_t i, int64_t) {
-          paged::run_item(ap, attender, items[i], splits, partials.data(), merge_tmp.data());
+          attender.run(items[i], tiles, splits, groups, partials.data(), merge_tmp.data());
         });
-      });
+      } else {
+        paged::with_variant<K>(D, [&](auto variant) {
+          using V = decltype(variant);
+          paged::Attender<typename V::S, V::NV, E, K> attender(ap);
+          part(1, [&](int64_t i, int64_t) {
+            paged::run_item(ap, attender, items[i], splits, partials.data(), merge_tmp.data());
+          });
+        });
+      }
 #pragma omp barrier
       // h += att @ Wo^T
       in.from<G>(st(att), B, heads_ * D);
@@ -491,5 +513,6 @@ TORCH_LIBRARY_FRAGMENT(tierserve_cpu, m) {
       .def(torch::init<std::vector<int64_t>, double, double, at::Tensor, at::Tensor, at::Tensor>())
       .def("add_layer", &LlamaDecoder::add_layer)
       .def("set_head", &LlamaDecoder::set_head)
+      .def("set_chained", &LlamaDecoder::set_chained)
       .def("step", &LlamaDecoder::step);
 }

@@ -25,8 +25,10 @@
 #include <algorithm>
 #include <atomic>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
+#include "chained_attention.h"
 #include "paged_attention_core.h"
 
 namespace {
@@ -63,55 +65,89 @@ void dispatch(const Problem<T, KV>& p, int64_t batch) {
   });
 }
 
-at::Tensor paged_attention_decode(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& page_table_in, const at::Tensor& seq_lens_in, int64_t page_size,
-                                  double scale) {
+template <class T, class KV>
+void chained(const Problem<T, KV>& p, int64_t batch) {
+  using S = tierserve_paged_vec::Simd;
+  namespace chain = tierserve_chained;
+  const int threads = at::get_num_threads();
+  const std::vector<chain::Tile> tiles = chain::tiles_of(p.pages, p.lens, batch, p.max_pages, p.page_size);
+  std::vector<Split> splits;
+  const std::vector<Item> items = chain::plan(tiles, p.lens, batch, p.kv_heads, threads, splits);
+  const int64_t groups = static_cast<int64_t>(splits.size()) / batch;  // 0: whole tiles, no splits
+  const int64_t width = partial_width(p.heads, p.dim), count = static_cast<int64_t>(items.size());
+  std::vector<float> partials(partial_slots(splits) * width);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(threads, count), 1, [&](int64_t lo, int64_t hi) {
+    chain::Attender<S, T, KV> attender(p);
+    std::vector<float> tmp(width);
+    for (int64_t task = lo; task < hi; ++task) {
+      for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) {
+        attender.run(items[i], tiles, splits, groups, partials.data(), tmp.data());
+      }
+    }
+  });
+}
+
+// The checks both ops make, then f(problem, batch) on the pool's element type; the output.
+template <class F>
+at::Tensor attention(const char* op, const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& page_table_in, const at::Tensor& seq_lens_in, int64_t page_size, double scale,
+                     F&& f) {
   TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3,
-              "paged_attention_decode: q [B, H, D], k_cache and v_cache [slots, Hkv, D]");
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "paged_attention_decode: k_cache and v_cache differ in shape");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention_decode: the pool must be contiguous");
+              op, ": q [B, H, D], k_cache and v_cache [slots, Hkv, D]");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), op, ": k_cache and v_cache differ in shape");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), op, ": the pool must be contiguous");
   const auto dtype = q_in.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "paged_attention_decode: float32 or bfloat16, not ", dtype);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, op, ": float32 or bfloat16, not ", dtype);
   const auto kv_dtype = k_cache.scalar_type();
   TORCH_CHECK(v_cache.scalar_type() == kv_dtype && (kv_dtype == dtype || (dtype == at::kFloat && kv_dtype == at::kHalf)),
-              "paged_attention_decode: k_cache and v_cache must have q's dtype (or float16 under float32 q)");
+              op, ": k_cache and v_cache must have q's dtype (or float16 under float32 q)");
   const int64_t batch = q_in.size(0), heads = q_in.size(1), dim = q_in.size(2), kv_heads = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(2) == dim && dim > 0 && dim <= kMaxHeadDim, "paged_attention_decode: head_dim ", dim,
+  TORCH_CHECK(k_cache.size(2) == dim && dim > 0 && dim <= kMaxHeadDim, op, ": head_dim ", dim,
               " must match the pool's and be at most ", kMaxHeadDim);
-  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "paged_attention_decode: ", heads, " query heads over ",
-              kv_heads, " kv heads");
-  TORCH_CHECK(page_size > 0 && k_cache.size(0) % page_size == 0, "paged_attention_decode: bad page_size ", page_size);
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, op, ": ", heads, " query heads over ", kv_heads, " kv heads");
+  TORCH_CHECK(page_size > 0 && k_cache.size(0) % page_size == 0, op, ": bad page_size ", page_size);
   TORCH_CHECK(page_table_in.dim() == 2 && page_table_in.size(0) == batch && page_table_in.scalar_type() == at::kLong,
-              "paged_attention_decode: page_table must be int64 [B, max_pages]");
+              op, ": page_table must be int64 [B, max_pages]");
   TORCH_CHECK(seq_lens_in.dim() == 1 && seq_lens_in.size(0) == batch && seq_lens_in.scalar_type() == at::kLong,
-              "paged_attention_decode: seq_lens must be int64 [B]");
+              op, ": seq_lens must be int64 [B]");
   const at::Tensor q = q_in.contiguous(), page_table = page_table_in.contiguous(), seq_lens = seq_lens_in.contiguous();
   at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
   if (batch == 0) return out;
   const int64_t max_pages = page_table.size(1);
   check_pages(page_table.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), batch, max_pages, page_size,
               k_cache.size(0) / page_size);
+  auto run = [&](auto* qp, auto* kp, auto* vp, auto* op_) {
+    using T = std::remove_pointer_t<decltype(qp)>;
+    using KV = std::remove_pointer_t<decltype(kp)>;
+    const Problem<T, KV> p{qp, kp, vp, page_table.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), op_, max_pages,
+                           page_size, heads, kv_heads, dim, heads / kv_heads, static_cast<float>(scale)};
+    f(p, batch);
+  };
   if (kv_dtype == at::kHalf) {
-    Problem<float, c10::Half> p{q.data_ptr<float>(), k_cache.data_ptr<c10::Half>(), v_cache.data_ptr<c10::Half>(),
-                                page_table.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<float>(),
-                                max_pages, page_size, heads, kv_heads, dim, heads / kv_heads, static_cast<float>(scale)};
-    dispatch(p, batch);
-    return out;
+    run(q.data_ptr<float>(), k_cache.data_ptr<c10::Half>(), v_cache.data_ptr<c10::Half>(), out.data_ptr<float>());
+  } else if (dtype == at::kFloat) {
+    run(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>());
+  } else {
+    run(q.data_ptr<bf16>(), k_cache.data_ptr<bf16>(), v_cache.data_ptr<bf16>(), out.data_ptr<bf16>());
   }
-  AT_DISPATCH_SWITCH(dtype, "paged_attention_decode",
-    AT_DISPATCH_CASE(at::kFloat, [&] {
-      Problem<float> p{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                       page_table.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<float>(),
-                       max_pages, page_size, heads, kv_heads, dim, heads / kv_heads, static_cast<float>(scale)};
-      dispatch(p, batch);
-    })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      Problem<bf16> p{q.data_ptr<bf16>(), k_cache.data_ptr<bf16>(), v_cache.data_ptr<bf16>(),
-                      page_table.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<bf16>(),
-                      max_pages, page_size, heads, kv_heads, dim, heads / kv_heads, static_cast<float>(scale)};
-      dispatch(p, batch);
-    }));
   return out;
+}
+
+at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& page_table, const at::Tensor& seq_lens, int64_t page_size,
+                                  double scale) {
+  return attention("paged_attention_decode", q, k_cache, v_cache, page_table, seq_lens, page_size, scale,
+                   [](const auto& p, int64_t batch) { dispatch(p, batch); });
+}
+
+// Deterministic mode's form (chained_attention.h): the same problem, rows of one request
+// at consecutive positions (a prefill chunk's tokens) computed as tiles.
+at::Tensor paged_attention_chained(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& page_table, const at::Tensor& seq_lens, int64_t page_size,
+                                   double scale) {
+  return attention("paged_attention_chained", q, k_cache, v_cache, page_table, seq_lens, page_size, scale,
+                   [](const auto& p, int64_t batch) { chained(p, batch); });
 }
 
 // torch's floor division (`//`) of an int64 by a positive divisor.
@@ -162,11 +198,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> paged_decode_slots(const at::Tens
 TORCH_LIBRARY_FRAGMENT(tierserve_cpu, m) {
   m.def("paged_attention_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor seq_lens, "
         "int page_size, float scale) -> Tensor");
+  m.def("paged_attention_chained(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor seq_lens, "
+        "int page_size, float scale) -> Tensor");
   m.def("paged_decode_slots(Tensor req_to_token, Tensor rows, Tensor positions, int page_size) -> "
         "(Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tierserve_cpu, CPU, m) {
   m.impl("paged_attention_decode", &paged_attention_decode);
+  m.impl("paged_attention_chained", &paged_attention_chained);
   m.impl("paged_decode_slots", &paged_decode_slots);
 }

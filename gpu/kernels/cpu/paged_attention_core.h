@@ -247,14 +247,20 @@ class Attender {
   int64_t k0_ = 0, k1_ = 0;           // the kv heads of the current run
 };
 
-// out[row] = acc / l per query head in [h0, h1), back in the pool's element order and the output dtype.
-template <class S, class T, class KV>
+// Where a row's element e lies in a float layout that keeps the pool's order.
+struct Natural {
+  static int64_t position(int64_t e) { return e; }
+};
+
+// out[row] = acc / l per query head in [h0, h1), back in the pool's element order (acc in
+// `Layout`: Rows<S, KV> or Natural) and the output dtype.
+template <class Layout, class T, class KV>
 void write_out(const Problem<T, KV>& p, int64_t row, const float* acc, const float* l, int64_t h0, int64_t h1) {
   T* out = p.out + row * p.heads * p.dim;
   for (int64_t h = h0; h < h1; ++h) {
     const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;  // a row of no keys gives zeros
     const float* a = acc + h * p.dim;
-    for (int64_t e = 0; e < p.dim; ++e) out[h * p.dim + e] = static_cast<T>(a[Rows<S, KV>::position(e)] * inv);
+    for (int64_t e = 0; e < p.dim; ++e) out[h * p.dim + e] = static_cast<T>(a[Layout::position(e)] * inv);
   }
 }
 
@@ -270,7 +276,7 @@ struct Split {
 inline int64_t partial_width(int64_t heads, int64_t dim) { return heads * (dim + 2); }
 
 // A row's chunks combined by their log-sum-exp for query heads [h0, h1), then written out.
-template <class S, class T, class KV>
+template <class Layout, class T, class KV>
 void merge(const Problem<T, KV>& p, const Split& split, int64_t row, const float* partials, float* tmp, int64_t h0,
            int64_t h1) {
   const int64_t h = p.heads, d = p.dim, width = partial_width(h, d);
@@ -288,7 +294,7 @@ void merge(const Problem<T, KV>& p, const Split& split, int64_t row, const float
       for (int64_t e = 0; e < d; ++e) acc[i * d + e] += w * part[i * d + e];
     }
   }
-  write_out<S>(p, row, acc, l, h0, h1);
+  write_out<Layout>(p, row, acc, l, h0, h1);
 }
 
 // A work item: keys [t0, t1) (chunk `chunk` of `row`) for kv heads [k0, k1), whose merge counter is splits[split].
@@ -342,7 +348,7 @@ void run_item(const Problem<T, KV>& p, Attender<S, NV, T, KV>& attender, const I
   const int64_t h0 = it.k0 * p.group, h1 = it.k1 * p.group;
   Split& split = splits[it.split];
   if (split.chunks == 1) {
-    write_out<S>(p, it.row, st.acc, st.l, h0, h1);
+    write_out<Rows<S, KV>>(p, it.row, st.acc, st.l, h0, h1);
     return;
   }
   const int64_t d = p.dim, hd = p.heads * d, width = partial_width(p.heads, d);
@@ -350,7 +356,7 @@ void run_item(const Problem<T, KV>& p, Attender<S, NV, T, KV>& attender, const I
   std::copy(st.acc + h0 * d, st.acc + h1 * d, dst + h0 * d);
   std::copy(st.m + h0, st.m + h1, dst + hd + h0);
   std::copy(st.l + h0, st.l + h1, dst + hd + p.heads + h0);
-  if (split.pending->fetch_sub(1, std::memory_order_acq_rel) == 1) merge<S>(p, split, it.row, partials, tmp, h0, h1);
+  if (split.pending->fetch_sub(1, std::memory_order_acq_rel) == 1) merge<Rows<S, KV>>(p, split, it.row, partials, tmp, h0, h1);
 }
 
 // The attention variant for head_dim `dim` and pool element type T, as paged_attention.cpp has
