@@ -23,23 +23,24 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 # `--features`: deterministic mode's cost with each feature on (README "Deterministic mode"):
-# name -> the settings that turn it on, beside the default config's.
+# name -> the benchmarks/throughput.py arguments that turn it on, beside the default config's.
 FEATURES: dict[str, tuple[str, ...]] = {
     "default config": (),
-    "float32, no quantization": ("model.dtype=float32", "model.quantization=none"),
-    "host + file storage tiers": ("hicache.host_ratio=1", "hicache.storage=file"),
-    "speculative ngram": ("speculative.method=ngram",),
-    "overlap scheduling on": ("scheduler.overlap=on",),
+    "float32, no quantization": ("--set", "model.dtype=float32", "--set", "model.quantization=none"),
+    "host + file storage tiers": ("--set", "hicache.host_ratio=1", "--set", "hicache.storage=file"),
+    "speculative ngram": ("--set", "speculative.method=ngram"),
+    "overlap scheduling on": ("--set", "scheduler.overlap=on"),
+    "graphs off (eager decode steps)": ("--set", "graphs.mode=off"),
+    "structured outputs (regex)": ("--regex", "[a-z ]+"),
+    "tensor parallel, 2 ranks": ("--set", "parallel.tp_size=2"),
 }
 
 
 def output_tok_per_s(deterministic: bool, args: argparse.Namespace, json_path: Path,
-                     settings: tuple[str, ...] = ()) -> float:
+                     extra: tuple[str, ...] = ()) -> float:
     cmd = [sys.executable, "benchmarks/throughput.py", "--skip-baseline", "--num-requests", str(args.num_requests),
            "--output-max", str(args.output_max), "--json", str(json_path),
-           "--set", f"deterministic={str(deterministic).lower()}"]
-    for item in settings:
-        cmd += ["--set", item]
+           "--set", f"deterministic={str(deterministic).lower()}", *extra]
     subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True)
     return float(json.loads(json_path.read_text())["systems"]["tierserve"]["output_tok_per_s"])
 
@@ -51,7 +52,7 @@ def feature_table(args: argparse.Namespace, tmp: Path) -> None:
     for name, settings in FEATURES.items():
         pair = []
         for det in (False, True):
-            extra = (*settings, f"hicache.storage_dir={storage / f'{name}-{det}'}")
+            extra = (*settings, "--set", f"hicache.storage_dir={storage / f'{name}-{det}'}")
             pair.append(output_tok_per_s(det, args, tmp / "feature.json", extra))
         rows.append((name, *pair))
         print(f"{name}: default {pair[0]:.1f}, deterministic {pair[1]:.1f} output tok/s", flush=True)

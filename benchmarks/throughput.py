@@ -134,7 +134,8 @@ async def consume(engine: Any, rid: str, t0: float) -> tuple[Timing, list[int]]:
     return Timing(first - t0, end - t0, len(ids), tpot), ids
 
 
-async def run_engine(workload: list[Request], config: Any) -> RunResult:
+async def run_engine(workload: list[Request], config: Any, regex: str | None = None) -> RunResult:
+    """regex: every request's output constrained to it (structured outputs; the baseline has none)."""
     from kernel.async_engine import AsyncEngine
 
     engine = await AsyncEngine.create(config)
@@ -146,7 +147,8 @@ async def run_engine(workload: list[Request], config: Any) -> RunResult:
         # Warm-up, not timed; a prompt unrelated to the workload so no prefix cache can help it.
         await engine.generate(list(range(1000, 1032)), greedy(4))
         t0 = time.perf_counter()
-        rids = [engine.add_request(r.prompt, greedy(r.max_new)) for r in workload]
+        params = [{**greedy(r.max_new), **({"regex": regex} if regex else {})} for r in workload]
+        rids = [engine.add_request(r.prompt, p) for r, p in zip(workload, params)]
         done = await asyncio.gather(*(consume(engine, rid, t0) for rid in rids))
     finally:
         await engine.shutdown()
@@ -183,7 +185,7 @@ def bench_engine(workload: list[Request], args: argparse.Namespace) -> RunResult
     import uvloop
 
     config = engine_config(args)
-    result = uvloop.run(run_engine(workload, config))
+    result = uvloop.run(run_engine(workload, config, getattr(args, "regex", None)))
     gc.collect()  # drop the KV pool before the baseline loads its model
     return result
 
@@ -448,6 +450,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     which.add_argument("--skip-baseline", action="store_true", help="run tierserve only")
     which.add_argument("--only-baseline", action="store_true", help="run transformers only")
     p.add_argument("--json", metavar="PATH", help="also write the numbers here")
+    p.add_argument("--regex", help="constrain tierserve's outputs to this regex (structured outputs' cost; "
+                   "one that never ends, e.g. '[a-z ]+', keeps every request at its requested length)")
     args = p.parse_args(argv)
     # An unset minimum follows a small maximum, so `--output-max 32` alone is a valid smoke run.
     args.input_min = min(128, args.input_max) if args.input_min is None else args.input_min

@@ -55,10 +55,14 @@ def test_red_a_worker_copying_its_shard_into_the_wrong_host_pages(
 ) -> None:
     real = RankCopies.post
 
-    def reversed_offloads(self: RankCopies, kind: str, src: list[int], dst: list[int]) -> int:
-        return real(self, kind, src, dst[::-1] if kind == "offload" else dst)
+    # NOTE: each shard one host page on, so the first page keeps what it held and a load reads
+    # every other page's predecessor. A permutation of the offload's pages (reversed) would
+    # not do: K is stored after RoPE, so attention over the same keys in another order
+    # differs in summation order only, which may round alike.
+    def shifted_offloads(self: RankCopies, kind: str, src: list[int], dst: list[int]) -> int:
+        return real(self, kind, src, [d + 1 for d in dst] if kind == "offload" else dst)
 
-    monkeypatch.setattr(RankCopies, "post", reversed_offloads)
+    monkeypatch.setattr(RankCopies, "post", shifted_offloads)
     engine = dense(tiny_chat_folder)
     try:
         ref, warm = host_hit(engine)

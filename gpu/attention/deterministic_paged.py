@@ -1,23 +1,25 @@
-"""Batch-invariant attention for deterministic mode on CPU, over the C++ paged kernel.
+"""Batch-invariant attention for deterministic mode on CPU, in the chained form.
 
-Every new token of a step, prefill or decode, is one row of the paged decode kernel
-(gpu/kernels/cpu/paged_attention.cpp): its query against its own request's keys at
-positions <= its own, read from the pool after this step's K/V are written there.
+Every new token of a step, prefill or decode, is one row of the paged kernel's problem
+(gpu/kernels/cpu/paged_attention.cpp `paged_attention_chained`): its query against its own
+request's keys at positions <= its own, read from the pool after this step's K/V are
+written there.
 
-NOTE: invariant 7. The kernel cuts a row's keys into chunks by the row's own length and
-merges them in chunk order, whatever the other rows, the row count or the threads
-(paged_attention.cpp), so a token's output depends on its query, its position and its
-request's K/V only: the same bits alone or among 64 other rows, in a 512-token chunk or
-as a decode step, after a prefix hit or cold. Decode and prefill run the same arithmetic,
-so K/V a decode step wrote equal what a cold prefill of the same tokens writes (a cached
-answer reused as the next turn's prompt). The native decode step (graphs.mode cpu,
-decode_step.cpp) runs the very same kernel code, so it may take this backend's decodes.
+NOTE: invariant 7. The chained form (gpu/kernels/cpu/chained_attention.h) fixes one
+arithmetic per (query head, key): FMA chains in element and key order, fixed block sums,
+keys cut into chunks by the row's own length and merged in chunk order. A decode row runs
+it with keys in vector lanes; a request's consecutive tokens (a prefill chunk's) run it as
+tiles of up to 16 with queries in lanes, each K/V row read once per tile; every lane runs
+the same scalar sequence, so a token's output depends on its query, its position and its
+request's K/V only: the same bits alone or among 64 other rows, in a 512-token chunk or as
+a decode step, after a prefix hit or cold. Decode and prefill run one arithmetic, so K/V a
+decode step wrote equal what a cold prefill of the same tokens writes (a cached answer
+reused as the next turn's prompt). The native decode step (graphs.mode cpu,
+decode_step.cpp) runs the chained form too when this backend is in use (`set_chained`).
 
-Cost: each (token, key) pays the decode form's dot product, lane-sum transposition and
-softmax step, with no GEMM-shaped reuse across a chunk's queries: a 2,048-token prefill
-takes ~7x SDPA-flash's time (still 2.5-5x faster than the torch block-looped
-gpu/attention/deterministic.py); at prompts of a few hundred tokens it is a few percent
-of a step. A faster form must change the decode kernel's arithmetic too, to stay one.
+Cost: a prefill tile reuses each K/V row across its 16 queries as a GEMM does; at a
+2,048-token context it takes about SDPA's time on this project's CPUs, and a hybrid
+model's deterministic cold TTFT about the default's (benchmarks/hybrid_prefix.py).
 """
 
 from __future__ import annotations

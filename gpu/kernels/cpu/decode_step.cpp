@@ -9,8 +9,9 @@
 //
 // NOTE: bit-identical to the torch path with the C++ kernels (gpu/models/llama.py with
 // model.cpu_kernels on) for every batch that path runs on the quantized kernels: each
-// stage is the same inner code (quant_gemv_core.h, paged_attention_core.h,
-// llama_glue_core.h) on the same inputs, rounding where that path rounds, and a row's
+// stage is the same inner code (quant_gemv_core.h, paged_attention_core.h or, under
+// deterministic mode's backend, chained_attention.h: `set_chained`, llama_glue_core.h) on
+// the same inputs, rounding where that path rounds, and a row's
 // result never depends on how a stage's work is cut among the threads. What differs is
 // only who computes what and when: norms and activation conversions are computed by every
 // thread for itself (cheaper than a barrier), residual adds happen in the epilogue of the

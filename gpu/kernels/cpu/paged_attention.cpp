@@ -17,6 +17,9 @@
 // targets them (-march=native), else a scalar path; a head_dim that is not a multiple of
 // the vector span runs scalar. The pool holds the query's dtype (float32, bfloat16) or,
 // under a float32 query, float16 (cache.kv_dtype): its rows widened to float32 as loaded.
+//
+// `paged_attention_chained` takes the same problem in deterministic mode's arithmetic
+// (chained_attention.h), where a request's consecutive rows (a prefill chunk) form tiles.
 
 #include <ATen/Parallel.h>
 #include <torch/all.h>
