@@ -25,9 +25,12 @@
 #include <utility>
 #include <vector>
 
+#include "chained_vec.h"
 #include "paged_attention_core.h"
 
 namespace tierserve_chained {
+
+namespace cvec = tierserve_chained_vec;
 
 using tierserve_paged::Item;
 using tierserve_paged::kBlock;
@@ -125,7 +128,8 @@ class Attender {
  public:
   explicit Attender(const Problem<T, KV>& p)
       : p_(p), up_(round_up(kTileRows * p.group)),
-        qt_(p.kv_heads * p.dim * up_), scores_(kBlock * up_), k_(kBlock * p.dim), v_(kBlock * p.dim),
+        qt_(p.kv_heads * p.dim * up_), scores_(kBlock * up_), kr_(kBlock * p.dim), k_(kBlock * p.dim),
+        v_(kBlock * p.dim),
         acc_(kTileRows * p.heads * p.dim), m_(p.kv_heads * up_), l_(p.kv_heads * up_), shrink_(up_),
         part_(kPartials * std::max(S::W, 1)), width_(tierserve_paged::partial_width(p.heads, p.dim)) {}
 
@@ -200,15 +204,13 @@ class Attender {
     const int64_t n = keys(rows_ - 1, t, end), d = p_.dim;  // the longest row's keys
     slots(t, n);
     for (int64_t h = k0_; h < k1_; ++h) {
-      // The block's K/V rows of kv head h as float: k_ transposed [e][j], v_ [j][e].
+      // The block's K/V rows of kv head h as float, [j][e]; one row's K also transposed.
       for (int64_t j = 0; j < n; ++j) {
-        const KV* k = p_.k + slot_[j] + h * d;
-        const KV* v = p_.v + slot_[j] + h * d;
-        for (int64_t e = 0; e < d; ++e) v_[j * d + e] = widen(v[e]);
-        for (int64_t e = 0; e < d; ++e) k_[e * kBlock + j] = widen(k[e]);
+        cvec::widen_row(p_.k + slot_[j] + h * d, kr_.data() + j * d, d);
+        cvec::widen_row(p_.v + slot_[j] + h * d, v_.data() + j * d, d);
       }
-      for (int64_t e = 0; e < d; ++e) std::fill(k_.data() + e * kBlock + n, k_.data() + (e + 1) * kBlock, 0.f);
       if (rows_ == 1) {
+        cvec::transpose_rows(kr_.data(), n, d, kBlock, k_.data());
         for (int64_t i = 0; i < p_.group; ++i) row_softmax(h, i, n);
       } else {
         tile_scores(h, n);
@@ -264,11 +266,11 @@ class Attender {
       for (int64_t j0 = 0; j0 < n; j0 += kKeys) {
         V dot[kKeys];
         for (int jj = 0; jj < kKeys; ++jj) dot[jj] = S::zero();
-        const float* k = k_.data() + j0;
+        const float* k = kr_.data() + j0 * d;  // rows past the block's keys: stale, masked later
         const float* q = qt + uv * S::W;
-        for (int64_t e = 0; e < d; ++e, k += kBlock, q += up_) {
+        for (int64_t e = 0; e < d; ++e, q += up_) {
           const V qe = S::load(q);
-          for (int jj = 0; jj < kKeys; ++jj) dot[jj] = S::fma(qe, S::set1(k[jj]), dot[jj]);
+          for (int jj = 0; jj < kKeys; ++jj) dot[jj] = S::fma(qe, S::set1(k[jj * d + e]), dot[jj]);
         }
         for (int jj = 0; jj < kKeys; ++jj) S::store(scores_.data() + (j0 + jj) * up_ + uv * S::W, S::mul(dot[jj], scale));
       }
@@ -437,7 +439,7 @@ class Attender {
   const int64_t up_;         // units per kv head, padded to whole vectors
   std::vector<float> qt_;    // [Hkv, D, up] a tile's queries, transposed
   std::vector<float> scores_;  // [kBlock, up] (a tile) or [group, kBlock] (one row)
-  std::vector<float> k_, v_;   // the block's K rows transposed [D, kBlock] and V rows [kBlock, D], as float
+  std::vector<float> kr_, k_, v_;  // the block's K rows [kBlock, D] (and transposed [D, kBlock]), V rows, as float
   std::vector<float> acc_;     // [rows, H, D]
   std::vector<float> m_, l_;   // [Hkv, up] per unit
   std::vector<float> shrink_;  // [up] this block's, per unit of the current kv head
