@@ -84,7 +84,7 @@ inline std::vector<Tile> tiles_of(const int64_t* pages, const int64_t* lens, int
 // Split as paged::plan makes them. Longest first, as there.
 inline std::vector<Item> plan(const std::vector<Tile>& tiles, const int64_t* lens, int64_t batch, int64_t kv_heads,
                               int threads, std::vector<Split>& splits) {
-  const auto chunks = [&](int64_t b) { return std::max<int64_t>(1, (lens[b] + kChunk - 1) / kChunk); };
+  const auto chunks = [&](int64_t b) { return tierserve_paged::chunks_of(lens[b], kChunk); };
   std::vector<Item> items;
   const auto work = [&](const Item& x) { return (x.t1 - x.t0) * tiles[x.row].rows; };
   if (static_cast<int64_t>(tiles.size()) >= 4 * threads) {  // plenty: an item is a whole tile (chunk -1)
@@ -98,16 +98,7 @@ inline std::vector<Item> plan(const std::vector<Tile>& tiles, const int64_t* len
   int64_t tile_chunks = 0;
   for (const Tile& t : tiles) tile_chunks += chunks(t.row + t.rows - 1);
   const int64_t groups = tile_chunks < 4 * threads ? kv_heads : 1, per = kv_heads / groups;
-  splits.resize(batch * groups);
-  int64_t first_chunk = 0;
-  for (int64_t b = 0; b < batch; ++b) {
-    for (int64_t g = 0; g < groups; ++g) {
-      Split& split = splits[b * groups + g];
-      split.first_chunk = first_chunk, split.chunks = chunks(b);
-      if (split.chunks > 1) split.pending = std::make_unique<std::atomic<int64_t>>(split.chunks);
-    }
-    first_chunk += chunks(b);
-  }
+  tierserve_paged::make_splits(lens, batch, kChunk, groups, splits);
   for (int64_t i = 0; i < static_cast<int64_t>(tiles.size()); ++i) {
     const int64_t last = tiles[i].row + tiles[i].rows - 1;
     for (int64_t g = 0; g < groups; ++g) {
@@ -131,7 +122,7 @@ class Attender {
         qt_(p.kv_heads * p.dim * up_), scores_(kBlock * up_), kr_(kBlock * p.dim), k_(kBlock * p.dim),
         v_(kBlock * p.dim),
         acc_(kTileRows * p.heads * p.dim), m_(p.kv_heads * up_), l_(p.kv_heads * up_), shrink_(up_),
-        part_(kPartials * std::max(S::W, 1)), width_(tierserve_paged::partial_width(p.heads, p.dim)) {}
+        part_(kPartials), width_(tierserve_paged::partial_width(p.heads, p.dim)) {}
 
   // Item `it` of a step planned by `plan` over `tiles`: each of its rows' results written
   // out (a row of one chunk) or its chunks' partial results merged: here (a whole tile) or in
@@ -400,7 +391,7 @@ class Attender {
     return table;
   }
 
-  static int64_t chunks_of(int64_t len) { return std::max<int64_t>(1, (len + kChunk - 1) / kChunk); }
+  static int64_t chunks_of(int64_t len) { return tierserve_paged::chunks_of(len, kChunk); }
 
   // Chunk c of the tile's rows, for kv heads [k0, k1): the rows with keys in it are a suffix
   // of the tile (lengths ascend by one).

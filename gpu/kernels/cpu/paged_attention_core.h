@@ -307,25 +307,38 @@ struct Item {
 // (small batches) every kv head is an item of its own, so a few rows still spread over the
 // threads; NOTE: a head's values never depend on that cut (each head's keys are visited in
 // the same order, its state is its own), only who computes them.
-inline std::vector<Item> plan(const int64_t* lens, int64_t batch, int64_t chunk, int64_t kv_heads, int threads,
-                              std::vector<Split>& splits) {
-  int64_t row_chunks = 0;
-  for (int64_t b = 0; b < batch; ++b) row_chunks += std::max<int64_t>(1, (lens[b] + chunk - 1) / chunk);
-  const int64_t groups = row_chunks < 4 * threads ? kv_heads : 1, per = kv_heads / groups;
-  std::vector<Item> items;
+// Key chunks of a row of `len` keys (at least one).
+inline int64_t chunks_of(int64_t len, int64_t chunk) { return std::max<int64_t>(1, (len + chunk - 1) / chunk); }
+
+// Per row and group of kv heads, where its chunks' partial results go and (a row of more
+// than one chunk) how many are still to come: splits[b * groups + g].
+inline void make_splits(const int64_t* lens, int64_t batch, int64_t chunk, int64_t groups, std::vector<Split>& splits) {
   splits.resize(batch * groups);
   int64_t first_chunk = 0;
   for (int64_t b = 0; b < batch; ++b) {
-    const int64_t n = std::max<int64_t>(1, (lens[b] + chunk - 1) / chunk);
+    const int64_t n = chunks_of(lens[b], chunk);
     for (int64_t g = 0; g < groups; ++g) {
       Split& split = splits[b * groups + g];
       split.first_chunk = first_chunk, split.chunks = n;
       if (n > 1) split.pending = std::make_unique<std::atomic<int64_t>>(n);
-      for (int64_t c = 0; c < n; ++c) {
+    }
+    first_chunk += n;
+  }
+}
+
+inline std::vector<Item> plan(const int64_t* lens, int64_t batch, int64_t chunk, int64_t kv_heads, int threads,
+                              std::vector<Split>& splits) {
+  int64_t row_chunks = 0;
+  for (int64_t b = 0; b < batch; ++b) row_chunks += chunks_of(lens[b], chunk);
+  const int64_t groups = row_chunks < 4 * threads ? kv_heads : 1, per = kv_heads / groups;
+  make_splits(lens, batch, chunk, groups, splits);
+  std::vector<Item> items;
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t g = 0; g < groups; ++g) {
+      for (int64_t c = 0; c < chunks_of(lens[b], chunk); ++c) {
         items.push_back({b, c, c * chunk, std::min(lens[b], (c + 1) * chunk), g * per, (g + 1) * per, b * groups + g});
       }
     }
-    first_chunk += n;
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.t1 - x.t0 > y.t1 - y.t0; });
   return items;
