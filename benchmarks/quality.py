@@ -235,8 +235,8 @@ def quant_op_rows() -> int:
     from gpu.quant.linears import Int4Linear, Int8Linear
 
     kernels = gemv.available(torch.float32)
-    limit = min(Int4Linear.kernel_max_rows if kernels else Int4Linear.max_rows,
-                Int8Linear.kernel_max_rows if kernels else Int8Linear.max_rows)
+    int4 = min(Int4Linear.kernel_max_rows, Int4Linear.kernel_max_rows_amx) if kernels else Int4Linear.max_rows
+    limit = min(int4, Int8Linear.kernel_max_rows if kernels else Int8Linear.max_rows)
     return 1 << (limit.bit_length() - 1)
 
 

@@ -168,14 +168,14 @@ def test_auto_picks_the_native_step_where_it_runs(native_engine: Engine, monkeyp
     runner, config = parts.runner, native_engine.config
     auto = SimpleNamespace(**{**vars(config), "graphs": SimpleNamespace(**{**vars(config.graphs), "mode": "auto"})})
     picked = build_graph_runner(auto, runner.model, runner.attention, None, torch.device("cpu"))  # type: ignore[arg-type]
-    # the int8 head's row limit bounds the step (the 4-bit kernel takes any): 12 rows in
-    # bfloat16 (any where the int8 kernel outruns bf16 GEMMs: then max_running_requests), 64
-    # in float32 (gpu/quant/linears.py), so buckets up to 8 / 64
+    # the int8 head's row limit bounds the step (the 4-bit kernel takes any, or 24 rows against
+    # bf16 GEMMs on AMX): 16 rows in bfloat16 (any where the int8 kernel outruns bf16 GEMMs:
+    # then max_running_requests), 64 in float32 (gpu/quant/linears.py), so buckets up to 16 / 64
     limit = min(runner.model.lm_head.quant.max_rows, config.scheduler.max_running_requests)
     assert isinstance(picked, CpuStepRunner)
     assert picked.max_rows == max(b for b in config.graphs.decode_buckets if b <= limit)
     wide = runner.model.dtype == torch.float32 or gemv.int8_outruns_bf16_gemms()
-    assert picked.max_rows == (64 if wide else 8)
+    assert picked.max_rows == (64 if wide else 16)
     monkeypatch.setattr(runner.model, "fused", False)  # as in deterministic mode or with the kernels off
     assert cpu_step.unsupported(runner.model, runner.attention) is not None
     assert build_graph_runner(auto, runner.model, runner.attention, None, torch.device("cpu")) is None  # type: ignore[arg-type]

@@ -200,6 +200,31 @@ def test_int8_takes_every_bf16_batch_only_with_vnni_and_no_amx(monkeypatch: pyte
     assert Int8Linear.quantize(torch.randn(32, 64), torch.float32, kernels=True).max_rows == 64
 
 
+@pytest.mark.parametrize(("flags", "granted", "every_batch"), [
+    ({"avx512_vnni", "avx512_bf16"}, False, True),  # Zen 4: bf16 GEMMs without AMX
+    ({"avx512_vnni", "amx_bf16", "amx_tile"}, True, False),  # bf16 GEMMs on AMX: the dense copy above 24 rows
+    ({"avx512_vnni", "amx_bf16", "amx_tile"}, False, True),  # AMX advertised, not granted
+    ({"avx2"}, False, True),
+])
+def test_int4_keeps_a_dense_copy_only_against_bf16_gemms_on_amx(monkeypatch: pytest.MonkeyPatch, flags: set[str],
+                                                               granted: bool, every_batch: bool) -> None:
+    from gpu import numerics
+    from gpu.quant.dispatch import QuantizedWeight, QuantSpec, build_linear
+    from gpu.quant.linears import UNLIMITED
+
+    monkeypatch.setattr(numerics, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(numerics, "amx_permitted", lambda: granted)
+    assert gemv.bf16_gemms_on_amx() == (not every_batch)
+    _, ref, raw = q4_case("Q4_1", 64, 32)
+    spec = QuantSpec("int4", {"w": Q4Blocks("Q4_1", torch.from_numpy(raw))}, keep_dense=True, cpu_kernels=True)
+    built = build_linear(spec, ["w"], ref.to(torch.bfloat16))
+    assert isinstance(built, QuantizedWeight) and isinstance(built.quant, Int4Linear)
+    assert built.quant.max_rows == (UNLIMITED if every_batch else Int4Linear.kernel_max_rows_amx)
+    assert (built.dense is None) == every_batch  # many-row batches run the dense copy only on AMX
+    fp32 = build_linear(spec, ["w"], ref)  # float32 GEMMs never run on AMX tiles
+    assert isinstance(fp32, QuantizedWeight) and fp32.dense is None and fp32.quant.max_rows == UNLIMITED
+
+
 def test_without_kernels_the_torch_ops_run() -> None:
     layer, _, _ = q4_case("Q4_0", 576, 96)
     plain = Int4Linear.quantize(layer.dequantize(), torch.bfloat16)

@@ -102,7 +102,8 @@ def test_prompts_in_quant_op_steps_run_the_quantized_op() -> None:
     from gpu.quant.linears import Int4Linear, Int8Linear
 
     rows = q.quant_op_rows()
-    assert rows & (rows - 1) == 0 and rows <= min(Int4Linear.kernel_max_rows, Int8Linear.kernel_max_rows)
+    limits = (Int4Linear.kernel_max_rows, Int4Linear.kernel_max_rows_amx, Int8Linear.kernel_max_rows)
+    assert rows & (rows - 1) == 0 and rows <= min(limits)
     assert q.quant_op_overrides(rows)["scheduler.max_num_batched_tokens"] == rows
 
 

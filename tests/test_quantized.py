@@ -100,8 +100,14 @@ def check_layers(model: Any, quantization: str, kernels: bool) -> None:
     for weight in (layer.qkv, layer.o, layer.gate_up, layer.down):
         assert isinstance(weight, QuantizedWeight) and isinstance(weight.quant, expected)
         assert runs_kernel(weight.quant) == kernels
-        # the 4-bit kernel takes every batch, the int8 one where it outruns bf16 GEMMs: no dense copy
-        if kernels and (expected is Int4Linear or (model.dtype == torch.bfloat16 and gemv.int8_outruns_bf16_gemms())):
+        # the 4-bit kernel takes every batch unless bf16 GEMMs run on AMX, the int8 one where it
+        # outruns bf16 GEMMs: no dense copy
+        bf16 = model.dtype == torch.bfloat16
+        if expected is Int4Linear:
+            every = not (bf16 and gemv.bf16_gemms_on_amx())
+        else:
+            every = bf16 and gemv.int8_outruns_bf16_gemms()
+        if kernels and every:
             assert weight.dense is None and weight.quant.max_rows == UNLIMITED
         else:  # many-row steps run the dense copy
             assert weight.dense is not None and weight.dense.dtype == model.dtype

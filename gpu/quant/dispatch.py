@@ -15,11 +15,11 @@ compute-bound and bfloat16/float32 GEMMs beat the quantized ops there
 the dense weight plus the quantized one (+25 % over bf16 for int4, +50 % for int8).
 With `QuantSpec.cpu_kernels` (model.cpu_kernels on) the
 quantized linears run tierserve's C++ kernels instead of torch's ops (gpu/quant/gemv.py), in
-the same number of bytes, both on int8 activations: int8 up to its crossover (12 rows against
-bfloat16 GEMMs, every batch where the kernel has AVX512-VNNI and the GEMMs no AMX; 64 against
-float32 ones), 4-bit at every batch size (it beats float32 GEMMs at
-prefill shapes too: `benchmarks/quant_linear.py --model --force-quant`), so a 4-bit layer then
-keeps no dense copy.
+the same number of bytes, both on int8 activations: int8 up to its crossover (16 rows against
+bfloat16 GEMMs on AMX, every batch where the kernel has AVX512-VNNI and the GEMMs no AMX; 64
+against float32 ones), 4-bit at every batch size (it beats float32 GEMMs and bf16 ones without
+AMX at prefill shapes too: `benchmarks/quant_linear.py --model --force-quant`) except against
+bf16 GEMMs on AMX (24 rows); a layer that takes every batch keeps no dense copy.
 
 NOTE: invariant 7. In deterministic mode every row runs the quantized op (never the dense
 copy, which is not kept): the C++ kernels as they are (a row's result depends on its own x

@@ -75,7 +75,13 @@ def int8_outruns_bf16_gemms() -> bool:
     its crossover (Int8Linear.kernel_max_rows)."""
     if "vnni" not in compiled_isas():
         return False
-    return not ({"amx_bf16", "amx_tile"} <= numerics.cpu_flags() and numerics.amx_permitted())
+    return not bf16_gemms_on_amx()
+
+
+def bf16_gemms_on_amx() -> bool:
+    """Whether torch's bfloat16 GEMMs (oneDNN) run on AMX tiles here: the CPU has them and
+    the kernel lets this process use them."""
+    return {"amx_bf16", "amx_tile"} <= numerics.cpu_flags() and numerics.amx_permitted()
 
 
 def compiled_isas() -> list[str]:

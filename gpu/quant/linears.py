@@ -38,11 +38,12 @@ class Int8Linear:
     # the step is compute-bound and the dense weight is faster.
     max_rows = 4
     # The same with the C++ kernel (quant_linear.py --model --force-quant): against bfloat16
-    # GEMMs 12 rows; against float32 ones (no native bf16) up to 64 rows (2-core AVX2 EPYC,
+    # GEMMs on AMX 16 rows (2-core AMX Xeon, all of SmolLM2's linears: 16 rows 16.7 vs 21.9 ms,
+    # 32 rows 29.3 vs 23.9 ms); against float32 ones (no native bf16) up to 64 rows (2-core AVX2 EPYC,
     # 2 threads: the 49152 x 576 head 1 row 1.15 vs 14.0 ms, 32 rows 17.1 vs 58.6 ms, 64 rows
     # 29.9 vs 59.3 ms; SmolLM2's 576 x 1536 and 1536 x 576 even at 64 rows, 0.8-0.9x at 256).
     # With AVX512-VNNI and no AMX for torch's bf16 GEMMs, every batch size (gemv.int8_outruns_bf16_gemms).
-    kernel_max_rows = 12
+    kernel_max_rows = 16
     kernel_max_rows_float32 = 64
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, kernels: bool = False) -> None:
@@ -115,9 +116,14 @@ def int8_matmul_float32(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
 
 class Int4Linear:
     max_rows = 8  # see Int8Linear.max_rows
-    # The C++ kernel (int8 activations, integer dot products) is faster than float32 GEMMs at
-    # prefill shapes too (benchmarks/quant_linear.py --model --force-quant), so it takes every batch.
+    # The C++ kernel (int8 activations, integer dot products) is faster than float32 GEMMs and
+    # than bfloat16 GEMMs without AMX at prefill shapes too (benchmarks/quant_linear.py --model
+    # --force-quant), so it takes every batch there. Where torch's bf16 GEMMs run on AMX tiles
+    # they win above ~24 rows (2-core AMX Xeon, all of SmolLM2's linears, the head int8: 16 rows
+    # 15.7 vs 21.9 ms, 32 rows 28.2 vs 23.9, 512 rows 426 vs 103), so a bf16 layer keeps its
+    # dense copy for those batches there.
     kernel_max_rows = UNLIMITED
+    kernel_max_rows_amx = 24
 
     def __init__(
         self, nibbles: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype,
@@ -132,7 +138,8 @@ class Int4Linear:
         if self.kernel:  # the kernel's w = d * q + m: m = zero - 8 * scale
             self.packed = gemv.pack_q4(nibbles, scales, zeros.float() - 8.0 * scales.float())
             self.scales_and_zeros = torch.empty(0, dtype=dtype)
-            self.max_rows = self.kernel_max_rows
+            amx = dtype == torch.bfloat16 and gemv.bf16_gemms_on_amx()
+            self.max_rows = self.kernel_max_rows_amx if amx else self.kernel_max_rows
             return
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles.to(torch.int32), _INNER_K_TILES)
         # [K / GROUP, N, 2]: the op's scales_and_zeros layout
