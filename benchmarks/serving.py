@@ -27,6 +27,7 @@ import json
 import math
 import os
 import random
+import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -231,6 +232,17 @@ async def send(session: aiohttp.ClientSession, target: Target, prompt: Prompt) -
 # ---- servers -----------------------------------------------------------------------------
 
 
+def signal_name(code: int) -> str:
+    """", killed by SIGILL" for a process's exit code -4 (an illegal instruction: AMX or
+    AVX-512 code a VM advertises and traps), and so on; "" for a plain exit."""
+    if code >= 0:
+        return ""
+    try:
+        return f", killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return ""
+
+
 async def wait_healthy(session: aiohttp.ClientSession, base_url: str, exited: Callable[[], int | None],
                        timeout_s: float, poll_s: float) -> str | None:
     """Poll `base_url`/health until it answers 200: None then, else why not ("exited with N"
@@ -239,7 +251,7 @@ async def wait_healthy(session: aiohttp.ClientSession, base_url: str, exited: Ca
     while time.monotonic() < deadline:
         code = exited()
         if code is not None:
-            return f"exited with {code}"
+            return f"exited with {code}{signal_name(code)}"
         try:
             async with session.get(f"{base_url}/health") as resp:
                 if resp.status == 200:

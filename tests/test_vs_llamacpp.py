@@ -149,3 +149,12 @@ def test_the_amx_peer_serves_the_packaged_file(tmp_path: Path) -> None:
     assert ("llama-server Q4_1 (packaged, AMX)", str(amx.binary("llama-server"))) in labels
     assert [label for label, _ in labels].count("llama-server Q4_1 (packaged)") == 1
     assert not any("AMX" in s.label for s in bench.systems(args, plain, packaged))
+
+
+def test_a_server_killed_by_a_signal_says_which() -> None:
+    """The AMX llama-server that a VM's trap kills reads "exited with -4, killed by SIGILL"."""
+    from benchmarks.serving import signal_name
+
+    assert signal_name(-4) == ", killed by SIGILL"
+    assert signal_name(-9) == ", killed by SIGKILL"
+    assert signal_name(0) == signal_name(1) == ""
