@@ -241,18 +241,19 @@ def test_silu_mul_extreme_values(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_vector_lanes_equal_the_scalar_tail(dtype: torch.dtype) -> None:
-    """The vectorized SiLU * up (eight lanes) is bit-identical to the scalar code the row's
-    tail runs: every value sits in all nine places of a 9-wide row (8 vector lanes + 1
-    scalar). NOTE: the native decode step cuts rows where the torch path does not, so
-    only this identity makes the two paths agree bit for bit."""
+    """The vectorized SiLU * up (sixteen lanes with AVX-512, then eight) is bit-identical to
+    the scalar code the row's tail runs: every value sits in all 25 places of a 25-wide row
+    (16 + 8 vector lanes + 1 scalar; 3 x 8 + 1 without AVX-512). NOTE: the native decode
+    step cuts rows where the torch path does not, so only this identity makes the two
+    paths agree bit for bit."""
     special = [0.0, -0.0, 1e-30, -1e-40, -79.9, -80.0, -80.5, -88.7, 88.7228, 88.723, 89.0, -87.3,
                1e4, -1e4, float("inf"), float("-inf"), float("nan"), 0.5, -0.5, 3.0e38]
     values = torch.cat([torch.tensor(special), torch.randn(2000, generator=torch.Generator().manual_seed(2)) * 12])
     ups = torch.randn(values.numel(), generator=torch.Generator().manual_seed(3)) * 3
-    gate_up = torch.cat([values[:, None].expand(-1, 9), ups[:, None].expand(-1, 9)], dim=1).to(dtype).contiguous()
+    gate_up = torch.cat([values[:, None].expand(-1, 25), ups[:, None].expand(-1, 25)], dim=1).to(dtype).contiguous()
     out = glue.silu_mul(gate_up)
     bits = out.view(torch.int32 if dtype == torch.float32 else torch.int16)
-    assert torch.equal(bits[:, :8], bits[:, 8:].expand(-1, 8))
+    assert torch.equal(bits[:, :24], bits[:, 24:].expand(-1, 24))
 
 
 def check_silu_mul(gate_up: torch.Tensor) -> None:

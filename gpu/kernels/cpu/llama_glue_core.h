@@ -170,10 +170,64 @@ struct Lanes8 {
 };
 #endif
 
+#if defined(__AVX512F__)
+// Sixteen lanes of the same operations (Lanes8's, with AVX-512 masks for its blends), so
+// every lane is bit-identical to `silu_times` too: half the instructions of Lanes8.
+struct Lanes16 {
+  static __m512 load(const float* p) { return _mm512_loadu_ps(p); }
+  static __m512 load(const uint16_t* p) { return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static void store(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+  static void store(uint16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_bits(v)); }
+  static __m512 round(__m512 v, const float*) { return v; }
+  static __m512 round(__m512 v, const uint16_t*) { return widen(bf16_bits(v)); }
+  static __m512 widen(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
+  // bf16_from_float of each lane: round to nearest even, NaN kept quiet.
+  static __m256i bf16_bits(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
+  }
+
+  static __m512 exp(__m512 x) {  // fast_exp
+    const __m512 max = _mm512_set1_ps(88.7228f), floor = _mm512_set1_ps(-80.0f);
+    const __mmask16 over = _mm512_cmp_ps_mask(x, max, _CMP_GT_OQ), under = _mm512_cmp_ps_mask(x, floor, _CMP_LT_OQ);
+    const __m512 big = _mm512_mask_blend_ps(over, _mm512_set1_ps(1.0f), _mm512_set1_ps(INFINITY));
+    x = _mm512_mask_blend_ps(under, _mm512_mask_blend_ps(over, x, max), floor);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693145751953125f)));
+    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(1.428606765330187045e-06f)));
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) {
+      p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c));
+    }
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(126)), 23);
+    return _mm512_mul_ps(big, _mm512_mul_ps(_mm512_mul_ps(p, _mm512_castsi512_ps(e)), _mm512_set1_ps(2.0f)));
+  }
+};
+#endif
+
 // y[i] = silu_times(gate[i], up[i]) for i < n.
 template <typename D>
 inline void silu_times_run(const typename D::scalar* gate, const typename D::scalar* up, typename D::scalar* y, int64_t n) {
   int64_t i = 0;
+#if defined(__AVX512F__)
+  {
+    using L = Lanes16;
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+    for (; i + 16 <= n; i += 16) {
+      const __m512 x = L::load(gate + i);
+      const __m512 minus_x = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), sign));
+      const __m512 silu = L::round(_mm512_div_ps(x, _mm512_add_ps(one, L::exp(minus_x))), gate);
+      L::store(y + i, _mm512_mul_ps(silu, L::load(up + i)));
+    }
+  }
+#endif
 #if defined(__AVX2__)
   using L = Lanes8;
   const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
