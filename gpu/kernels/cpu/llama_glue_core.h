@@ -124,6 +124,18 @@ inline typename D::scalar silu_times(typename D::scalar gate, typename D::scalar
 }
 
 #if defined(__AVX2__)
+// fast_exp's reduction and polynomial in the lanes of L (Lanes8, Lanes16), x already clamped:
+// the scalar code's operations in its order, so every lane gives fast_exp's bits.
+template <class L>
+inline typename L::V exp_clamped(typename L::V x) {
+  const typename L::V n = L::nearest(L::mul(x, L::set1(1.44269504088896341f)));
+  typename L::V r = L::sub(x, L::mul(n, L::set1(0.693145751953125f)));
+  r = L::sub(r, L::mul(n, L::set1(1.428606765330187045e-06f)));
+  typename L::V p = L::set1(1.0f / 720);
+  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = L::add(L::mul(p, r), L::set1(c));
+  return L::mul(L::mul(p, L::pow2_minus1(n)), L::set1(2.0f));
+}
+
 // Eight lanes of the scalar code above, operation for operation (a multiply and an add
 // where it multiplies and adds: the build never contracts them to an FMA), so every lane
 // is bit-identical to `silu_times` — the compiler leaves that scalar loop unvectorized.
@@ -156,16 +168,16 @@ struct Lanes8 {
     const __m256 over = _mm256_cmp_ps(x, max, _CMP_GT_OQ);
     const __m256 big = _mm256_blendv_ps(_mm256_set1_ps(1.0f), _mm256_set1_ps(INFINITY), over);
     x = _mm256_blendv_ps(_mm256_blendv_ps(x, max, over), floor, _mm256_cmp_ps(x, floor, _CMP_LT_OQ));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693145751953125f)));
-    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(1.428606765330187045e-06f)));
-    __m256 p = _mm256_set1_ps(1.0f / 720);
-    for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) {
-      p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(c));
-    }
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(126)), 23);
-    return _mm256_mul_ps(big, _mm256_mul_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), _mm256_set1_ps(2.0f)));
+    return _mm256_mul_ps(big, exp_clamped<Lanes8>(x));
+  }
+  using V = __m256;
+  static V set1(float f) { return _mm256_set1_ps(f); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V nearest(V v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V pow2_minus1(V n) {  // 2^(n-1) for integral n
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(126)), 23));
   }
 };
 #endif
@@ -197,16 +209,16 @@ struct Lanes16 {
     const __mmask16 over = _mm512_cmp_ps_mask(x, max, _CMP_GT_OQ), under = _mm512_cmp_ps_mask(x, floor, _CMP_LT_OQ);
     const __m512 big = _mm512_mask_blend_ps(over, _mm512_set1_ps(1.0f), _mm512_set1_ps(INFINITY));
     x = _mm512_mask_blend_ps(under, _mm512_mask_blend_ps(over, x, max), floor);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693145751953125f)));
-    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(1.428606765330187045e-06f)));
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) {
-      p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c));
-    }
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(126)), 23);
-    return _mm512_mul_ps(big, _mm512_mul_ps(_mm512_mul_ps(p, _mm512_castsi512_ps(e)), _mm512_set1_ps(2.0f)));
+    return _mm512_mul_ps(big, exp_clamped<Lanes16>(x));
+  }
+  using V = __m512;
+  static V set1(float f) { return _mm512_set1_ps(f); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V nearest(V v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V pow2_minus1(V n) {  // 2^(n-1) for integral n
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(126)), 23));
   }
 };
 #endif
