@@ -195,7 +195,8 @@ def bench_isas(ms: list[int], rounds: int, scalar: bool) -> None:
     if not gemv.available(torch.bfloat16):
         raise SystemExit("the quant_gemv C++ kernels do not build here (or TIERSERVE_CPU_KERNELS=off)")
     isas = [i for i in torch.ops.tierserve_cpu.quant_gemv_isas() if scalar or i != "scalar"]
-    print(f"code paths {isas}, threads {torch.get_num_threads()}; ms (median), then avx2 / path")
+    auto = torch.ops.tierserve_cpu.quant_gemv_isa()
+    print(f"code paths {isas} ('auto' runs {auto}), threads {torch.get_num_threads()}; ms (median), then avx2 / path")
     print(f"{'M':>4} {'K':>5} {'N':>6} {'kind':>4} | " + " ".join(f"{i:>9}" for i in isas) + " | "
           + " ".join(f"{'/' + i:>8}" for i in isas))
     for m in ms:

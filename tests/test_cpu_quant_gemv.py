@@ -1,5 +1,6 @@
 """tierserve's C++ quantized matmuls (gpu/kernels/cpu/quant_gemv.cpp) against
-independent references, in every code path compiled here (AVX512-VNNI where the CPU has it, AVX2, scalar).
+independent references, in every code path compiled here (AVX512-VNNI where the CPU has it, in
+512-bit registers too with AVX-512 F/BW, AVX2, scalar).
 
 - 4-bit: GGUF Q4_0 / Q4_1 blocks made by the `gguf` package's quantizer, dequantized by its
   reference code, against Int4Linear built on those blocks with the kernel
@@ -161,6 +162,17 @@ def test_int8_kernel_is_one_function_of_each_row() -> None:
     assert same_bits(alone, outs[0])
     assert torch.equal(outs[0][5], torch.zeros(200)) and outs[0][9].isnan().all()
     assert outs[0][[i for i in range(70) if i != 9]].isfinite().all()
+
+
+def test_auto_runs_a_compiled_path() -> None:
+    """'auto' runs a path compiled here: the 512-bit one only where it measured faster than the
+    256-bit one (the measurement picks, and every path gives the same bits, tested above)."""
+    auto = gemv.auto_isa()
+    assert auto in ISAS
+    if "vnni512" in ISAS:
+        assert auto in ("vnni512", "vnni")
+    else:
+        assert auto == ISAS[0]
 
 
 def test_layers_run_the_kernel_and_match_the_torch_ops() -> None:

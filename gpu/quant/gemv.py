@@ -89,6 +89,12 @@ def compiled_isas() -> list[str]:
     return list(torch.ops.tierserve_cpu.quant_gemv_isas()) if cpu.load(KERNELS) else []
 
 
+def auto_isa() -> str:
+    """The code path the kernels run here: the widest compiled one, except that the 512-bit
+    path (`vnni512`) runs only where it measured faster than the 256-bit one."""
+    return str(torch.ops.tierserve_cpu.quant_gemv_isa()) if cpu.load(KERNELS) else ""
+
+
 def q4_matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     return torch.ops.tierserve_cpu.quant_gemv_q4(x, packed, out_features)
 

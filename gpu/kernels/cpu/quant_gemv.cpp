@@ -62,6 +62,16 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const float* scal
   return out;
 }
 
+// The path "auto" runs here (best_isa: the 512-bit one only where it measured faster).
+std::string auto_isa() {
+  const std::vector<std::string> names = compiled_isas();
+  const Isa best = best_isa();
+  for (const std::string& name : names) {
+    if (isa_named(name) == best) return name;
+  }
+  return "scalar";
+}
+
 at::Tensor quant_gemv_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, std::string isa) {
   const int64_t n = scales.numel();
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(), "quant_gemv_int8: scales must be float32 [N]");
@@ -86,6 +96,7 @@ TORCH_LIBRARY_FRAGMENT(tierserve_cpu, m) {
   m.def("quant_gemv_int8(Tensor x, Tensor packed, Tensor scales, str isa='auto') -> Tensor");
   m.def("quant_gemv_q4(Tensor x, Tensor packed, int n, str isa='auto') -> Tensor");
   m.def("quant_gemv_isas() -> str[]", &compiled_isas);
+  m.def("quant_gemv_isa() -> str", &auto_isa);
 }
 
 TORCH_LIBRARY_IMPL(tierserve_cpu, CPU, m) {

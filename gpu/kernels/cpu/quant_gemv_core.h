@@ -20,7 +20,9 @@
 // The vector code (AVX2 + FMA + F16C) is compiled when -march=native offers it (AVX-512
 // builds run it too); with AVX512-VNNI (+VL) a second copy of it sums the integer dot products
 // with vpdpbusd / vpdpwssd (one instruction where AVX2 needs a multiply-add and an add: the
-// same exact integers). The scalar path is always there. An `Isa` picks one, for tests.
+// same exact integers), and with AVX-512 F/BW a third holds a whole tile in one 512-bit
+// register (quant_gemv_zmm.h; run where it measures faster). The scalar path is always
+// there. An `Isa` picks one, for tests.
 
 #pragma once
 
@@ -58,12 +60,18 @@ inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
 #if defined(QG_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define QG_VNNI 1
 #endif
+#if defined(QG_VNNI) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define QG_VNNI512 1
+#endif
 
-// The code paths of the kernels, best last; every one gives the same bits (NOTE above).
-enum class Isa { kScalar, kAvx2, kVnni };
+// The code paths of the kernels; every one gives the same bits (NOTE above).
+enum class Isa { kScalar, kAvx2, kVnni, kVnni512 };
 
-inline std::vector<std::string> compiled_isas() {  // names, best first
+inline std::vector<std::string> compiled_isas() {  // names, widest first
   std::vector<std::string> names;
+#if defined(QG_VNNI512)
+  names.push_back("vnni512");
+#endif
 #if defined(QG_VNNI)
   names.push_back("vnni");
 #endif
@@ -74,8 +82,15 @@ inline std::vector<std::string> compiled_isas() {  // names, best first
   return names;
 }
 
+inline bool zmm_outruns_ymm();  // quant_gemv_zmm.h: measured once per process
+
+// The path the kernels run: the widest compiled one, except that the 512-bit path runs only
+// where it measured faster than the 256-bit one (a full-width core, not a split one).
 inline Isa best_isa() {
-#if defined(QG_VNNI)
+#if defined(QG_VNNI512)
+  static const Isa chosen = zmm_outruns_ymm() ? Isa::kVnni512 : Isa::kVnni;
+  return chosen;
+#elif defined(QG_VNNI)
   return Isa::kVnni;
 #elif defined(QG_AVX2)
   return Isa::kAvx2;
@@ -86,7 +101,8 @@ inline Isa best_isa() {
 
 // "auto" is the best; other names as compiled_isas() lists them.
 inline Isa isa_named(const std::string& name) {
-  return name == "auto" ? best_isa() : name == "vnni" ? Isa::kVnni : name == "avx2" ? Isa::kAvx2 : Isa::kScalar;
+  if (name == "auto") return best_isa();
+  return name == "vnni512" ? Isa::kVnni512 : name == "vnni" ? Isa::kVnni : name == "avx2" ? Isa::kAvx2 : Isa::kScalar;
 }
 
 // Everything a pass needs besides x: the weight, its per-row scales (int8) and the output.
@@ -506,6 +522,12 @@ void int8_avx2(const Problem<Out>& p, const QInput& in, int64_t rows, int64_t t0
 }
 #endif
 
+}  // namespace tierserve_gemv
+
+#include "quant_gemv_zmm.h"
+
+namespace tierserve_gemv {
+
 // What one thread runs: output tiles [i0, i1) of a weight of format `Q4` (else int8) for
 // all `rows` rows of x, on the code path `isa` (one compiled here: isa_named; every path
 // gives the same bits). quant_gemv.cpp's ops give each thread a range of tiles, decode_step.cpp too.
@@ -517,6 +539,9 @@ void tiles(const Problem<Out>& p, const QInput& in, int64_t rows, int64_t i0, in
   if (head) {
     for (int64_t line = 0; line < std::min(kPrefetchBytes, (i1 - i0) * p.stride); line += 64) prefetch(p.w + i0 * p.stride + line);
   }
+#if defined(QG_VNNI512)
+  if (isa == Isa::kVnni512) return tiles512<Q4>(p, in, rows, i0, i1);
+#endif
 #if defined(QG_VNNI)
   if (isa == Isa::kVnni) return Q4 ? q4_avx2<true>(p, in, rows, i0, i1) : int8_avx2<true>(p, in, rows, i0, i1);
 #endif
