@@ -18,7 +18,8 @@ an answer an earlier one left in a cache (tierserve's ngram drafter would draft 
 
 Reported per workload and level: output tok/s (all completion tokens / wall time) and
 mean per-request decode tok/s (after the first token), tierserve's speculative/plain
-ratio, and tierserve ngram against llama-server's best n-gram mode. Exactness: tierserve's
+ratio of both (`decode`: the second, batch-1 decode speed at c = 1, which prefill does not
+dilute), and tierserve ngram against llama-server's best n-gram mode. Exactness: tierserve's
 speculative text must equal its plain text for the same prompt (`same` column: equal /
 compared). llama-server's modes: `--spec-type ngram-simple` and `ngram-mod`, with their own
 default draft sizes.
@@ -165,7 +166,7 @@ def rates(run: Run) -> tuple[float, float | None]:
 
 def exactness_systems(args: argparse.Namespace) -> list[System]:
     packaged = model_file()
-    f32 = ["model.dtype=float32", "model.quantization=none"]
+    f32 = ["model.dtype=float32", "model.quantization=none", *args.exact_set]
     draft = [*f32, "speculative.method=draft", f"speculative.draft_model={packaged}",
              "speculative.draft_quantization=int4", f"speculative.num_draft_tokens={args.exact_draft_tokens}"]
     return [tierserve("tierserve f32", packaged, f32), tierserve("tierserve f32 + int4 draft", packaged, draft)]
@@ -173,12 +174,14 @@ def exactness_systems(args: argparse.Namespace) -> list[System]:
 
 def report_exactness(results: dict[str, dict[tuple[str, int], Run]], sets: dict[str, list[str]]) -> None:
     plain, drafted = results["tierserve f32"], results["tierserve f32 + int4 draft"]
-    print("\nfloat32 target, alone and drafted by its int4 weights (c=1): output tok/s")
+    print("\nfloat32 target, alone and drafted by its int4 weights (c=1): output tok/s (mean per-request decode tok/s)")
     for name in sets:
-        a, b = rates(plain[(name, 1)])[0], rates(drafted[(name, 1)])[0]
+        (a, da), (b, db) = rates(plain[(name, 1)]), rates(drafted[(name, 1)])
         pairs = list(zip(plain[(name, 1)].records, drafted[(name, 1)].records))
         equal = sum("".join(x.text) == "".join(y.text) for x, y in pairs if x.ok and y.ok)
-        print(f"  {name:6s} {a:6.1f} -> {b:6.1f}  {b / a:.2f}x  same text {equal}/{len(pairs)}")
+        decode = f"decode {db / da:.2f}x" if da and db else "decode -"
+        print(f"  {name:6s} {a:6.1f} ({da or 0:6.1f}) -> {b:6.1f} ({db or 0:6.1f})  {b / a:.2f}x  {decode}  "
+              f"same text {equal}/{len(pairs)}")
 
 
 def report(all_results: dict[str, dict[tuple[str, int], Run]], sets: dict[str, list[str]],
@@ -186,7 +189,8 @@ def report(all_results: dict[str, dict[tuple[str, int], Run]], sets: dict[str, l
     labels = list(all_results)
     print("\noutput tok/s (mean per-request decode tok/s)")
     tree = TREE in all_results
-    head = ["workload", "c", *labels, "ts ngram / ts", *(["tree / ts"] if tree else []), "ts ngram / best llama ngram",
+    head = ["workload", "c", *labels, "ts ngram / ts", "decode", *(["tree / ts"] if tree else []),
+            "ts ngram / best llama ngram",
             "same", *(["same (tree)"] if tree else [])]
     rows = [head]
     for name in sets:
@@ -195,6 +199,8 @@ def report(all_results: dict[str, dict[tuple[str, int], Run]], sets: dict[str, l
             row = [name, str(level)] + [f"{o:.1f} ({d:.1f})" if d else f"{o:.1f}" for o, d in got.values()]
             plain, spec = got.get("tierserve"), got.get("tierserve ngram")
             row.append(f"{spec[0] / plain[0]:.2f}x" if plain and spec else "-")
+            # the target: per-request decode speed (after the first token), prefill left out
+            row.append(f"{spec[1] / plain[1]:.2f}x" if plain and spec and plain[1] and spec[1] else "-")
             if tree:
                 row.append(f"{got[TREE][0] / plain[0]:.2f}x" if plain else "-")
             llama_spec = [got[lb][0] for lb in labels if lb.startswith("llama-server ngram")]
@@ -228,6 +234,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-exactness", dest="exactness", action="store_false",
                    help="skip the float32 / int4-draft pair")
     p.add_argument("--exact-draft-tokens", type=int, default=8, help="num_draft_tokens of the int4 draft")
+    p.add_argument("--exactness-only", action="store_true", help="only the float32 / int4-draft pair")
+    p.add_argument("--exact-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="an override for both systems of the pair (deterministic=true: the bit-exact mode)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)), help="llama.cpp build jobs")
     p.add_argument("--cache", type=Path, default=llamacpp_build.cache_root(), help="build and model cache")
@@ -241,16 +250,17 @@ def main(argv: list[str] | None = None) -> None:
     args.log_dir.mkdir(parents=True, exist_ok=True)
     levels = (1,) if args.quick else LEVELS
     sets = workloads(args.quick)
-    all_systems = systems(args)
+    all_systems = [] if args.exactness_only else systems(args)
     warn_if_busy()
     results: dict[str, dict[tuple[str, int], Run]] = {}
     for system in all_systems:
         results[system.label] = run_loop(run_system(system, sets, levels, args))
     exact: dict[str, dict[tuple[str, int], Run]] = {}
-    if args.exactness:
+    if args.exactness or args.exactness_only:
         for system in exactness_systems(args):
             exact[system.label] = run_loop(run_system(system, sets, (1,), args))
-    report(results, sets, levels)
+    if results:
+        report(results, sets, levels)
     if exact:
         report_exactness(exact, sets)
 
