@@ -1,8 +1,8 @@
 """The few-row float32 / bfloat16 linear (gpu/quant/few_rows.py over
 gpu/kernels/cpu/dense_gemv.cpp): the same products as F.linear up to float32 summation order
-(bf16: rounded once at the end), for every row count its passes take (1-8, then passes of 8
-and a rest; more than MAX_ROWS[dtype] go to F.linear), widths with and without a scalar
-tail, and biases; the Llama family's float weights use it."""
+(bf16: rounded once at the end), for every row count its passes take (passes of 8 rows, 16
+with AVX-512, and a rest; more than MAX_ROWS[dtype] go to F.linear), widths with and without
+a scalar tail, and biases; the Llama family's float weights use it."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from gpu import numerics
 from gpu.quant import few_rows
 
 pytestmark = pytest.mark.skipif(not few_rows.available(True, torch.float32, torch.device("cpu")),
@@ -26,10 +27,22 @@ def agrees(linear: Any, rows: int, k: int, n: int, bias: bool) -> bool:
     return torch.allclose(linear(x, w, b).double(), ref, rtol=0, atol=1e-5 * k**0.5)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 17, 33])
 @pytest.mark.parametrize("k", [8, 64, 1027])  # 1027: a scalar tail after the vector body
 def test_matches_f_linear(rows: int, k: int) -> None:
     assert agrees(few_rows.linear, rows, k, 37, bias=rows % 2 == 1)
+
+
+@pytest.mark.skipif("avx512f" not in numerics.cpu_flags(), reason="the AVX-512 path (AVX2 unrolls one row)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_is_the_same_bits_among_any_rows(dtype: torch.dtype) -> None:
+    """With AVX-512 each row runs the same operations whatever the pass's other rows, so a
+    speculative verify step of k + 1 rows gives a row what a one-row step gives it."""
+    torch.manual_seed(3)
+    x, w = torch.randn(33, 1027).to(dtype), torch.randn(37, 1027).to(dtype)
+    alone = torch.cat([torch.ops.tierserve_cpu.dense_gemv(x[i : i + 1], w) for i in range(33)])
+    for rows in (2, 5, 9, 16, 33):
+        assert torch.equal(torch.ops.tierserve_cpu.dense_gemv(x[:rows], w), alone[:rows])
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 9])

@@ -14,14 +14,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from gpu import numerics
 from gpu.kernels import cpu
 
 KERNELS = "dense_gemv"
 # Rows of x up to which the kernel beats torch's GEMM: beyond, the GEMM reads the weight as
 # fast and computes faster. bfloat16 (widened in the kernel; oneDNN's bf16 GEMM on
 # AVX512-BF16 computes faster): [1024 x 1024] on a Zen 4 EPYC, kernel / F.linear 1 row 83 /
-# 191 us, 2 rows 156 / 203, 4 rows 187 / 219, 6 rows 251 / 235, 8 rows 386 / 248.
-MAX_ROWS = {torch.float32: 8, torch.bfloat16: 4}
+# 191 us, 2 rows 156 / 203, 4 rows 187 / 219, 6 rows 251 / 235, 8 rows 386 / 248. float32:
+# 8 rows, one pass of the AVX2 kernel; 16 where the kernel has its AVX-512 path (a pass of
+# 16 rows): SmolLM2-sized weights (40 x [3072 x 576] + 40 x [576 x 1536]) on a 2-core Zen 5
+# EPYC, kernel / F.linear 9 rows 27 / 44 ms, 16 rows 36 / 40 ms, so a speculative verify
+# step of a float32 model stays on the kernel.
+MAX_ROWS = {torch.float32: 16 if "avx512f" in numerics.cpu_flags() else 8, torch.bfloat16: 4}
 DTYPES = tuple(MAX_ROWS)
 
 
