@@ -30,7 +30,7 @@ using tierserve_paged_vec::Simd;
 constexpr int kBlock = 64;          // keys per softmax update (a multiple of every vector width)
 constexpr int64_t kChunk = 128;     // keys per work item (a multiple of kBlock); see the NOTE above
 constexpr int64_t kMaxHeadDim = 512;
-constexpr int kAhead = 8;           // keys ahead that a row's K and V lines are fetched into L1
+constexpr int kAhead = 16;          // keys ahead that a row's K and V lines are fetched into L1
 
 // What every work item reads; pointers into contiguous tensors. T: the query's and the
 // output's element type; KV: the pool's (T, or float16 under float32 compute).
@@ -129,7 +129,11 @@ class Attender {
   // row then pulled into L1 kAhead keys before its use (`near`): the whole next block (up to
   // 48 KB) into L1 at once overran its fill buffers and evicted the block being computed
   // (AMX Xeon, 32 decodes of 150-350 keys, 9 heads, bf16, one thread: 41.0 -> 32.1 ms a
-  // step of 30 layers, benchmarks-style alternating runs).
+  // step of 30 layers, benchmarks-style alternating runs). kAhead 16 rather than 8: the same
+  // on that Xeon, and on a Zen 5 EPYC (AMD's L2 prefetch hints are reported to be dropped at
+  // times, so the L1 ones must cover the memory latency) 1.16x: 32 decodes of 150-350 keys, 30 layers,
+  // 28.1 -> 24.2 ms a step on one thread, 15.0 -> 12.9 on two (decode_attention.py's child,
+  // alternating runs).
   void prefetch(const int64_t* slot_off, int n) const {
     const int64_t bytes = (k1_ - k0_) * p_.dim * static_cast<int64_t>(sizeof(KV));
     for (int j = 0; j < n; ++j) {
