@@ -114,6 +114,28 @@ struct Problem {
   int64_t K, N, stride;
 };
 
+// The loop of every vector path over output tiles [t0, t1) and all `rows` rows of x: up to
+// `chunk_rows` rows as one chunk a tile, reading the packed tile itself; more in blocks of
+// kBlockRows, each tile first `unpack(t, scratch)`ed (its quads in the path's split form,
+// 512 bytes a group; it returns the copy, or null where the path reads the packed tile)
+// and then read from L1 by the block's chunks: `chunk(t, m0, rows, split)`.
+template <class Unpack, class Chunk>
+void over_tiles(int64_t rows, int64_t chunk_rows, int64_t groups, int64_t t0, int64_t t1, Unpack unpack, Chunk chunk) {
+  if (rows <= chunk_rows) {
+    for (int64_t t = t0; t < t1; ++t) chunk(t, 0, rows, nullptr);
+    return;
+  }
+  thread_local std::vector<uint8_t> scratch;
+  if (static_cast<int64_t>(scratch.size()) < groups * 512) scratch.resize(groups * 512);
+  for (int64_t b0 = 0; b0 < rows; b0 += kBlockRows) {
+    const int64_t b1 = std::min(rows, b0 + kBlockRows);
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* split = unpack(t, scratch.data());
+      for (int64_t m = b0; m < b1; m += chunk_rows) chunk(t, m, std::min(chunk_rows, b1 - m), split);
+    }
+  }
+}
+
 // ---- q4 weights against int8 activations ------------------------------------------------
 // x is quantized per row and group of 32 (`Quantized`): s = max|x| / 127, xq = round(x * 127
 // / max|x|) in -127..127. A group's dot product is then exact integer arithmetic,
@@ -322,22 +344,14 @@ void q4_chunk(const Problem<Out>& p, const QInput& in, int64_t t, int64_t m, int
 
 template <bool Vnni, class Out>
 void q4_avx2(const Problem<Out>& p, const QInput& in, int64_t rows, int64_t t0, int64_t t1) {
-  if (rows <= kChunkRows) {
-    for (int64_t t = t0; t < t1; ++t) q4_chunk<Vnni>(p, in, t, 0, rows, nullptr);
-    return;
-  }
   const int64_t groups = p.K / kGroup;
-  thread_local std::vector<uint8_t> scratch;
-  if (static_cast<int64_t>(scratch.size()) < groups * 512) scratch.resize(groups * 512);
-  for (int64_t b0 = 0; b0 < rows; b0 += kBlockRows) {
-    const int64_t b1 = std::min(rows, b0 + kBlockRows);
-    for (int64_t t = t0; t < t1; ++t) {
-      q4_unpack<Vnni>(p.w + t * p.stride, groups, scratch.data());
-      for (int64_t m = b0; m < b1; m += kChunkRows) {
-        q4_chunk<Vnni>(p, in, t, m, std::min<int64_t>(kChunkRows, b1 - m), scratch.data());
-      }
-    }
-  }
+  over_tiles(
+      rows, kChunkRows, groups, t0, t1,
+      [&](int64_t t, uint8_t* scratch) -> const uint8_t* {
+        q4_unpack<Vnni>(p.w + t * p.stride, groups, scratch);
+        return scratch;
+      },
+      [&](int64_t t, int64_t m, int64_t r, const uint8_t* split) { q4_chunk<Vnni>(p, in, t, m, r, split); });
 }
 #endif
 
@@ -498,27 +512,20 @@ void int8_chunk(const Problem<Out>& p, const QInput& in, int64_t t, int64_t m, i
 
 template <bool Vnni, class Out>
 void int8_avx2(const Problem<Out>& p, const QInput& in, int64_t rows, int64_t t0, int64_t t1) {
-  const uint8_t* unpacked = nullptr;
-#if defined(QG_VNNI)
-  // VNNI over more than a chunk of rows: each tile split and flipped once, read by every chunk
-  thread_local std::vector<uint8_t> scratch;
   const int64_t groups = p.K / kGroup;
-  if (Vnni && rows > kChunkRows) {
-    if (static_cast<int64_t>(scratch.size()) < groups * 512) scratch.resize(groups * 512);
-    unpacked = scratch.data();
-  }
-#endif
-  for (int64_t b0 = 0; b0 < rows; b0 += kBlockRows) {
-    const int64_t b1 = std::min(rows, b0 + kBlockRows);
-    for (int64_t t = t0; t < t1; ++t) {
+  over_tiles(
+      rows, kChunkRows, groups, t0, t1,
+      [&](int64_t t, uint8_t* scratch) -> const uint8_t* {  // VNNI: split and flipped once a tile
 #if defined(QG_VNNI)
-      if (unpacked) int8_unpack(p.w + t * p.stride, groups, scratch.data());
+        if constexpr (Vnni) {
+          int8_unpack(p.w + t * p.stride, groups, scratch);
+          return scratch;
+        }
 #endif
-      for (int64_t m = b0; m < b1; m += kChunkRows) {
-        int8_chunk<Vnni>(p, in, t, m, std::min<int64_t>(kChunkRows, b1 - m), unpacked);
-      }
-    }
-  }
+        (void)t, (void)scratch;
+        return nullptr;
+      },
+      [&](int64_t t, int64_t m, int64_t r, const uint8_t* split) { int8_chunk<Vnni>(p, in, t, m, r, split); });
 }
 #endif
 

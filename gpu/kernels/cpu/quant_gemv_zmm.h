@@ -132,26 +132,17 @@ inline void unpack512(const uint8_t* tile, int64_t groups, uint8_t* out) {
   }
 }
 
-// Output tiles [t0, t1) for all rows of x: up to a chunk of rows with the quads formed in
-// place; more in blocks of kBlockRows, each tile's quads formed once into scratch.
+// Output tiles [t0, t1) for all rows of x (over_tiles: chunks of up to 8 rows).
 template <bool Q4, class Out>
 void tiles512(const Problem<Out>& p, const QInput& in, int64_t rows, int64_t t0, int64_t t1) {
-  if (rows <= kZmmChunkRows) {
-    for (int64_t t = t0; t < t1; ++t) chunk512<Q4>(p, in, t, 0, rows, nullptr);
-    return;
-  }
   const int64_t groups = p.K / kGroup;
-  thread_local std::vector<uint8_t> scratch;
-  if (static_cast<int64_t>(scratch.size()) < groups * 512) scratch.resize(groups * 512);
-  for (int64_t b0 = 0; b0 < rows; b0 += kBlockRows) {
-    const int64_t b1 = std::min(rows, b0 + kBlockRows);
-    for (int64_t t = t0; t < t1; ++t) {
-      unpack512<Q4>(p.w + t * p.stride, groups, scratch.data());
-      for (int64_t m = b0; m < b1; m += kZmmChunkRows) {
-        chunk512<Q4>(p, in, t, m, std::min<int64_t>(kZmmChunkRows, b1 - m), scratch.data());
-      }
-    }
-  }
+  over_tiles(
+      rows, kZmmChunkRows, groups, t0, t1,
+      [&](int64_t t, uint8_t* scratch) -> const uint8_t* {
+        unpack512<Q4>(p.w + t * p.stride, groups, scratch);
+        return scratch;
+      },
+      [&](int64_t t, int64_t m, int64_t r, const uint8_t* split) { chunk512<Q4>(p, in, t, m, r, split); });
 }
 
 // Whether this path beats the 256-bit one on this core: both timed on the same 4-bit
