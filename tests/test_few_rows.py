@@ -6,13 +6,14 @@ a scalar tail, and biases; the Llama family's float weights use it."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from gpu import numerics
 from gpu.quant import few_rows
+from tests import kernel_variants
 
 pytestmark = pytest.mark.skipif(not few_rows.available(True, torch.float32, torch.device("cpu")),
                                 reason="the C++ CPU kernels are not built here")
@@ -33,11 +34,12 @@ def test_matches_f_linear(rows: int, k: int) -> None:
     assert agrees(few_rows.linear, rows, k, 37, bias=rows % 2 == 1)
 
 
-@pytest.mark.skipif("avx512f" not in numerics.cpu_flags(), reason="the AVX-512 path (AVX2 unrolls one row)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_is_the_same_bits_among_any_rows(dtype: torch.dtype) -> None:
     """With AVX-512 each row runs the same operations whatever the pass's other rows, so a
     speculative verify step of k + 1 rows gives a row what a one-row step gives it."""
+    if torch.ops.tierserve_cpu.dense_gemv_pass_rows() != 16:
+        pytest.skip("the AVX2 path (8-row passes) unrolls one row further than several")
     torch.manual_seed(3)
     x, w = torch.randn(33, 1027).to(dtype), torch.randn(37, 1027).to(dtype)
     alone = torch.cat([torch.ops.tierserve_cpu.dense_gemv(x[i : i + 1], w) for i in range(33)])
@@ -110,3 +112,11 @@ def test_float32_llama_uses_it_outside_deterministic_mode(tiny_chat_folder: str,
         assert isinstance(w, torch.Tensor)
         model.linear(torch.randn(2, w.shape[1]), w)
         assert calls == [2], (deterministic, calls)  # the deterministic model added no call
+
+
+@kernel_variants.opt_in
+@pytest.mark.parametrize("target", list(kernel_variants.TARGETS))
+def test_code_paths_of_other_cpus(target: str, tmp_path: Path) -> None:
+    """This file's tests again with the kernel built for other CPUs (AVX2-only, plain x86-64,
+    AVX-512 without AMX): opt-in, tests/kernel_variants.py."""
+    kernel_variants.run_for(target, __file__, tmp_path)

@@ -195,6 +195,13 @@ at::Tensor dense_gemv(const at::Tensor& x, const at::Tensor& w) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(tierserve_cpu, m) { m.def("dense_gemv(Tensor x, Tensor w) -> Tensor"); }
+// Rows of x per pass over the weight: 16 on the AVX-512 path, where a row's arithmetic does not
+// depend on the rows beside it; 8 on the AVX2 one, where it does (one row unrolls further).
+int64_t dense_gemv_pass_rows() { return kMaxRows; }
+
+TORCH_LIBRARY_FRAGMENT(tierserve_cpu, m) {
+  m.def("dense_gemv(Tensor x, Tensor w) -> Tensor");
+  m.def("dense_gemv_pass_rows() -> int", &dense_gemv_pass_rows);
+}
 
 TORCH_LIBRARY_IMPL(tierserve_cpu, CPU, m) { m.impl("dense_gemv", &dense_gemv); }
