@@ -68,7 +68,7 @@ class Attender {
  public:
   explicit Attender(const Problem<T, KV>& p) : p_(p), nv_(NV > 0 ? NV : p.dim / S::W) {
     const int64_t h = p.heads, d = p.dim;
-    scratch_.assign(2 * h * d + 2 * h + h * kBlock + p.group * S::W * S::W, 0.f);
+    scratch_.assign(2 * h * d + 2 * h + h * kBlock + h * S::W * S::W, 0.f);
     float* s = scratch_.data();
     st_ = {s, s + h * d, s + 2 * h * d, s + 2 * h * d + h};
     scores_ = s + 2 * h * d + 2 * h;
@@ -153,8 +153,8 @@ class Attender {
   }
 
   void block(int n, const int64_t* slot_off) {
+    score(n, slot_off);
     for (int64_t h = k0_; h < k1_; ++h) {
-      score(h, n, slot_off);
       for (int64_t i = 0; i < p_.group; ++i) softmax(h * p_.group + i, n);
       accumulate(h, n, slot_off);
     }
@@ -165,34 +165,41 @@ class Attender {
     for (int64_t c = 0; c < nv; c += R::vecs) R::load(row + c * S::W, out + c);
   }
 
-  // scores[head][j] = q_head . k_j for the query heads of kv head h: each key is loaded
-  // once for all of them; W keys' dot vectors are summed at once.
-  void score(int64_t h, int n, const int64_t* slot_off) {
+  // scores[head][j] = q_head . k_j for the query heads of the run's kv heads [k0, k1): key by
+  // key, all its kv heads' rows (one contiguous run of the slot) before the next key, so a
+  // page's K rows are one forward stream; each row is loaded once for the group's heads, and
+  // W keys' dot vectors are summed at once.
+  void score(int n, const int64_t* slot_off) {
     const int64_t g = p_.group, d = p_.dim, nv = NV > 0 ? NV : nv_;
     V kv[kMaxVecs];
     for (int j0 = 0; j0 < n; j0 += S::W) {
       for (int jj = 0; jj < S::W; ++jj) {
-        if (j0 + jj >= n) {  // past the block's keys: sums of zeros, overwritten in softmax
-          for (int64_t i = 0; i < g; ++i) S::store(dots_ + (i * S::W + jj) * S::W, S::zero());
-          continue;
-        }
-        const KV* k = p_.k + slot_off[j0 + jj] + h * d;
-        if (j0 + jj + kAhead < n) near(p_.k + slot_off[j0 + jj + kAhead] + h * d);
-        if constexpr (kDotBf16) {
-          for (int64_t i = 0; i < g; ++i) {
-            S::store(dots_ + (i * S::W + jj) * S::W, S::dot_bf16(q_row_ + (h * g + i) * d, k, nv / 2));
+        for (int64_t h = k0_; h < k1_; ++h) {
+          float* dots = dots_ + h * g * S::W * S::W;
+          if (j0 + jj >= n) {  // past the block's keys: sums of zeros, overwritten in softmax
+            for (int64_t i = 0; i < g; ++i) S::store(dots + (i * S::W + jj) * S::W, S::zero());
+            continue;
           }
-          continue;
-        }
-        load_row(k, kv);
-        for (int64_t i = 0; i < g; ++i) {
-          const float* q = st_.q + (h * g + i) * d;
-          V dot = S::mul(S::load(q), kv[0]);
-          for (int64_t c = 1; c < nv; ++c) dot = S::fma(S::load(q + c * S::W), kv[c], dot);
-          S::store(dots_ + (i * S::W + jj) * S::W, dot);
+          const KV* k = p_.k + slot_off[j0 + jj] + h * d;
+          if (j0 + jj + kAhead < n) near(p_.k + slot_off[j0 + jj + kAhead] + h * d);
+          if constexpr (kDotBf16) {
+            for (int64_t i = 0; i < g; ++i) {
+              S::store(dots + (i * S::W + jj) * S::W, S::dot_bf16(q_row_ + (h * g + i) * d, k, nv / 2));
+            }
+            continue;
+          }
+          load_row(k, kv);
+          for (int64_t i = 0; i < g; ++i) {
+            const float* q = st_.q + (h * g + i) * d;
+            V dot = S::mul(S::load(q), kv[0]);
+            for (int64_t c = 1; c < nv; ++c) dot = S::fma(S::load(q + c * S::W), kv[c], dot);
+            S::store(dots + (i * S::W + jj) * S::W, dot);
+          }
         }
       }
-      for (int64_t i = 0; i < g; ++i) S::sums(dots_ + i * S::W * S::W, scores_ + (h * g + i) * kBlock + j0);
+      for (int64_t head = k0_ * g; head < k1_ * g; ++head) {
+        S::sums(dots_ + head * S::W * S::W, scores_ + head * kBlock + j0);
+      }
     }
   }
 
@@ -258,7 +265,7 @@ class Attender {
   std::vector<float> scratch_;
   State st_{};
   float* scores_ = nullptr;  // [H, kBlock]: scores, then probabilities
-  float* dots_ = nullptr;    // [G, W, W]: W keys' unsummed dot products per query head
+  float* dots_ = nullptr;    // [H, W, W]: W keys' unsummed dot products per query head
   int64_t slot_off_[2][kBlock] = {};  // this block's slots and the next one's
   const T* q_row_ = nullptr;          // the row's query in the input
   int64_t k0_ = 0, k1_ = 0;           // the kv heads of the current run
