@@ -168,7 +168,9 @@ class Attender {
   // scores[head][j] = q_head . k_j for the query heads of the run's kv heads [k0, k1): key by
   // key, all its kv heads' rows (one contiguous run of the slot) before the next key, so a
   // page's K rows are one forward stream; each row is loaded once for the group's heads, and
-  // W keys' dot vectors are summed at once.
+  // W keys' dot vectors are summed at once. The V rows that `accumulate` reads next are pulled
+  // into L1 here too, kAhead keys ahead (Zen 5, 32 decodes x 150-350 keys, 30 layers: 20.7 ->
+  // 18.6 ms a step on one thread, 11.6 -> 10.1 on two).
   void score(int n, const int64_t* slot_off) {
     const int64_t g = p_.group, d = p_.dim, nv = NV > 0 ? NV : nv_;
     V kv[kMaxVecs];
@@ -181,7 +183,10 @@ class Attender {
             continue;
           }
           const KV* k = p_.k + slot_off[j0 + jj] + h * d;
-          if (j0 + jj + kAhead < n) near(p_.k + slot_off[j0 + jj + kAhead] + h * d);
+          if (j0 + jj + kAhead < n) {
+            near(p_.k + slot_off[j0 + jj + kAhead] + h * d);
+            near(p_.v + slot_off[j0 + jj + kAhead] + h * d);
+          }
           if constexpr (kDotBf16) {
             for (int64_t i = 0; i < g; ++i) {
               S::store(dots + (i * S::W + jj) * S::W, S::dot_bf16(q_row_ + (h * g + i) * d, k, nv / 2));
