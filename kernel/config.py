@@ -42,13 +42,16 @@ class ModelConfig:
     # outside deterministic mode; off: plain torch ops only.
     cpu_kernels: str = "auto"
     # Mixture-of-experts models: how their sparse layers run the experts (registry kind `moe`,
-    # gpu/moe/); dense models ignore it.
-    moe: str = "torch"
+    # gpu/moe/); dense models ignore it. auto: `cpu` (the C++ op for few-token steps) on CPU
+    # outside deterministic mode with model.cpu_kernels on, `dense` under graphs.mode
+    # emulate / cuda, else `torch` (kernel/numerics_choice.py resolve_moe).
+    moe: str = "auto"
 
     def validate(self) -> None:
         _choice("model.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
         try:
-            registry.lookup("moe", self.moe)
+            if self.moe != "auto":
+                registry.lookup("moe", self.moe)
         except registry.RegistryError as exc:
             raise ConfigError(f"model.moe: {exc}") from None
         _choice("model.cpu_kernels", self.cpu_kernels, ("auto", "off"))

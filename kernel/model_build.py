@@ -20,6 +20,7 @@ from kernel.numerics_choice import (
     Numerics,
     log_numerics,
     resolve_dtype,
+    resolve_moe,
     resolve_quantization,
     use_cpu_kernels,
     use_native_recurrence,
@@ -95,7 +96,7 @@ def build_model(config: Config, device: torch.device, fingerprint: bool = False,
     if getattr(model_cls, "accepts_cpu_kernels", False):
         extra["cpu_kernels"] = cpu_kernels
     if getattr(model_cls, "accepts_moe", False):
-        extra["moe"] = config.model.moe
+        extra["moe"] = resolve_moe(config, device, cpu_kernels)
     model = model_cls(arch, weights, dtype, device, deterministic=config.deterministic, **extra)
     if hasattr(model, "native_recurrence"):  # Gated DeltaNet models (gpu/models/qwen3_5.py)
         model.native_recurrence = use_native_recurrence(config, device)

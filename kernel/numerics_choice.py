@@ -73,6 +73,21 @@ def use_cpu_kernels(config: Config, device: torch.device) -> bool:
     return on and not cpu_kernels.switched_off()
 
 
+def resolve_moe(config: Config, device: torch.device, cpu_kernels_on: bool) -> str:
+    """model.moe resolved (a registered `moe` implementation). NOTE: invariant 7: `cpu`'s
+    C++ op sums in its own order (and on AVX2 a row's sums depend on the rows beside it),
+    so deterministic mode never runs it; `auto` there is `torch` (or `dense` for graphs)."""
+    name = config.model.moe
+    if name == "cpu" and config.deterministic:
+        raise ConfigError("model.moe: cpu runs outside deterministic mode (its C++ op is not batch-invariant "
+                          "on every CPU); use torch, or dense for graphs")
+    if name != "auto":
+        return name
+    if config.graphs.mode in ("emulate", "cuda"):
+        return "dense"  # static shapes
+    return "cpu" if cpu_kernels_on and device.type == "cpu" and not config.deterministic else "torch"
+
+
 def resolve_kv_dtype(config: Config, dtype: torch.dtype, device: torch.device, cpu_kernels: bool,
                      attention: str, dense_llama: bool) -> torch.dtype:
     """cache.kv_dtype resolved for a model computing in `dtype` with attention backend
