@@ -4,12 +4,14 @@ Qwen3-MoE-shaped model (default ~1.15 B total / ~0.244 B active parameters), sam
 The model is built once with transformers (random weights, seeded) and cached under
 ~/.cache/tierserve-bench/moe/. Measured, one invocation:
 - the workload (throughput.py's: all requests at t = 0, greedy, every request to exactly
-  its length) through tierserve's engine and through transformers, output tok/s and TTFT;
+  its length) through tierserve's engine at each of `--numerics` (the default config's:
+  bf16 where the CPU has it; and float32) and through transformers (float32), output
+  tok/s and TTFT;
 - batch-1 decode tok/s through tierserve, against the bound of reading the *active*
   weights once per token (attention, router and top-k experts of every layer, one
   embedding row, the head) at the read bandwidth measured in this process.
 
-    .venv/bin/python benchmarks/moe.py                                # full run
+    .venv/bin/python benchmarks/moe.py                                # full run: default numerics and float32
     .venv/bin/python benchmarks/moe.py --num-requests 8 --output-max 16 --layers 4   # smoke run
     .venv/bin/python benchmarks/moe.py --set model.moe=dense          # another implementation
 
@@ -174,6 +176,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32, help="transformers: requests per generate call")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-baseline", action="store_true", help="tierserve only")
+    p.add_argument("--numerics", nargs="+", choices=("default", "float32"), default=["default", "float32"],
+                   help="tierserve's runs: the default config's numerics (bf16 where the CPU has it) and float32")
     p.add_argument("--json", metavar="PATH", help="also write the numbers here")
     p.add_argument("--llama-server", action="store_true",
                    help="llama-server and tierserve on the model's GGUF through benchmarks/vs_llamacpp.py instead")
@@ -196,16 +200,23 @@ def main(argv: list[str] | None = None) -> None:
           f"workload: {len(reqs)} requests, {sum(len(r.prompt) for r in reqs)} prompt and "
           f"{sum(r.max_new for r in reqs)} output tokens; torch threads {torch.get_num_threads()}", flush=True)
     bounds = measure_bounds()
-    config = engine_config(args)
-    dtype_bytes = torch.empty((), dtype=resolve_dtype(config, torch.device("cpu"))).element_size()  # auto: the CPU's
     import uvloop
 
-    # Batch 1 first, in a fresh process: measured after the workload's engine (its pools and
-    # threads released only as the garbage collector gets to them), it read 30-50 % lower.
-    decode = batch_1(args, config)
-    gc.collect()
-    results = [uvloop.run(run_engine(reqs, config))]
-    gc.collect()
+    results, decode, dtype_bytes = [], {}, {}
+    for numerics in args.numerics:
+        extra = ["model.dtype=float32", "model.quantization=none"] if numerics == "float32" else []
+        config = engine_config(argparse.Namespace(**{**vars(args), "set": [*args.set, *extra]}))
+        dtype = resolve_dtype(config, torch.device("cpu"))  # auto: the CPU's
+        dtype_bytes[numerics] = torch.empty((), dtype=dtype).element_size()
+        # Batch 1 first, in a fresh process: measured after the workload's engine (its pools and
+        # threads released only as the garbage collector gets to them), it read 30-50 % lower.
+        decode[numerics] = batch_1(args, config)
+        gc.collect()
+        result = uvloop.run(run_engine(reqs, config))
+        result.system = f"tierserve {numerics} ({str(dtype).removeprefix('torch.')})"
+        results.append(result)
+        gc.collect()
+    baseline = None
     if not args.skip_baseline:
         def load() -> Any:
             from transformers import AutoModelForCausalLM
@@ -213,19 +224,22 @@ def main(argv: list[str] | None = None) -> None:
             return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
         t0 = time.perf_counter()
-        results.append(bench_baseline(reqs, args.batch_size, load))
-        print(f"(transformers took {time.perf_counter() - t0:.0f} s including its load)")
+        baseline = bench_baseline(reqs, args.batch_size, load)
+        results.append(baseline)
+        print(f"(transformers float32 took {time.perf_counter() - t0:.0f} s including its load)")
     print(table(results))
-    bound = machine_bounds.decode_bound_tok_s(active * dtype_bytes, bounds.read_gb_s)
-    out: dict[str, Any] = {"systems": {r.system: r.summary() for r in results}, "b1_decode_tok_s": decode,
-                           "b1_bound_tok_s": bound, "read_gb_s": bounds.read_gb_s,
-                           "total_params": total, "active_params": active}
-    print(f"\nbatch-1 decode: {decode:.1f} tok/s; active weights {active * dtype_bytes / 1e6:.0f} MB a token at "
-          f"{bounds.read_gb_s:.1f} GB/s read -> bound {bound:.1f} tok/s: {decode / bound:.0%} of it (target >= 50%)")
-    if len(results) == 2:
-        ratio = results[0].summary()["output_tok_per_s"] / results[1].summary()["output_tok_per_s"]
-        out["speedup"] = ratio
-        print(f"output tok/s, tierserve / transformers: {ratio:.2f}x (target >= 4x)")
+    out: dict[str, Any] = {"systems": {r.system: r.summary() for r in results}, "read_gb_s": bounds.read_gb_s,
+                           "total_params": total, "active_params": active, "numerics": {}}
+    for numerics, result in zip(args.numerics, results):
+        bound = machine_bounds.decode_bound_tok_s(active * dtype_bytes[numerics], bounds.read_gb_s)
+        row: dict[str, Any] = {"b1_decode_tok_s": decode[numerics], "b1_bound_tok_s": bound}
+        print(f"\n{result.system}: batch-1 decode {decode[numerics]:.1f} tok/s; active weights "
+              f"{active * dtype_bytes[numerics] / 1e6:.0f} MB a token at {bounds.read_gb_s:.1f} GB/s read -> bound "
+              f"{bound:.1f} tok/s: {decode[numerics] / bound:.0%} of it (target >= 50%)")
+        if baseline is not None:
+            row["speedup"] = result.summary()["output_tok_per_s"] / baseline.summary()["output_tok_per_s"]
+            print(f"  output tok/s against transformers: {row['speedup']:.2f}x (target >= 4x)")
+        out["numerics"][numerics] = row
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
 

@@ -199,10 +199,11 @@ def test_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_moe, "run_op", counted)
     impl = CpuMoE()
     weights = experts(torch.float32)
-    for tokens in (3, cpu_moe.MAX_TOKENS, cpu_moe.MAX_TOKENS + 1):
+    most = cpu_moe.MAX_TOKENS[torch.float32]
+    for tokens in (3, most, most + 1):
         x, routing = step(tokens, torch.float32)
         assert close(impl(F.linear, x, routing, weights), x, routing, weights)
-    assert calls == [3, cpu_moe.MAX_TOKENS]
+    assert calls == [3, most]
     quantized = Experts([QuantizedWeight(Int8Linear.quantize(torch.as_tensor(w), torch.float32), None)
                          for w in weights.gate_up],
                         weights.down)
@@ -210,7 +211,7 @@ def test_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
 
     x, routing = step(3, torch.float32)
     impl(make_linear(F.linear, False), x, routing, quantized)
-    assert calls == [3, cpu_moe.MAX_TOKENS]
+    assert calls == [3, most]
 
 
 def test_auto_picks_it_outside_deterministic_mode_only() -> None:

@@ -1,4 +1,4 @@
-"""`moe: cpu` — the routed experts of a few-token step in one C++ call
+"""`moe: cpu` — the routed experts of a step of up to a few hundred tokens in one C++ call
 (gpu/kernels/cpu/moe_experts.cpp); larger steps, and anything the op does not take, run
 `moe: torch`.
 
@@ -36,10 +36,10 @@ from kernel.registry import register
 KERNELS = "moe_experts"
 # Tokens a step up to which the op runs: beyond, each expert's group is large enough for
 # torch's GEMMs to compute as fast (benchmarks/moe_layer.py: the benchmark model's layer on
-# a 2-core Zen 5 EPYC, op / torch, bf16: 32 tokens 4.4 / 5.9 ms, 256 13.1 / 14.7, 512
-# 20.6 / 21.9; float32: 256 39.6 / 54.4, 512 77.0 / 71.9).
-MAX_TOKENS = 256
-DTYPES = (torch.float32, torch.bfloat16)
+# a 2-core Zen 5 EPYC, op / torch, bf16: 32 tokens 3.5 / 6.8 ms, 256 11.0 / 15.4, 512
+# 20.0 / 23.6; float32: 256 34.3 / 45.9, 512 78.2 / 74.3).
+MAX_TOKENS = {torch.float32: 256, torch.bfloat16: 512}
+DTYPES = tuple(MAX_TOKENS)
 
 
 class QuantizedExperts(NamedTuple):
@@ -73,7 +73,7 @@ class CpuMoE:
 
     def plan(self, x: torch.Tensor, experts: Experts) -> str | QuantizedExperts | None:
         """How the op runs this step, or None where `moe: torch` does: a few tokens on CPU."""
-        if x.device.type != "cpu" or x.shape[0] > MAX_TOKENS or x.dtype not in DTYPES or not cpu.load(KERNELS):
+        if x.device.type != "cpu" or x.dtype not in DTYPES or x.shape[0] > MAX_TOKENS[x.dtype] or not cpu.load(KERNELS):
             return None
         key = (id(experts), x.dtype)
         entry = self._plans.get(key)
