@@ -161,6 +161,15 @@ def int4_report(files: dict[str, Path], ref: Any, monkeypatch: pytest.MonkeyPatc
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(Int4Linear, "__call__", spy)
+    from gpu.moe import cpu_moe  # `moe: cpu` (the default here) runs the experts' 4-bit tiles in its op
+
+    real_op = cpu_moe.run_quantized_op
+
+    def spy_op(x: torch.Tensor, routing: Any, experts: cpu_moe.QuantizedExperts) -> torch.Tensor:
+        calls["experts"] += experts.q4 and experts.width == 96
+        return real_op(x, routing, experts)
+
+    monkeypatch.setattr(cpu_moe, "run_quantized_op", spy_op)
     served = engine(files["qwen3_moe.q4_0"], **{"model.quantization": "int4"})
     try:
         report = evaluate(served, ref, INT4.gap)

@@ -1,12 +1,13 @@
 """float32 and bfloat16 linears of a few rows through tierserve's C++ kernel
 (gpu/kernels/cpu/dense_gemv.cpp).
 
-A decode step, and a MoE step's expert groups of a few tokens each, multiply 1-8 rows by
+A decode step, and a MoE step's expert groups of a few tokens each, multiply a few rows by
 weights far larger than the caches: the time is one read of the weight, which the kernel
 streams once for all the rows, where torch's GEMMs read it at a fraction of the bandwidth
 (`benchmarks/moe.py`). Outside deterministic mode only (another summation order), with
 `model.cpu_kernels` on, for dense float32 or bfloat16 weights on CPU (bf16: products summed
-in float32, the output rounded once, as torch's bf16 GEMMs do); anything else runs `F.linear`.
+in float32 — pairs of them by AVX512-BF16's dot product where the CPU has it — and the
+output rounded once, as torch's bf16 GEMMs do); anything else runs `F.linear`.
 """
 
 from __future__ import annotations
@@ -19,14 +20,20 @@ from gpu.kernels import cpu
 
 KERNELS = "dense_gemv"
 # Rows of x up to which the kernel beats torch's GEMM: beyond, the GEMM reads the weight as
-# fast and computes faster. bfloat16 (widened in the kernel; oneDNN's bf16 GEMM on
-# AVX512-BF16 computes faster): [1024 x 1024] on a Zen 4 EPYC, kernel / F.linear 1 row 83 /
-# 191 us, 2 rows 156 / 203, 4 rows 187 / 219, 6 rows 251 / 235, 8 rows 386 / 248. float32:
-# 8 rows, one pass of the AVX2 kernel; 16 where the kernel has its AVX-512 path (a pass of
-# 16 rows): SmolLM2-sized weights (40 x [3072 x 576] + 40 x [576 x 1536]) on a 2-core Zen 5
-# EPYC, kernel / F.linear 9 rows 27 / 44 ms, 16 rows 36 / 40 ms, so a speculative verify
-# step of a float32 model stays on the kernel.
-MAX_ROWS = {torch.float32: 16 if "avx512f" in numerics.cpu_flags() else 8, torch.bfloat16: 4}
+# fast and computes faster. bfloat16 with AVX512-BF16 (the kernel's pairs path, x kept in
+# bf16): 32 rows; [N x K] on a 2-core Zen 5 EPYC, kernel / F.linear per weight (weights
+# streamed from memory): [1024 x 1024] 1 row 57 / 97 us, 16 rows 81 / 126, 32 rows 127 /
+# 161, 64 rows 341 / 235; [1536 x 1024] 32 rows 253 / 244; the [49152 x 1024] head 32 rows
+# 5.7 / 6.8 ms. bfloat16 elsewhere (widened in the kernel; oneDNN's bf16 GEMM on
+# AVX512-BF16 computes faster): 4 rows, measured on a Zen 4 EPYC before the pairs path,
+# [1024 x 1024] kernel / F.linear 1 row 83 / 191 us, 4 rows 187 / 219, 8 rows 386 / 248.
+# float32: 8 rows, one pass of the AVX2 kernel; 16 where the kernel has its AVX-512 path (a
+# pass of 16 rows): SmolLM2-sized weights (40 x [3072 x 576] + 40 x [576 x 1536]) on a
+# 2-core Zen 5 EPYC, kernel / F.linear 9 rows 27 / 44 ms, 16 rows 36 / 40 ms, so a
+# speculative verify step of a float32 model stays on the kernel.
+_FLAGS = numerics.cpu_flags()
+MAX_ROWS = {torch.float32: 16 if "avx512f" in _FLAGS else 8,
+            torch.bfloat16: 32 if {"avx512f", "avx512_bf16"} <= _FLAGS else 4}
 DTYPES = tuple(MAX_ROWS)
 
 

@@ -7,6 +7,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -215,5 +216,33 @@ constexpr PairRowsFn kPairRows[kMaxRows] = {
     pair_rows<1>, pair_rows<2>,  pair_rows<3>,  pair_rows<4>,  pair_rows<5>,  pair_rows<6>,  pair_rows<7>,  pair_rows<8>,
     pair_rows<9>, pair_rows<10>, pair_rows<11>, pair_rows<12>, pair_rows<13>, pair_rows<14>, pair_rows<15>, pair_rows<16>};
 #endif
+
+// The kernels' x type for a weight type: bf16 weights take bf16 x on the pairs kernel where
+// it is built; everything else, float32 x on the widening kernel.
+template <class W>
+struct InputOf {
+  using type = float;
+};
+#ifdef TIERSERVE_DENSE_BF16_PAIRS
+template <>
+struct InputOf<c10::BFloat16> {
+  using type = c10::BFloat16;
+};
+#endif
+
+// One pass: out[r * ldo + j] = x[r] . w[j] for rows r < rows (1..kMaxRows), j in [n0, n1).
+template <class W>
+inline void pass_rows(const typename InputOf<W>::type* x, const W* w, float* out, int64_t rows, int64_t k,
+                      int64_t ldo, int64_t n0, int64_t n1) {
+#ifdef TIERSERVE_DENSE_BF16_PAIRS
+  if constexpr (std::is_same_v<W, c10::BFloat16>) {
+    kPairRows[rows - 1](x, w, out, k, ldo, n0, n1);
+  } else {
+    kRows<W>[rows - 1](x, w, out, k, ldo, n0, n1);
+  }
+#else
+  kRows<W>[rows - 1](x, w, out, k, ldo, n0, n1);
+#endif
+}
 
 }  // namespace tierserve_dense

@@ -38,7 +38,6 @@
 namespace {
 
 using tierserve_dense::kMaxRows;
-using tierserve_dense::kRows;
 
 // The pairs of a step grouped by expert: pair p (in expert order, tokens ascending within an
 // expert) is token `token[p]` with routing weight `weight[p]`; expert e's pairs are
@@ -108,16 +107,8 @@ void swiglu_span(const float* gate, const float* up, In* h, int64_t n, std::vect
 template <class W, class In>
 void few_rows(const In* x, const W* w, float* out, int64_t rows, int64_t k, int64_t n0, int64_t n1) {
   const int64_t width = n1 - n0;
-  for (int64_t r = 0; r < rows; r += kMaxRows) {
-    const int64_t now = std::min(kMaxRows, rows - r);
-#ifdef TIERSERVE_DENSE_BF16_PAIRS
-    if constexpr (std::is_same_v<In, c10::BFloat16>) {
-      tierserve_dense::kPairRows[now - 1](x + r * k, w + n0 * k, out + r * width, k, width, 0, width);
-      continue;
-    }
-#endif
-    if constexpr (std::is_same_v<In, float>) kRows<W>[now - 1](x + r * k, w + n0 * k, out + r * width, k, width, 0, width);
-  }
+  for (int64_t r = 0; r < rows; r += kMaxRows)
+    tierserve_dense::pass_rows(x + r * k, w + n0 * k, out + r * width, std::min(kMaxRows, rows - r), k, width, 0, width);
 }
 
 // W: the weights' type; In: the kernel's x (float32: the widening kernel; bf16: the pairs one).
@@ -343,11 +334,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& experts, const at:
   }
   const Groups g =
       group(chosen.data_ptr<int64_t>(), scale.data_ptr<c10::BFloat16>(), x.size(0), experts.size(1), num_experts);
-#ifdef TIERSERVE_DENSE_BF16_PAIRS
-  using In = c10::BFloat16;
-#else
-  using In = float;
-#endif
+  using In = tierserve_dense::InputOf<c10::BFloat16>::type;
   return run<c10::BFloat16, In>(x, g, pointers<c10::BFloat16>(gate_up, 2 * inter, hidden, "gate_up"),
                                 pointers<c10::BFloat16>(down, hidden, inter, "down"), inter);
 }
