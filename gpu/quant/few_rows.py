@@ -22,9 +22,9 @@ KERNELS = "dense_gemv"
 # Rows of x up to which the kernel beats torch's GEMM: beyond, the GEMM reads the weight as
 # fast and computes faster. bfloat16 with AVX512-BF16 (the kernel's pairs path, x kept in
 # bf16): 32 rows; [N x K] on a 2-core Zen 5 EPYC, kernel / F.linear per weight (weights
-# streamed from memory): [1024 x 1024] 1 row 57 / 97 us, 16 rows 81 / 126, 32 rows 127 /
-# 161, 64 rows 341 / 235; [1536 x 1024] 32 rows 253 / 244; the [49152 x 1024] head 32 rows
-# 5.7 / 6.8 ms. bfloat16 elsewhere (widened in the kernel; oneDNN's bf16 GEMM on
+# streamed from memory): [1024 x 1024] 1 row 52 / 107 us, 16 rows 90 / 138, 32 rows 144 /
+# 168, 64 rows 333 / 239; [1536 x 1024] 32 rows 193 / 271; the [49152 x 1024] head 32 rows
+# 6.7 / 7.1 ms. bfloat16 elsewhere (widened in the kernel; oneDNN's bf16 GEMM on
 # AVX512-BF16 computes faster): 4 rows, measured on a Zen 4 EPYC before the pairs path,
 # [1024 x 1024] kernel / F.linear 1 row 83 / 191 us, 4 rows 187 / 219, 8 rows 386 / 248.
 # float32: 8 rows, one pass of the AVX2 kernel; 16 where the kernel has its AVX-512 path (a
