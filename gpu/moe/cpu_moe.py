@@ -111,13 +111,13 @@ def plan_for(experts: Experts, dtype: torch.dtype) -> str | QuantizedExperts | N
 def run_op(x: torch.Tensor, routing: Routing, experts: Experts) -> torch.Tensor:
     """The C++ op over dense expert weights in x's dtype."""
     return torch.ops.tierserve_cpu.moe_experts(  # type: ignore[no-any-return]
-        x, routing.experts, routing.weights, list(experts.gate_up), list(experts.down))
+        x, routing.experts, routing.weights.to(x.dtype), list(experts.gate_up), list(experts.down))
 
 
 def run_quantized_op(x: torch.Tensor, routing: Routing, experts: QuantizedExperts) -> torch.Tensor:
     """The C++ op over packed int8 or 4-bit expert weights."""
     return torch.ops.tierserve_cpu.moe_experts_quantized(  # type: ignore[no-any-return]
-        x, routing.experts, routing.weights, experts.gate_up, experts.gate_up_scales, experts.down,
+        x, routing.experts, routing.weights.to(x.dtype), experts.gate_up, experts.gate_up_scales, experts.down,
         experts.down_scales, experts.q4, experts.width)
 
 
