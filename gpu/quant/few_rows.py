@@ -31,9 +31,13 @@ KERNELS = "dense_gemv"
 # pass of 16 rows): SmolLM2-sized weights (40 x [3072 x 576] + 40 x [576 x 1536]) on a
 # 2-core Zen 5 EPYC, kernel / F.linear 9 rows 27 / 44 ms, 16 rows 36 / 40 ms, so a
 # speculative verify step of a float32 model stays on the kernel.
+# Where torch's bf16 GEMMs run on AMX tiles (they beat even the 4-bit kernel above ~24
+# rows there: gpu/quant/linears.py Int4Linear), the pairs path is not measured against
+# them, so bf16 keeps its 4 rows.
 _FLAGS = numerics.cpu_flags()
+_AMX_GEMMS = {"amx_bf16", "amx_tile"} <= _FLAGS and numerics.amx_permitted()
 MAX_ROWS = {torch.float32: 16 if "avx512f" in _FLAGS else 8,
-            torch.bfloat16: 32 if {"avx512f", "avx512_bf16"} <= _FLAGS else 4}
+            torch.bfloat16: 32 if {"avx512f", "avx512_bf16"} <= _FLAGS and not _AMX_GEMMS else 4}
 DTYPES = tuple(MAX_ROWS)
 
 
