@@ -29,6 +29,7 @@ from gpu.kernels import cpu
 from gpu.models.hybrid_common import Linear
 from gpu.moe.routing import Routing
 from gpu.moe.torch_moe import Experts, TorchMoE
+from gpu.quant import gemv
 from gpu.quant.dispatch import QuantizedWeight
 from gpu.quant.linears import Int4Linear, Int8Linear
 from kernel.registry import register
@@ -38,7 +39,9 @@ KERNELS = "moe_experts"
 # torch's GEMMs to compute as fast (benchmarks/moe_layer.py: the benchmark model's layer on
 # a 2-core Zen 5 EPYC, op / torch, bf16: 32 tokens 3.5 / 6.8 ms, 256 11.0 / 15.4, 512
 # 20.0 / 23.6; float32: 256 34.3 / 45.9, 512 78.2 / 74.3).
-MAX_TOKENS = {torch.float32: 256, torch.bfloat16: 512}
+# Where torch's bf16 GEMMs run on AMX tiles (not measured against the op) bf16 keeps to
+# decode-sized steps, where the time is the read of the weights either way.
+MAX_TOKENS = {torch.float32: 256, torch.bfloat16: 32 if gemv.bf16_gemms_on_amx() else 512}
 DTYPES = tuple(MAX_TOKENS)
 
 
