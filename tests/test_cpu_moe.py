@@ -166,6 +166,15 @@ def test_quantized_experts_match_torch_moe(mode: str, dtype: torch.dtype) -> Non
                     TorchMoE()(make_linear(F.linear, False), x, routing, weights))
 
 
+def test_token_limits_per_format() -> None:
+    """Dense and 4-bit experts up to MAX_TOKENS, int8 ones up to MAX_TOKENS_INT8."""
+    impl = CpuMoE()
+    for mode, limit in (("int8", cpu_moe.MAX_TOKENS_INT8), ("int4", cpu_moe.MAX_TOKENS)):
+        weights = quantized_experts(mode, torch.bfloat16)
+        assert impl.plan(torch.zeros(limit[torch.bfloat16], 96, dtype=torch.bfloat16), weights) is not None
+        assert impl.plan(torch.zeros(limit[torch.bfloat16] + 1, 96, dtype=torch.bfloat16), weights) is None
+
+
 def test_red_an_int4_block_read_with_the_wrong_scale() -> None:
     """Planted: expert 0's first tile read with its first group's scales doubled: red."""
     from gpu.quant.dispatch import make_linear
