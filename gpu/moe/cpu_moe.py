@@ -119,7 +119,7 @@ def plan_for(experts: Experts, dtype: torch.dtype) -> str | QuantizedExperts | N
 def run_op(x: torch.Tensor, routing: Routing, experts: Experts) -> torch.Tensor:
     """The C++ op over dense expert weights in x's dtype."""
     return torch.ops.tierserve_cpu.moe_experts(  # type: ignore[no-any-return]
-        x, routing.experts, routing.weights.to(x.dtype), list(experts.gate_up), list(experts.down))
+        x, routing.experts, routing.weights.to(x.dtype), experts.gate_up, experts.down)
 
 
 def run_quantized_op(x: torch.Tensor, routing: Routing, experts: QuantizedExperts) -> torch.Tensor:

@@ -72,11 +72,58 @@ Groups group(const int64_t* experts, const S* weights, int64_t tokens, int64_t k
   return g;
 }
 
+// The step's (token, slot) pairs grouped, after the checks both ops share: x [T, H] float32
+// or bfloat16, experts [T, k] int64, weights [T, k] in x's dtype.
+Groups step_groups(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& weights, int64_t num_experts) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "moe_experts: x is float32 or bfloat16");
+  TORCH_CHECK(x.dim() == 2 && experts.dim() == 2 && experts.size(0) == x.size(0) && weights.sizes() == experts.sizes(),
+              "moe_experts: x [T, H], experts and weights [T, k]");
+  TORCH_CHECK(experts.scalar_type() == at::kLong && weights.scalar_type() == dtype,
+              "moe_experts: int64 experts, weights in x's dtype");
+  const at::Tensor chosen = experts.contiguous(), scale = weights.contiguous();
+  const int64_t tokens = x.size(0), k = experts.size(1);
+  if (dtype == at::kFloat) return group(chosen.data_ptr<int64_t>(), scale.data_ptr<float>(), tokens, k, num_experts);
+  return group(chosen.data_ptr<int64_t>(), scale.data_ptr<c10::BFloat16>(), tokens, k, num_experts);
+}
+
+// Each pair's row of x (already in the kernel's input type), in pair order: the kernels
+// take a group's rows contiguous.
+template <class In>
+std::vector<In> gather_rows(const In* x, const Groups& g, int64_t hidden) {
+  const int64_t pairs = static_cast<int64_t>(g.token.size());
+  std::vector<In> rows(pairs * hidden);
+  at::parallel_for(0, pairs, 16, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) std::memcpy(&rows[p * hidden], x + g.token[p] * hidden, hidden * sizeof(In));
+  });
+  return rows;
+}
+
 // The dtype's rounding of float32 values (bf16: nearest even, kept as float32).
 template <class W>
 inline float round_to(float v) {
   if constexpr (std::is_same_v<W, float>) return v;
   return tierserve_glue::BF16::round(v);
+}
+
+// sum[token, c] += y[r, c] (rounded to the dtype, as the linear's output) * weight, for the
+// pairs [first, first + n) of one expert; y's rows `ldy` apart.
+template <class W>
+void add_weighted(const Groups& g, int64_t first, int64_t n, const float* y, int64_t ldy, float* sum, int64_t width) {
+  for (int64_t r = 0; r < n; ++r) {
+    float* s = &sum[g.token[first + r] * width];
+    const float w = g.weight[first + r];
+    for (int64_t c = 0; c < width; ++c) s[c] += round_to<W>(y[r * ldy + c]) * w;
+  }
+}
+
+// out[t, c0 + c] = sum[t, c] in the dtype (bf16: nearest even), t < tokens, c < width.
+template <class W>
+void write_sums(const std::vector<float>& sum, at::Tensor& out, int64_t c0, int64_t width) {
+  const int64_t tokens = out.size(0), hidden = out.size(1);
+  W* o = out.data_ptr<W>();
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t c = 0; c < width; ++c) o[t * hidden + c0 + c] = static_cast<W>(sum[t * width + c]);
 }
 
 // h[i] = silu(gate[i]) * up[i] for i < n, gate and up the linear's float32 outputs: rounded
@@ -117,13 +164,7 @@ at::Tensor run(const at::Tensor& x, const Groups& g, const std::vector<const W*>
                const std::vector<const W*>& down, int64_t inter) {
   const int64_t tokens = x.size(0), hidden = x.size(1), pairs = static_cast<int64_t>(g.token.size());
   const at::Tensor xin = x.to(std::is_same_v<In, float> ? at::kFloat : at::kBFloat16).contiguous();  // bf16 widened: exact
-  const In* xp = xin.data_ptr<In>();
-  // Each pair's x row, in pair order (the kernel takes a group's rows contiguous).
-  std::vector<In> gathered(pairs * hidden);
-  at::parallel_for(0, pairs, 16, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
-      std::memcpy(&gathered[p * hidden], xp + g.token[p] * hidden, hidden * sizeof(In));
-  });
+  const std::vector<In> gathered = gather_rows(xin.data_ptr<In>(), g, hidden);
   // 1. silu(gate) * up, [pairs, inter]; threads split the intermediate columns.
   std::vector<In> act(pairs * inter);
   const int64_t col_grain = std::max<int64_t>(16, (16 << 10) / (hidden * static_cast<int64_t>(sizeof(W))));
@@ -151,15 +192,9 @@ at::Tensor run(const at::Tensor& x, const Groups& g, const std::vector<const W*>
       const int64_t first = g.start[e], n = g.start[e + 1] - first;
       y.resize(n * width);
       few_rows(&act[first * inter], down[e], y.data(), n, inter, c0, c1);
-      for (int64_t r = 0; r < n; ++r) {
-        float* s = &sum[g.token[first + r] * width];
-        const float w = g.weight[first + r];
-        for (int64_t c = 0; c < width; ++c) s[c] += round_to<W>(y[r * width + c]) * w;
-      }
+      add_weighted<W>(g, first, n, y.data(), width, sum.data(), width);
     }
-    W* o = out.data_ptr<W>();
-    for (int64_t t = 0; t < tokens; ++t)
-      for (int64_t c = 0; c < width; ++c) o[t * hidden + c0 + c] = static_cast<W>(sum[t * width + c]);  // bf16: nearest even
+    write_sums<W>(sum, out, c0, width);
   });
   return out;
 }
@@ -193,11 +228,7 @@ at::Tensor run_quantized(const at::Tensor& x, const Groups& g, const Packed& gat
   using tierserve_gemv::kTile;
   const int64_t tokens = x.size(0), hidden = x.size(1), pairs = static_cast<int64_t>(g.token.size());
   const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const float* xp = xf.data_ptr<float>();
-  std::vector<float> gathered(pairs * hidden);
-  at::parallel_for(0, pairs, 16, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) std::memcpy(&gathered[p * hidden], xp + g.token[p] * hidden, hidden * sizeof(float));
-  });
+  const std::vector<float> gathered = gather_rows(xf.data_ptr<float>(), g, hidden);
   tierserve_gemv::Quantized qx;
   quantize_parallel(qx, gathered.data(), pairs, hidden);
   const tierserve_gemv::QInput in = qx.input();
@@ -234,15 +265,9 @@ at::Tensor run_quantized(const at::Tensor& x, const Groups& g, const Packed& gat
       y.resize(n * hidden);
       const tierserve_gemv::Problem<float> p{down.w[e], down.scales[e], y.data(), inter, hidden, down.stride};
       tierserve_gemv::tiles<Q4>(p, rows_from(in_act, first, inter), n, t0, t1, isa);
-      for (int64_t r = 0; r < n; ++r) {
-        float* s = &sum[g.token[first + r] * width];
-        const float w = g.weight[first + r];
-        for (int64_t c = 0; c < width; ++c) s[c] += round_to<W>(y[r * hidden + c0 + c]) * w;
-      }
+      add_weighted<W>(g, first, n, y.data() + c0, hidden, sum.data(), width);
     }
-    W* o = out.data_ptr<W>();
-    for (int64_t t = 0; t < tokens; ++t)
-      for (int64_t c = 0; c < width; ++c) o[t * hidden + c0 + c] = static_cast<W>(sum[t * width + c]);
+    write_sums<W>(sum, out, c0, width);
   });
   return out;
 }
@@ -276,25 +301,14 @@ Packed packed(at::TensorList weights, at::TensorList scales, bool q4, int64_t n,
 at::Tensor moe_experts_quantized(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& weights,
                                  at::TensorList gate_up, at::TensorList gate_up_scales, at::TensorList down,
                                  at::TensorList down_scales, bool q4, int64_t inter) {
-  const auto dtype = x.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "moe_experts_quantized: x is float32 or bfloat16");
-  TORCH_CHECK(x.dim() == 2 && experts.dim() == 2 && experts.size(0) == x.size(0) && weights.sizes() == experts.sizes(),
-              "moe_experts_quantized: x [T, H], experts and weights [T, k]");
-  TORCH_CHECK(experts.scalar_type() == at::kLong && weights.scalar_type() == dtype,
-              "moe_experts_quantized: int64 experts, weights in x's dtype");
+  TORCH_CHECK(!gate_up.empty() && gate_up.size() == down.size(), "moe_experts_quantized: one gate_up and one down per expert");
+  const Groups g = step_groups(x, experts, weights, static_cast<int64_t>(down.size()));
   const int64_t hidden = x.size(1);
   TORCH_CHECK(hidden % 32 == 0 && inter % 32 == 0 && inter > 0, "moe_experts_quantized: H and I multiples of 32");
-  TORCH_CHECK(!gate_up.empty() && gate_up.size() == down.size(), "moe_experts_quantized: one gate_up and one down per expert");
   const Packed gu = packed(gate_up, gate_up_scales, q4, 2 * inter, hidden, "gate_up");
   const Packed dn = packed(down, down_scales, q4, hidden, inter, "down");
-  const int64_t num_experts = static_cast<int64_t>(down.size());
-  const at::Tensor chosen = experts.contiguous(), scale = weights.contiguous();
-  if (dtype == at::kFloat) {
-    const Groups g = group(chosen.data_ptr<int64_t>(), scale.data_ptr<float>(), x.size(0), experts.size(1), num_experts);
+  if (x.scalar_type() == at::kFloat)
     return q4 ? run_quantized<float, true>(x, g, gu, dn, inter) : run_quantized<float, false>(x, g, gu, dn, inter);
-  }
-  const Groups g =
-      group(chosen.data_ptr<int64_t>(), scale.data_ptr<c10::BFloat16>(), x.size(0), experts.size(1), num_experts);
   return q4 ? run_quantized<c10::BFloat16, true>(x, g, gu, dn, inter) : run_quantized<c10::BFloat16, false>(x, g, gu, dn, inter);
 }
 
@@ -315,25 +329,16 @@ std::vector<const W*> pointers(at::TensorList weights, int64_t rows, int64_t col
 // [H, I]. All float32 or all bfloat16. -> [T, H] in x's dtype.
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& weights,
                        at::TensorList gate_up, at::TensorList down) {
-  const auto dtype = x.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "moe_experts: x is float32 or bfloat16");
-  TORCH_CHECK(x.dim() == 2 && experts.dim() == 2 && experts.size(0) == x.size(0) && weights.sizes() == experts.sizes(),
-              "moe_experts: x [T, H], experts and weights [T, k]");
-  TORCH_CHECK(experts.scalar_type() == at::kLong && weights.scalar_type() == dtype, "moe_experts: int64 experts, "
-              "weights in x's dtype");
   TORCH_CHECK(!gate_up.empty() && gate_up.size() == down.size(), "moe_experts: one gate_up and one down per expert");
+  const Groups g = step_groups(x, experts, weights, static_cast<int64_t>(down.size()));
+  const auto dtype = x.scalar_type();
   for (const auto& w : gate_up) TORCH_CHECK(w.scalar_type() == dtype, "moe_experts: weights in x's dtype");
   for (const auto& w : down) TORCH_CHECK(w.scalar_type() == dtype, "moe_experts: weights in x's dtype");
-  const int64_t num_experts = static_cast<int64_t>(down.size()), hidden = x.size(1);
-  const int64_t inter = down[0].size(1);
-  const at::Tensor chosen = experts.contiguous(), scale = weights.contiguous();
+  const int64_t hidden = x.size(1), inter = down[0].size(1);
   if (dtype == at::kFloat) {
-    const Groups g = group(chosen.data_ptr<int64_t>(), scale.data_ptr<float>(), x.size(0), experts.size(1), num_experts);
     return run<float, float>(x, g, pointers<float>(gate_up, 2 * inter, hidden, "gate_up"),
                              pointers<float>(down, hidden, inter, "down"), inter);
   }
-  const Groups g =
-      group(chosen.data_ptr<int64_t>(), scale.data_ptr<c10::BFloat16>(), x.size(0), experts.size(1), num_experts);
   using In = tierserve_dense::InputOf<c10::BFloat16>::type;
   return run<c10::BFloat16, In>(x, g, pointers<c10::BFloat16>(gate_up, 2 * inter, hidden, "gate_up"),
                                 pointers<c10::BFloat16>(down, hidden, inter, "down"), inter);
