@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from gpu import numerics
 from gpu.kernels import cpu
+from gpu.quant import gemv
 
 KERNELS = "dense_gemv"
 # Rows of x up to which the kernel beats torch's GEMM: beyond, the GEMM reads the weight as
@@ -35,9 +36,8 @@ KERNELS = "dense_gemv"
 # rows there: gpu/quant/linears.py Int4Linear), the pairs path is not measured against
 # them, so bf16 keeps its 4 rows.
 _FLAGS = numerics.cpu_flags()
-_AMX_GEMMS = {"amx_bf16", "amx_tile"} <= _FLAGS and numerics.amx_permitted()
 MAX_ROWS = {torch.float32: 16 if "avx512f" in _FLAGS else 8,
-            torch.bfloat16: 32 if {"avx512f", "avx512_bf16"} <= _FLAGS and not _AMX_GEMMS else 4}
+            torch.bfloat16: 32 if {"avx512f", "avx512_bf16"} <= _FLAGS and not gemv.bf16_gemms_on_amx() else 4}
 DTYPES = tuple(MAX_ROWS)
 
 
