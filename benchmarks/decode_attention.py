@@ -1,6 +1,7 @@
 """Decode attention alone: the torch backend's prepare + every layer's forward for a step
-of `--requests` decodes over shuffled pages (SmolLM2's head shapes and layer count, each
-layer its own pool tensors, so a step streams its K/V from memory as the model's does).
+of `--requests` decodes (SmolLM2's head shapes and layer count, each layer its own pool
+tensors, so a step streams its K/V from memory as the model's does) over pages anywhere in
+the pool (`--layout shuffled`) or as the engine hands them out (`--layout served`).
 
     .venv/bin/python benchmarks/decode_attention.py --kernel
     .venv/bin/python benchmarks/decode_attention.py --compare ../main --rounds 5
@@ -40,8 +41,32 @@ class Variant(NamedTuple):
         return f"{self.tree.name}:{'kernel' if self.kernel else 'torch'}"
 
 
+def page_order(args: argparse.Namespace, lens: list[int], rng: random.Random) -> list[list[int]]:
+    """Each row's pages. `shuffled`: every page anywhere in the pool. `served`: as the engine
+    hands them out to requests admitted together, a row's prompt pages in one run, then the
+    pages of its last `--decoded` tokens one at a time, in turn with the other rows'."""
+    counts = [n // PAGE + 1 for n in lens]
+    if args.layout == "shuffled":
+        free = list(range(1, sum(counts) + 1))
+        rng.shuffle(free)
+        return [[free.pop() for _ in range(c)] for c in counts]
+    prompt = [max(1, (n - args.decoded) // PAGE + 1) for n in lens]
+    pages: list[list[int]] = []
+    next_page = 1
+    for c in prompt:
+        pages.append(list(range(next_page, next_page + c)))
+        next_page += c
+    while any(len(row) < c for row, c in zip(pages, counts)):
+        for row, c in zip(pages, counts):
+            if len(row) < c:
+                row.append(next_page)
+                next_page += 1
+    return pages
+
+
 def layout(args: argparse.Namespace) -> tuple[Any, Any, list[int], list[int]]:
-    """A pool and a request table whose rows own shuffled pages; (pool, table, rows, lengths)."""
+    """A pool and a request table whose rows own pages laid out as `--layout` says; (pool,
+    table, rows, lengths)."""
     import torch
 
     from cache.kv_pool import KVPool
@@ -54,10 +79,7 @@ def layout(args: argparse.Namespace) -> tuple[Any, Any, list[int], list[int]]:
     for cache in (*pool.k, *pool.v):
         cache.normal_()
     table = torch.zeros((args.requests + 1, PAGE * (args.max_len // PAGE + 2)), dtype=torch.int64)
-    free = list(range(1, num_pages))
-    rng.shuffle(free)
-    for row, n in enumerate(lens, 1):
-        pages = [free.pop() for _ in range(n // PAGE + 1)]
+    for row, pages in enumerate(page_order(args, lens, rng), 1):
         table[row, : len(pages) * PAGE] = torch.tensor([p * PAGE + i for p in pages for i in range(PAGE)])
     return pool, table, list(range(1, args.requests + 1)), lens
 
@@ -105,7 +127,7 @@ def run_variant(variant: Variant, argv: list[str]) -> dict[str, float]:
 
 
 def measure(args: argparse.Namespace, variants: list[Variant], requests: int) -> None:
-    keys = ("min_len", "max_len", "layers", "threads", "dtype", "iters", "seed")
+    keys = ("min_len", "max_len", "layers", "threads", "dtype", "iters", "seed", "layout", "decoded")
     argv = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keys] + [f"--requests={requests}"]
     times: dict[Variant, list[dict[str, float]]] = {v: [] for v in variants}
     for i in range(args.rounds):
@@ -113,7 +135,7 @@ def measure(args: argparse.Namespace, variants: list[Variant], requests: int) ->
             print(f"requests {requests} round {i + 1}/{args.rounds}: {variant}", file=sys.stderr, flush=True)
             times[variant].append(run_variant(variant, argv))
     med = {v: statistics.median(x["ms"] for x in xs) for v, xs in times.items()}
-    print(f"{requests} decodes, {args.min_len}-{args.max_len} keys, {args.dtype}, {args.layers} layers:")
+    print(f"{requests} decodes, {args.min_len}-{args.max_len} keys, {args.dtype}, {args.layers} layers, {args.layout} pages:")
     for variant, xs in times.items():
         cpu = statistics.median(x["cpu_ms"] for x in xs)
         runs = ", ".join(f"{x['ms']:.2f}" for x in xs)
@@ -133,6 +155,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layout", default="shuffled", choices=("shuffled", "served"), help="where rows' pages lie")
+    p.add_argument("--decoded", type=int, default=96, help="with --layout served: tokens each row has decoded")
     p.add_argument("--kernel", action="store_true", help="the torch path vs the C++ kernel, this tree")
     p.add_argument("--compare", type=Path, metavar="TREE")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

@@ -30,7 +30,7 @@ using tierserve_paged_vec::Simd;
 constexpr int kBlock = 64;          // keys per softmax update (a multiple of every vector width)
 constexpr int64_t kChunk = 128;     // keys per work item (a multiple of kBlock); see the NOTE above
 constexpr int64_t kMaxHeadDim = 512;
-constexpr int kAhead = 16;          // keys ahead that a row's K and V lines are fetched into L1
+constexpr int kAhead = 8;           // keys ahead that a row's K and V lines are fetched into L1
 
 // What every work item reads; pointers into contiguous tensors. T: the query's and the
 // output's element type; KV: the pool's (T, or float16 under float32 compute).
@@ -64,6 +64,10 @@ class Attender {
   // registers with AVX-512, 16 with AVX2); one at a time for head dims of no fixed size.
   static constexpr int kRegisters = S::W == 16 ? 32 : 16;
   static constexpr int kHeadsPerPass = NV > 0 ? std::clamp((kRegisters - 4) / NV - 1, 1, 4) : 1;
+  // Query heads whose queries (and a dot vector each) stay in registers beside one K row in
+  // `score`: NV / 2 vectors a query as bf16, NV as float.
+  static constexpr int kQueryVecs = kDotBf16 ? NV / 2 : NV;
+  static constexpr int kScoreHeads = NV > 0 ? std::clamp((kRegisters - 4) / kQueryVecs, 1, 12) : 1;
 
  public:
   explicit Attender(const Problem<T, KV>& p) : p_(p), nv_(NV > 0 ? NV : p.dim / S::W) {
@@ -83,11 +87,13 @@ class Attender {
     int cur = 0;
     slots(row, t0, block_len(t0, t1), slot_off_[cur]);
     for (int64_t t = t0; t < t1; t += kBlock, cur ^= 1) {
+      next_n_ = 0;
       if (t + kBlock < t1) {  // the next block's rows are fetched while this one computes
-        const int n = block_len(t + kBlock, t1);
-        slots(row, t + kBlock, n, slot_off_[cur ^ 1]);
-        prefetch(slot_off_[cur ^ 1], n);
+        next_n_ = block_len(t + kBlock, t1);
+        slots(row, t + kBlock, next_n_, slot_off_[cur ^ 1]);
+        prefetch(slot_off_[cur ^ 1], next_n_);
       }
+      next_off_ = slot_off_[cur ^ 1];
       block(block_len(t, t1), slot_off_[cur]);
     }
     return st_;
@@ -129,11 +135,13 @@ class Attender {
   // row then pulled into L1 kAhead keys before its use (`near`): the whole next block (up to
   // 48 KB) into L1 at once overran its fill buffers and evicted the block being computed
   // (AMX Xeon, 32 decodes of 150-350 keys, 9 heads, bf16, one thread: 41.0 -> 32.1 ms a
-  // step of 30 layers, benchmarks-style alternating runs). kAhead 16 rather than 8: the same
-  // on that Xeon, and on a Zen 5 EPYC (AMD's L2 prefetch hints are reported to be dropped at
-  // times, so the L1 ones must cover the memory latency) 1.16x: 32 decodes of 150-350 keys, 30 layers,
-  // 28.1 -> 24.2 ms a step on one thread, 15.0 -> 12.9 on two (decode_attention.py's child,
-  // alternating runs).
+  // step of 30 layers, benchmarks-style alternating runs). The L1 distance kAhead is 8 keys
+  // since `score` keeps the queries in registers (a key costs less time there): on a Zen 5
+  // EPYC (AMD's L2 prefetch hints are reported to be dropped at times, so the L1 ones must
+  // cover the memory latency), 32 decodes of 150-350 keys, 30 layers, pages as served, one
+  // thread: 15.7 ms a step at 16, 14.1 at 8, 14.3 at 4, 14.4 at 12; the same within noise on
+  // two threads (decode_attention.py's child, alternating runs). With the old score loop 16
+  // had been 1.16x faster than 8.
   void prefetch(const int64_t* slot_off, int n) const {
     const int64_t bytes = (k1_ - k0_) * p_.dim * static_cast<int64_t>(sizeof(KV));
     for (int j = 0; j < n; ++j) {
@@ -147,9 +155,22 @@ class Attender {
   }
 
   // A K or V row a few keys ahead into L1 (the block prefetch above brought it to L2).
-  void near(const KV* row) const {
+  [[gnu::always_inline]] void near(const KV* row) const {
     const char* at = reinterpret_cast<const char*>(row);
     for (int64_t b = 0; b < p_.dim * static_cast<int64_t>(sizeof(KV)); b += 64) __builtin_prefetch(at + b);
+  }
+
+  // A slot's K and V rows of the run's kv heads into L1, as `near`. NOTE: always inlined,
+  // as `ahead`: GCC takes a function whose only effect is a prefetch for one without any,
+  // and drops the calls (it did, until inlining was forced).
+  [[gnu::always_inline]] void near_slot(int64_t slot_off) const {
+    const int64_t bytes = (k1_ - k0_) * p_.dim * static_cast<int64_t>(sizeof(KV));
+    const char* k = reinterpret_cast<const char*>(p_.k + slot_off + k0_ * p_.dim);
+    const char* v = reinterpret_cast<const char*>(p_.v + slot_off + k0_ * p_.dim);
+    for (int64_t b = 0; b < bytes; b += 64) {
+      __builtin_prefetch(k + b);
+      __builtin_prefetch(v + b);
+    }
   }
 
   void block(int n, const int64_t* slot_off) {
@@ -165,46 +186,117 @@ class Attender {
     for (int64_t c = 0; c < nv; c += R::vecs) R::load(row + c * S::W, out + c);
   }
 
-  // scores[head][j] = q_head . k_j for the query heads of the run's kv heads [k0, k1): key by
-  // key, all its kv heads' rows (one contiguous run of the slot) before the next key, so a
-  // page's K rows are one forward stream; each row is loaded once for the group's heads, and
-  // W keys' dot vectors are summed at once. The V rows that `accumulate` reads next are pulled
-  // into L1 here too, kAhead keys ahead (Zen 5, 32 decodes x 150-350 keys, 30 layers: 20.7 ->
-  // 18.6 ms a step on one thread, 11.6 -> 10.1 on two).
+  // scores[head][j] = q_head . k_j for the query heads of the run's kv heads [k0, k1), W
+  // keys at a time, in passes of up to kScoreHeads query heads whose queries stay in
+  // registers: key by key, the pass's kv heads' rows (one contiguous run of the slot) before
+  // the next key, so a page's K rows are one forward stream; each row is loaded once for its
+  // query heads, and W keys' dot vectors are summed at once. The first pass pulls each key's
+  // K and V rows kAhead keys ahead into L1 (Zen 5, 32 decodes x 150-350 keys, 30 layers,
+  // pages as served, one thread: 20.4 -> 14.6 ms a step, against none).
   void score(int n, const int64_t* slot_off) {
-    const int64_t g = p_.group, d = p_.dim, nv = NV > 0 ? NV : nv_;
-    V kv[kMaxVecs];
+    const int64_t h0 = k0_ * p_.group, h1 = k1_ * p_.group;
+    n_ = n, slot_off_cur_ = slot_off;
     for (int j0 = 0; j0 < n; j0 += S::W) {
-      for (int jj = 0; jj < S::W; ++jj) {
-        for (int64_t h = k0_; h < k1_; ++h) {
-          float* dots = dots_ + h * g * S::W * S::W;
-          if (j0 + jj >= n) {  // past the block's keys: sums of zeros, overwritten in softmax
-            for (int64_t i = 0; i < g; ++i) S::store(dots + (i * S::W + jj) * S::W, S::zero());
-            continue;
-          }
-          const KV* k = p_.k + slot_off[j0 + jj] + h * d;
-          if (j0 + jj + kAhead < n) {
-            near(p_.k + slot_off[j0 + jj + kAhead] + h * d);
-            near(p_.v + slot_off[j0 + jj + kAhead] + h * d);
-          }
-          if constexpr (kDotBf16) {
-            for (int64_t i = 0; i < g; ++i) {
-              S::store(dots + (i * S::W + jj) * S::W, S::dot_bf16(q_row_ + (h * g + i) * d, k, nv / 2));
-            }
-            continue;
-          }
-          load_row(k, kv);
-          for (int64_t i = 0; i < g; ++i) {
-            const float* q = st_.q + (h * g + i) * d;
-            V dot = S::mul(S::load(q), kv[0]);
-            for (int64_t c = 1; c < nv; ++c) dot = S::fma(S::load(q + c * S::W), kv[c], dot);
-            S::store(dots + (i * S::W + jj) * S::W, dot);
-          }
+      const int m = std::min(S::W, n - j0);
+      for (int64_t head = h0; head < h1; head += kScoreHeads) {
+        const int count = static_cast<int>(std::min<int64_t>(kScoreHeads, h1 - head));
+        score_pass<kScoreHeads>(count, head, j0, m, slot_off, head == h0);
+      }
+      for (int64_t head = h0; head < h1; ++head) S::sums(dots_ + head * S::W * S::W, scores_ + head * kBlock + j0);
+    }
+  }
+
+  template <int HP>
+  void score_pass(int count, int64_t head0, int j0, int m, const int64_t* slot_off, bool fetch) {
+    if constexpr (HP > 1) {
+      if (count < HP) return score_pass<HP - 1>(count, head0, j0, m, slot_off, fetch);
+    }
+    score_heads<HP>(head0, j0, m, slot_off, fetch);
+  }
+
+  // The dot products of query heads [head0, head0 + HP) with keys j0 + jj, jj < m (zeros for
+  // m <= jj < W, overwritten in softmax), in `dots`: per head, W / kQuad vectors, each the
+  // first levels of S::sums' tree over kQuad keys (S::quad). NOTE: a head's dot sums its
+  // products in the same order whatever pass, run or batch it is in. The quads take the
+  // tree's first levels while the dot vectors are in registers, a quarter of the stores and
+  // loads of keeping every key's (Zen 5, 32 decodes, the pool in cache, one thread: 0.243 ->
+  // 0.219 ms a layer).
+  template <int HP>
+  void score_heads(int64_t head0, int j0, int m, const int64_t* slot_off, bool fetch) {
+    constexpr int kQuad = S::W >= 4 ? 4 : 1;
+    const int64_t d = p_.dim, nv = NV > 0 ? NV : nv_;
+    float* dots = dots_ + head0 * S::W * S::W;
+    int64_t row_off[HP];
+    bool next_row[HP];  // whether head i reads another kv head's row than head i - 1
+    for (int i = 0; i < HP; ++i) {
+      row_off[i] = (head0 + i) / p_.group * d;
+      next_row[i] = i == 0 || row_off[i] != row_off[i - 1];
+    }
+    if constexpr (kDotBf16) {
+      constexpr int64_t kChunks = kMaxVecs / 2;  // 2W bf16 values each
+      const int64_t chunks = nv / 2;
+      typename S::B q[HP][kChunks], k[kQuad][kChunks];
+      for (int i = 0; i < HP; ++i) {
+        for (int64_t c = 0; c < chunks; ++c) q[i][c] = S::load_bf16(q_row_ + (head0 + i) * d + c * 2 * S::W);
+      }
+      const auto load_k = [&](int t, int j, int i) {
+        for (int64_t c = 0; c < chunks; ++c) k[t][c] = S::load_bf16(p_.k + slot_off[j] + row_off[i] + c * 2 * S::W);
+      };
+      const auto dot = [&](int t, int i) {
+        V sum = S::zero();
+        for (int64_t c = 0; c < chunks; ++c) sum = S::dot_bf16(sum, q[i][c], k[t][c]);
+        return sum;
+      };
+      score_quads<HP, kQuad>(dots, j0, m, slot_off, fetch, next_row, load_k, dot);
+    } else {
+      V q[HP][kMaxVecs], k[kQuad][kMaxVecs];
+      for (int i = 0; i < HP; ++i) {
+        for (int64_t c = 0; c < nv; ++c) q[i][c] = S::load(st_.q + (head0 + i) * d + c * S::W);
+      }
+      const auto load_k = [&](int t, int j, int i) { load_row(p_.k + slot_off[j] + row_off[i], k[t]); };
+      const auto dot = [&](int t, int i) {
+        V sum = S::mul(q[i][0], k[t][0]);
+        for (int64_t c = 1; c < nv; ++c) sum = S::fma(q[i][c], k[t][c], sum);
+        return sum;
+      };
+      score_quads<HP, kQuad>(dots, j0, m, slot_off, fetch, next_row, load_k, dot);
+    }
+  }
+
+  // score_heads' key loop: kQuad keys at a time, each head's dots with them reduced by
+  // S::quad (or, kQuad 1, stored as they are); load_k(t, j, i) loads key j's row for head i
+  // as the quad's t-th, dot(t, i) is head i's dot vector with it.
+  template <int HP, int kQuad, class LoadK, class Dot>
+  void score_quads(float* dots, int j0, int m, const int64_t* slot_off, bool fetch, const bool* next_row,
+                   LoadK&& load_k, Dot&& dot) {
+    for (int j = j0; j < j0 + S::W; j += kQuad) {
+      const int keys = std::clamp(j0 + m - j, 0, kQuad);  // of this quad's, the rest are past the block
+      if (fetch) {
+        for (int t = 0; t < keys; ++t) ahead(j + t);
+      }
+      float* out = dots + (j - j0) / kQuad * S::W;
+      for (int i = 0; i < HP; ++i) {
+        V v[kQuad];
+        if (next_row[i]) {
+          for (int t = 0; t < keys; ++t) load_k(t, j + t, i);
+        }
+        for (int t = 0; t < kQuad; ++t) v[t] = t < keys ? dot(t, i) : S::zero();
+        if constexpr (kQuad == 4) {
+          S::store(out + i * S::W * S::W, S::quad(v[0], v[1], v[2], v[3]));
+        } else {
+          S::store(out + i * S::W * S::W, v[0]);
         }
       }
-      for (int64_t head = k0_ * g; head < k1_ * g; ++head) {
-        S::sums(dots_ + head * S::W * S::W, scores_ + head * kBlock + j0);
-      }
+    }
+  }
+
+  // Key j + kAhead's K and V rows of the run's kv heads into L1: in this block, or the next.
+  [[gnu::always_inline]] void ahead(int j) const {
+    const int a = j + kAhead;
+    if (a < n_) {
+      near_slot(slot_off_cur_[a]);
+    } else if (a - n_ < next_n_) {
+      near_slot(next_off_[a - n_]);
     }
   }
 
@@ -270,10 +362,14 @@ class Attender {
   std::vector<float> scratch_;
   State st_{};
   float* scores_ = nullptr;  // [H, kBlock]: scores, then probabilities
-  float* dots_ = nullptr;    // [H, W, W]: W keys' unsummed dot products per query head
+  float* dots_ = nullptr;    // [H, W, W]: per query head, W keys' dot products as quads (score_heads)
   int64_t slot_off_[2][kBlock] = {};  // this block's slots and the next one's
   const T* q_row_ = nullptr;          // the row's query in the input
   int64_t k0_ = 0, k1_ = 0;           // the kv heads of the current run
+  int n_ = 0;                         // keys in the current block, and their slots
+  const int64_t* slot_off_cur_ = nullptr;
+  const int64_t* next_off_ = nullptr;  // the next block's slots, and how many (0: none)
+  int next_n_ = 0;
 };
 
 // Where a row's element e lies in a float layout that keeps the pool's order.

@@ -45,7 +45,7 @@ struct Scalar {
   static V fma(V a, V b, V c) { return a * b + c; }
   static float reduce_add(V v) { return v; }
   static float reduce_max(V v) { return v; }
-  static void sums(const float* v, float* out) { out[0] = v[0]; }  // see Simd::sums
+  static void sums(const float* v, float* out) { out[0] = v[0]; }  // see Simd::sums (no quads: W < 4)
   static V exp(V x) { return std::exp(std::max(x, kExpFloor)); }
 };
 
@@ -64,21 +64,22 @@ struct Simd {
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static float reduce_add(V v) { return _mm512_reduce_add_ps(v); }
   static float reduce_max(V v) { return _mm512_reduce_max_ps(v); }
-  // out[j] = the sum of the lanes of vector j, for the W vectors at v: a transposing
-  // tree (about 2 shuffles per sum where W separate reductions take 4 each).
-  static void sums(const float* v, float* out) {
-    V a[8], b[4], c[2];
-    for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3]
-      const V x = load(v + (2 * i) * W), y = load(v + (2 * i + 1) * W);
-      a[i] = add(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
-    }
-    for (int i = 0; i < 4; ++i) {  // per lane: vectors 4i..4i+3, in order
-      const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-      b[i] = add(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
+  // The sums of the lanes of W vectors (the dot products of W keys), by a transposing tree
+  // (about 2 shuffles a sum where W separate reductions take 4 each), in two steps: `quad`
+  // takes the tree's first two levels over vectors 4i..4i+3, as soon as they are computed
+  // (a quarter of the stores of keeping the W vectors), and `sums` the rest, out[j] = the
+  // sum of vector j, from the W / 4 quads in order.
+  static V quad(V x0, V x1, V x2, V x3) {
+    const V a = add(_mm512_unpacklo_ps(x0, x1), _mm512_unpackhi_ps(x0, x1));  // per 128-bit lane:
+    const V b = add(_mm512_unpacklo_ps(x2, x3), _mm512_unpackhi_ps(x2, x3));  // [x0+x2, y0+y2, x1+x3, y1+y3]
+    const __m512d x = _mm512_castps_pd(a), y = _mm512_castps_pd(b);
+    return add(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  static void sums(const float* quads, float* out) {
+    V c[2];
     for (int i = 0; i < 2; ++i) {  // lanes pairwise summed: [b0 l0+l1, b0 l2+l3, b1 l0+l1, b1 l2+l3]
-      c[i] = add(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                 _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+      const V b0 = load(quads + 2 * i * W), b1 = load(quads + (2 * i + 1) * W);
+      c[i] = add(_mm512_shuffle_f32x4(b0, b1, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(b0, b1, _MM_SHUFFLE(3, 1, 3, 1)));
     }
     store(out, add(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
                    _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1))));
@@ -97,16 +98,11 @@ struct Simd {
     return _mm512_scalef_ps(p, n);
   }
 #if defined(__AVX512BF16__)
-  // q . k over `chunks` runs of 2W bf16 values, products summed in float32 (vdpbf16ps):
-  // no conversion of the keys at all.
-  static V dot_bf16(const bf16* q, const bf16* k, int64_t chunks) {
-    V dot = zero();
-    for (int64_t c = 0; c < chunks; ++c) {
-      const __m512i qc = _mm512_loadu_si512(q + c * 2 * W), kc = _mm512_loadu_si512(k + c * 2 * W);
-      dot = _mm512_dpbf16_ps(dot, (__m512bh)qc, (__m512bh)kc);
-    }
-    return dot;
-  }
+  // 2W bf16 values as they are, and acc + their pairwise products summed in float32
+  // (vdpbf16ps): the keys' dot products need no conversion at all.
+  using B = __m512i;
+  static B load_bf16(const bf16* p) { return _mm512_loadu_si512(p); }
+  static V dot_bf16(V acc, B q, B k) { return _mm512_dpbf16_ps(acc, (__m512bh)q, (__m512bh)k); }
 #endif
   // 2W bf16 values as two float vectors: the even elements, then the odd ones (a bf16 is
   // the top half of a float32, so a shift and a mask convert without a shuffle).
@@ -140,18 +136,16 @@ struct Simd {
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
   }
-  // out[j] = the sum of the lanes of vector j, for the W vectors at v (a transposing tree).
-  static void sums(const float* v, float* out) {
-    V a[4], b[2];
-    for (int i = 0; i < 4; ++i) {
-      const V x = load(v + (2 * i) * W), y = load(v + (2 * i + 1) * W);
-      a[i] = add(_mm256_unpacklo_ps(x, y), _mm256_unpackhi_ps(x, y));
-    }
-    for (int i = 0; i < 2; ++i) {  // per 128-bit lane: vectors 4i..4i+3, in order
-      const __m256d x = _mm256_castps_pd(a[2 * i]), y = _mm256_castps_pd(a[2 * i + 1]);
-      b[i] = add(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
-    }
-    store(out, add(_mm256_permute2f128_ps(b[0], b[1], 0x20), _mm256_permute2f128_ps(b[0], b[1], 0x31)));
+  // As the AVX-512 quad and sums (W / 4 = 2 quads).
+  static V quad(V x0, V x1, V x2, V x3) {
+    const V a = add(_mm256_unpacklo_ps(x0, x1), _mm256_unpackhi_ps(x0, x1));
+    const V b = add(_mm256_unpacklo_ps(x2, x3), _mm256_unpackhi_ps(x2, x3));
+    const __m256d x = _mm256_castps_pd(a), y = _mm256_castps_pd(b);  // per 128-bit lane: vectors 4i..4i+3
+    return add(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+  }
+  static void sums(const float* quads, float* out) {
+    const V b0 = load(quads), b1 = load(quads + W);
+    store(out, add(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31)));
   }
   static V exp(V x) {
     x = _mm256_max_ps(x, set1(kExpFloor));
