@@ -1,7 +1,9 @@
 """The torch attention backend against a dense per-request reference: mixed steps of
 decodes (several length groups), prefix-extends and fresh prefills, over shuffled pages
 whose table rows have stale tails. The backend's metadata is built for the whole step at
-once (no per-request tensors), so this pins what each request reads and writes."""
+once (no per-request tensors), so this pins what each request reads and writes. With the
+C++ kernels (`KERNELS`): decodes through the paged decode kernel, prefill chunks through
+the chained one (gpu/attention/paged_decode.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ import math
 import pytest
 import torch
 
+from gpu.attention import paged_decode
 from gpu.attention.torch_backend import TorchAttention
+from gpu.kernels import cpu
 from tests.paged_layout import Case, Shape, lay_out
 
 PAGE, HEADS, KV_HEADS, DIM = 4, 6, 2, 8
@@ -18,11 +22,15 @@ PAGE, HEADS, KV_HEADS, DIM = 4, 6, 2, 8
 MIXED: Case = [(37, 1), (3, 1), (0, 9), (12, 5), (64, 1), (20, 1), (0, 1), (5, 1), (8, 4)]
 
 
+KERNELS = pytest.param(True, marks=pytest.mark.skipif(not cpu.load(paged_decode.KERNEL),
+                                                     reason="the C++ paged attention kernel does not build here"))
+
+
 def setup(
-    case: Case, seed: int
+    case: Case, seed: int, kernels: bool = False
 ) -> tuple[TorchAttention, torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
     lay = lay_out(case, Shape(PAGE, HEADS, KV_HEADS, DIM), seed)
-    return TorchAttention(lay.pool, lay.table), lay.q, lay.k, lay.v, lay.rows
+    return TorchAttention(lay.pool, lay.table, cpu_kernels=kernels), lay.q, lay.k, lay.v, lay.rows
 
 
 def reference(attn: TorchAttention, case: Case, rows: list[int], q: torch.Tensor) -> torch.Tensor:
@@ -39,8 +47,8 @@ def reference(attn: TorchAttention, case: Case, rows: list[int], q: torch.Tensor
     return out
 
 
-def run(case: Case, seed: int) -> tuple[torch.Tensor, torch.Tensor, TorchAttention, list[int]]:
-    attn, q, k, v, rows = setup(case, seed)
+def run(case: Case, seed: int, kernels: bool = False) -> tuple[torch.Tensor, torch.Tensor, TorchAttention, list[int]]:
+    attn, q, k, v, rows = setup(case, seed, kernels)
     attn.prepare(rows, [p for p, _ in case], [e for _, e in case])
     got = attn.forward(0, q, k, v)
     return got, reference(attn, case, rows, q), attn, rows
@@ -58,9 +66,14 @@ def run(case: Case, seed: int) -> tuple[torch.Tensor, torch.Tensor, TorchAttenti
     ],
     ids=["mixed", "one-decode", "one-group-in-order", "fresh-prefill", "extend", "decodes-only"],
 )
-def test_matches_dense_reference(case: Case) -> None:
-    got, want, attn, _ = run(case, seed=3)
+@pytest.mark.parametrize("kernels", [False, KERNELS])
+def test_matches_dense_reference(case: Case, kernels: bool) -> None:
+    got, want, attn, _ = run(case, seed=3, kernels=kernels)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    if kernels:
+        chunks = any(e > 1 for _, e in case)
+        assert (attn._chained is not None) == (chunks and paged_decode.chained_extends(attn.pool))
+        return
     if sum(e == 1 for _, e in case) > 3:
         assert len(attn._decodes) > 1, "the case should cut decodes into several length groups"
     if len(case) <= 3 and all(e == 1 for _, e in case):  # the no-gather path of one in-order group
@@ -85,6 +98,23 @@ def test_reference_catches_a_shifted_write(monkeypatch: pytest.MonkeyPatch) -> N
 
     monkeypatch.setattr(TorchAttention, "_cache_locs", shifted)
     got, want, _, _ = run(MIXED, seed=3)
+    assert not torch.allclose(got, want, atol=1e-3)
+
+
+@pytest.mark.skipif(not cpu.load(paged_decode.KERNEL), reason="the C++ paged attention kernel does not build here")
+def test_reference_catches_chunk_tokens_one_key_short(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted bug: the chained kernel's chunk tokens each miss their own key (key counts
+    one short). The reference comparison goes red."""
+    monkeypatch.setattr(paged_decode, "chained_extends", lambda pool: True)
+    build = paged_decode.build_extends
+
+    def short(*args: object, **kwargs: object) -> paged_decode.PagedDecode:
+        step = build(*args, **kwargs)  # type: ignore[arg-type]
+        return step._replace(seq_lens=step.seq_lens - 1)
+
+    monkeypatch.setattr(paged_decode, "build_extends", short)
+    got, want, attn, _ = run(MIXED, seed=3, kernels=True)
+    assert attn._chained is not None
     assert not torch.allclose(got, want, atol=1e-3)
 
 

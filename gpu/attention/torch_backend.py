@@ -4,7 +4,9 @@ Decodes are batched into one padded SDPA call per length group, or, with the C++
 kernels (`cpu_kernels`), all go through one call of the paged decode kernel
 (gpu/attention/paged_decode.py). Prefill chunks run one SDPA call each (there are few per
 step, and padding a 512-token chunk against 1-token decodes would waste far more than
-the loop costs).
+the loop costs), or, with the C++ kernels where they are faster than SDPA
+(`paged_decode.chained_extends`), all go through one call of the chained kernel, each of
+their tokens a row with its keys up to its own position, read from the pool.
 """
 
 from __future__ import annotations
@@ -54,7 +56,9 @@ class TorchAttention(AttentionBackend):
         self._extends: list[_Extend] = []
         # Decodes through the C++ kernel when it is allowed, built, and computes the pool's dtype.
         self._use_kernel = paged_decode.kernel_ready(cpu_kernels, pool)
+        self._chained_extends = self._use_kernel and paged_decode.chained_extends(pool)
         self._paged: PagedDecode | None = None
+        self._chained: PagedDecode | None = None  # the step's prefill-chunk tokens, with _chained_extends
         self._gather_k = torch.empty(0, dtype=pool.k[0].dtype if pool.k else torch.float32)
         self._gather_v = torch.empty_like(self._gather_k)
 
@@ -68,20 +72,25 @@ class TorchAttention(AttentionBackend):
             self.prepare_decodes(rows_t, prefix_t)
             return
         extend_t = to_device(extend_lens, torch.int64, device)
-        self.out_cache_loc = self._cache_locs(rows_t, prefix_t, extend_t, sum(extend_lens))
+        tokens = sum(extend_lens)
+        token_rows, positions = paged_decode.token_layout(rows_t, prefix_t, extend_t, tokens)
+        self.out_cache_loc = self._cache_locs(token_rows, positions)
         starts = list(accumulate(extend_lens, initial=0))
         dec = [i for i, num in enumerate(extend_lens) if num == 1]
-        self._decodes, self._paged = [], None
+        self._decodes, self._paged, self._chained = [], None, None
         if dec and self._use_kernel:
             ps = self.pool.page_size
             self._paged = paged_decode.build(self.req_to_token, ps, dec, starts, rows_t, prefix_t, prefix_lens)
         elif dec:
             self._decodes = self._group_decodes(dec, starts, rows_t, prefix_lens)
-        self._extends = [
-            self._extend(rows[i], starts[i], num, prefix_lens[i])
-            for i, num in enumerate(extend_lens)
-            if num > 1
-        ]
+        chunks = [i for i, num in enumerate(extend_lens) if num > 1]
+        if chunks and self._chained_extends:
+            per_token = torch.repeat_interleave(extend_t, extend_t, output_size=tokens)
+            keys = max(prefix_lens[i] + extend_lens[i] for i in chunks)
+            self._chained = paged_decode.build_extends(self.req_to_token, self.pool.page_size, token_rows, positions,
+                                                       per_token, keys, all_tokens=not dec)
+            chunks = []
+        self._extends = [self._extend(rows[i], starts[i], extend_lens[i], prefix_lens[i]) for i in chunks]
 
     def prepare_decodes(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
         """`prepare` of a decode-only step over the C++ kernel (`uses_paged_kernel`), from
@@ -99,15 +108,12 @@ class TorchAttention(AttentionBackend):
     def paged_decodes(self) -> tuple[torch.Tensor, PagedDecode] | None:
         """After `prepare`: the KV slot of every new token and the paged kernel's metadata,
         where the step is decodes only, in order, over the C++ kernel (else None)."""
-        if self._paged is None or self._paged.tok is not None or self._extends:
+        if self._paged is None or self._paged.tok is not None or self._extends or self._chained is not None:
             return None
         return self.out_cache_loc, self._paged
 
-    def _cache_locs(
-        self, rows: torch.Tensor, prefix: torch.Tensor, extend: torch.Tensor, tokens: int
-    ) -> torch.Tensor:
+    def _cache_locs(self, token_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """KV slot of every new token: its request's table row at its position."""
-        token_rows, positions = paged_decode.token_layout(rows, prefix, extend, tokens)
         return self.req_to_token[token_rows, positions]
 
     def _extend(self, row: int, tok_start: int, num: int, prefix: int) -> _Extend:
@@ -171,6 +177,9 @@ class TorchAttention(AttentionBackend):
             return paged_decode.attend(paged, q, k_cache, v_cache, ps)
         if self._decodes and self._decodes[0].tok is None:  # the step is this one group
             return self._decode(self._decodes[0], q, k_cache, v_cache)
+        chained = self._chained
+        if chained is not None and chained.tok is None:  # the step is its prefill chunks
+            return paged_decode.attend(chained, q, k_cache, v_cache, ps, chained=True)
         if self.pool.widened:
             # NOTE: a chunk attends to its own keys as the pool holds them (rounded), so a
             # later step or a cache hit reading them back from the pool sees the same values.
@@ -178,6 +187,9 @@ class TorchAttention(AttentionBackend):
         out = torch.empty_like(q)
         if paged is not None and paged.tok is not None:
             out.index_copy_(0, paged.tok, paged_decode.attend(paged, q.index_select(0, paged.tok), k_cache, v_cache, ps))
+        if chained is not None and chained.tok is not None:
+            out.index_copy_(0, chained.tok,
+                            paged_decode.attend(chained, q.index_select(0, chained.tok), k_cache, v_cache, ps, chained=True))
         for group in self._decodes:
             assert group.tok is not None
             out.index_copy_(0, group.tok, self._decode(group, q, k_cache, v_cache))
