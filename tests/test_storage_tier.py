@@ -476,13 +476,17 @@ def test_pages_of_the_other_numerics_are_a_miss(tmp_path: Path, writer_det: bool
 
 
 def test_red_pages_keyed_without_the_numerics(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Planted: the key without deterministic mode's name. The packaged model's default
-    numerics run the dense copy of its 4-bit linears in a default-mode prefill and the
-    4-bit op in deterministic mode: a deterministic server reads the default server's
-    pages and its output is not its cold run's."""
+    """Planted: the key without deterministic mode's name. A deterministic server reads the
+    default server's pages and its output is not its cold run's. The default server's
+    prefill attention runs torch's SDPA here: where the C++ kernels run, its prefill chunks
+    otherwise take the chained kernel, deterministic mode's, and on a CPU where its 4-bit
+    linears also run the same op in both modes (no dense copy: no AMX) its pages would be
+    deterministic mode's bits, the planted key harmless."""
     import kernel.model_build as build_mod
+    from gpu.attention import paged_decode
 
     monkeypatch.setattr(build_mod, "exact_numerics", lambda config, model, cpu_kernels: "")
+    monkeypatch.setattr(paged_decode, "chained_extends", lambda pool: False)
     out, ref, _ = read_after_the_other_mode(tmp_path, writer_det=False)
     assert out["meta_info"]["cached_tokens_by_tier"]["storage"] > 0
     assert not same(out, ref)

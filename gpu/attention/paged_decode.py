@@ -77,14 +77,13 @@ def build(
 
 def build_extends(
     req_to_token: torch.Tensor, page_size: int, token_rows: torch.Tensor, positions: torch.Tensor,
-    extend: torch.Tensor, keys: int, all_tokens: bool,
+    tok: torch.Tensor | None, keys: int,
 ) -> PagedDecode:
     """The chained kernel's metadata for a step's prefill-chunk tokens (its requests of more
     than one new token), each token a row of its own: its request's pages and its key count
-    (positions <= its own). token_rows / positions: every new token's (`token_layout`);
-    extend: each token's request's new-token count; keys: the most keys a chunk token has;
-    all_tokens: the step is chunks only (no index of them needed)."""
-    tok = None if all_tokens else torch.nonzero(extend > 1).view(-1)
+    (positions <= its own). token_rows / positions: every new token's (`token_layout`); tok:
+    the chunk tokens' flat indices (None: the step is its chunks); keys: the most keys a
+    chunk token has."""
     rows, pos = (token_rows, positions) if tok is None else (token_rows[tok], positions[tok])
     pages = -(-keys // page_size)
     return PagedDecode(tok, req_to_token[rows, : pages * page_size : page_size] // page_size, pos + 1)

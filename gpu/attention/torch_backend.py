@@ -85,10 +85,12 @@ class TorchAttention(AttentionBackend):
             self._decodes = self._group_decodes(dec, starts, rows_t, prefix_lens)
         chunks = [i for i, num in enumerate(extend_lens) if num > 1]
         if chunks and self._chained_extends:
-            per_token = torch.repeat_interleave(extend_t, extend_t, output_size=tokens)
+            # From the host lists: the chunk tokens' flat indices (none where the step is its chunks).
+            tok = None if not dec else to_device(
+                [t for i in chunks for t in range(starts[i], starts[i] + extend_lens[i])], torch.int64, device)
             keys = max(prefix_lens[i] + extend_lens[i] for i in chunks)
             self._chained = paged_decode.build_extends(self.req_to_token, self.pool.page_size, token_rows, positions,
-                                                       per_token, keys, all_tokens=not dec)
+                                                       tok, keys)
             chunks = []
         self._extends = [self._extend(rows[i], starts[i], extend_lens[i], prefix_lens[i]) for i in chunks]
 
@@ -98,7 +100,7 @@ class TorchAttention(AttentionBackend):
         self.out_cache_loc, self._paged = paged_decode.decode_slots(
             self.req_to_token, rows, positions, self.pool.page_size
         )
-        self._decodes, self._extends = [], []
+        self._decodes, self._extends, self._chained = [], [], None
 
     @property
     def uses_paged_kernel(self) -> bool:
