@@ -187,7 +187,8 @@ def _build_components(
     speculator = _speculator(config, states is not None, runner.graphs.decode_rows if runner.graphs else None, cache)
     if speculator is not None and isinstance(speculator.drafter, ModelDrafter):
         speculator.drafter.attach(build_draft(config, device, built, context, num_pages, table, attention_name,
-                                              decode_buckets=config.graphs.decode_buckets), page_size)
+                                              decode_buckets=config.graphs.decode_buckets), page_size,
+                                    table.num_rows)
     if runner.graphs is not None:
         runner.graphs.inputs = runner.inputs
     return Components(

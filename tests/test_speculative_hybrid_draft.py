@@ -5,22 +5,26 @@ slots per table row, its jobs resume from the state after the tokens the last jo
 with the same weights as the target (nearly every draft accepted), with the other family
 as the draft (most rejected), for every state strategy of the target.
 
+A later turn's first job starts from a snapshot of the draft's state at a page boundary
+the first turn's jobs read (kernel/speculative/draft_states.py), not from token 0.
+
 Planted: the next job resuming from the state its drafts left (the rollback of the
-draft's own state forgotten) — the target still verifies every draft, so the output
-stays exact, and the acceptance guard is what goes red.
+draft's own state forgotten); a snapshot one token before its page boundary — the target
+still verifies every draft, so the output stays exact, and the acceptance guard is what
+goes red.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
 from gpu.forward_batch import PrefillChunk
 from kernel import Engine
 from kernel.speculative import draft_model
-from kernel.speculative.draft_model import DraftModel
-from tests.conftest import HYBRID_FAMILIES
+from kernel.speculative.draft_model import DraftModel, ModelDrafter
+from tests.conftest import HYBRID_FAMILIES, HYBRID_OVERRIDES
 from tests.test_speculative import same
 from tests.test_speculative_hybrid import PARAMS, PROMPTS, STRATEGIES, make
 
@@ -100,8 +104,9 @@ def test_planted_draft_state_not_rolled_back_red(family: str, hybrid_folders: di
     """Each job reads its known tokens from the state its previous job's drafts left."""
     chunk = DraftModel._chunk
 
-    def from_drafts(self: DraftModel, tokens: tuple[int, ...], row: int, start: int, step: int) -> PrefillChunk:
-        c = chunk(self, tokens, row, start, step)
+    def from_drafts(self: DraftModel, tokens: tuple[int, ...], row: int, start: int, step: int,
+                    track: tuple[tuple[int, int], ...] = ()) -> PrefillChunk:
+        c = chunk(self, tokens, row, start, step, track)
         return c._replace(state_src=draft_model.scratch_slot(row)) if step == 0 else c
 
     monkeypatch.setattr(DraftModel, "_chunk", from_drafts)
@@ -115,3 +120,86 @@ def test_planted_draft_state_not_rolled_back_red(family: str, hybrid_folders: di
             assert acceptance(out) >= AGREES
     finally:
         engine.shutdown()
+
+
+def next_turn(first: dict[str, Any]) -> list[int]:
+    """A later turn's prompt: the first turn's prompt and answer, then new tokens."""
+    return PROMPTS[0] + list(first["output_ids"]) + PROMPTS[1][:5]
+
+
+class Turn(NamedTuple):
+    prompt: list[int]
+    out: dict[str, Any]
+    job: draft_model.DraftJob  # the turn's first draft job
+    drafts: list[int]  # and its drafts
+
+
+def second_turn(folder: str) -> Turn:
+    """A drafting engine's second turn, after a first one (PROMPTS[0], GREEDY)."""
+    calls: list[tuple[draft_model.DraftJob, list[int]]] = []
+    run = DraftModel.draft
+
+    def record(self: DraftModel, jobs: Any) -> list[list[int]]:
+        drafts = run(self, jobs)
+        calls.append((jobs[0], drafts[0]))
+        return drafts
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(DraftModel, "draft", record)
+        engine = drafting(folder, folder)
+        try:
+            first = engine.generate(PROMPTS[0], GREEDY)
+            assert isinstance(first, dict)
+            prompt, seen = next_turn(first), len(calls)
+            out = engine.generate(prompt, GREEDY)
+            assert isinstance(out, dict)
+        finally:
+            engine.shutdown()
+    return Turn(prompt, out, *calls[seen])
+
+
+def cold_second_turn(folder: str) -> Turn:
+    """The same with no snapshots: the second turn's first job reads from token 0."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(ModelDrafter, "_restart", lambda self, req, limit: (0, 0))
+        turn = second_turn(folder)
+    assert turn.job.start == 0 and not turn.job.resume
+    return turn
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_a_next_turn_starts_from_a_draft_snapshot(family: str, hybrid_folders: dict[str, str]) -> None:
+    """The second turn's first draft job starts at a page boundary of the first turn's
+    tokens, from the draft state a first-turn job kept there (not from token 0): it drafts
+    what a start from token 0 drafts, and the output is the plain engine's."""
+    folder = hybrid_folders[family]
+    turn, cold = second_turn(folder), cold_second_turn(folder)
+    page = HYBRID_OVERRIDES["cache.page_size"]
+    assert turn.job.resume and turn.job.start > len(PROMPTS[0]) and turn.job.start % page == 0, turn.job
+    assert turn.drafts == cold.drafts
+    plain = make(folder, "extra_buffer", **{"cache.prefix": "none"})
+    try:
+        ref = plain.generate(turn.prompt, GREEDY)
+        assert isinstance(ref, dict)
+    finally:
+        plain.shutdown()
+    same(turn.out, ref)
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_planted_snapshot_one_token_off_red(family: str, hybrid_folders: dict[str, str],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each snapshot is the state one token before the page boundary it is kept for: the
+    output stays exact (the target verifies every draft), the drafts guard goes red."""
+    snapshot = ModelDrafter._snapshot
+
+    def early(self: ModelDrafter, req: Any, start: int, total: int) -> tuple[tuple[int, int], ...]:
+        return tuple((end - 1, slot) for end, slot in snapshot(self, req, start, total) if end - 1 > start)
+
+    folder = hybrid_folders[family]
+    cold = cold_second_turn(folder)
+    monkeypatch.setattr(ModelDrafter, "_snapshot", early)
+    turn = second_turn(folder)
+    assert turn.job.resume, turn.job
+    same(turn.out, cold.out)
+    assert turn.drafts != cold.drafts

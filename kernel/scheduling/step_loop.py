@@ -165,8 +165,10 @@ class StepLoop:
             drafts = await self.device_thread.submit(lambda: model.draft(jobs))
         except Exception as exc:
             log.exception("draft_failed")
+            drafter.settle(written=False)
             self.fail(plan, exc)
             return plan._replace(chunks=[])
+        drafter.settle()
         chunks = list(plan.chunks)
         for i, draft in zip(pending, drafts):
             chunks[i] = chunks[i]._replace(draft=tuple(draft))

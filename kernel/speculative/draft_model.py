@@ -17,8 +17,10 @@ greedy picks, written at the positions the verify step's drafted tokens take.
 A hybrid draft model (recurrent state layers) keeps two state slots per request-table
 row, fixed by the row (nothing to allocate or free): `base`, the state after the tokens
 the last job read, and `scratch`, where its greedy steps run on. The next job resumes
-from `base` (the drafted tokens' state is dropped, whatever the verify step accepted), or
-reads the request from its first token where `base` is not the state its start needs.
+from `base` (the drafted tokens' state is dropped, whatever the verify step accepted).
+Where `base` is not the state its start needs (a request's first job), it starts from a
+snapshot of the draft's state at a page boundary of its prefix (kernel/speculative/draft_states.py,
+one slot per table row more), else from the request's first token.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from gpu.sampling import argmax_rows
 from kernel.registry import register
 from kernel.request import Request
 from kernel.speculative.draft_pages import DraftPages
+from kernel.speculative.draft_states import DraftStates
 from kernel.speculative.drafter import Drafter
 from kernel.speculative.tree import DraftTree
 
@@ -48,6 +51,8 @@ class DraftJob(NamedTuple):
     tokens: tuple[int, ...]  # the request's tokens from `start` to its end
     wanted: int  # drafts wanted
     others: int = 0  # token trees: next-best tokens wanted beside each draft
+    resume: int = 0  # a hybrid draft: the snapshot slot its `base` starts from (0: base as it is)
+    track: tuple[tuple[int, int], ...] = ()  # a hybrid draft: (tokens, snapshot slot) the chunk keeps
 
 
 def base_slot(row: int) -> int:
@@ -60,9 +65,16 @@ def scratch_slot(row: int) -> int:
     return 2 * row
 
 
+def snapshot_slots(num_rows: int) -> tuple[int, int]:
+    """(first, count): the snapshot slots of a hybrid draft's pool (draft_states.py)."""
+    return 2 * num_rows, num_rows
+
+
 def state_slots(num_rows: int) -> int:
-    """Slots a hybrid draft's state pool needs for `num_rows` table rows (row 0 included)."""
-    return 2 * num_rows
+    """Slots a hybrid draft's state pool needs for `num_rows` table rows (row 0 included):
+    two a row, then one a row for snapshots."""
+    first, count = snapshot_slots(num_rows)
+    return first + count
 
 
 class DraftModel:
@@ -76,20 +88,24 @@ class DraftModel:
     def recurrent(self) -> bool:
         return self.runner.states is not None
 
-    def _chunk(self, tokens: tuple[int, ...], row: int, start: int, step: int) -> PrefillChunk:
-        """A job's chunk (step 0: its known tokens, from `base` back to `base`) or one of
-        its greedy steps (from `base`, then `scratch`, into `scratch`)."""
+    def _chunk(self, tokens: tuple[int, ...], row: int, start: int, step: int,
+               track: tuple[tuple[int, int], ...] = ()) -> PrefillChunk:
+        """A job's chunk (step 0: its known tokens, from `base` back to `base`, keeping the
+        job's snapshots) or one of its greedy steps (from `base`, then `scratch`, into `scratch`)."""
         if not self.recurrent:
             return PrefillChunk(tokens, row, start)
         src = base_slot(row) if step <= 1 else scratch_slot(row)
-        return PrefillChunk(tokens, row, start, src, base_slot(row) if step == 0 else scratch_slot(row))
+        return PrefillChunk(tokens, row, start, src, base_slot(row) if step == 0 else scratch_slot(row), track)
 
     @torch.inference_mode()
     def draft(self, jobs: Sequence[DraftJob]) -> list[list[int]]:
         """The greedy drafts of every job, in order (device thread); a job with `others`
         also gets, after its drafts, the next-best tokens at each of their positions
         (`others` a position, best first: the side nodes of `ModelDrafter.propose_tree`)."""
-        chunks = [self._chunk(job.tokens, job.row, job.start, 0) for job in jobs]
+        resumes = [(job.resume, base_slot(job.row)) for job in jobs if job.resume]
+        if resumes:  # NOTE: before the forward, which may write a snapshot slot another job resumes from
+            self.runner.run_state_copies(resumes)
+        chunks = [self._chunk(job.tokens, job.row, job.start, 0, job.track) for job in jobs]
         others = max(job.others for job in jobs)
         picks, alts = self._greedy(chunks, others)
         drafts = [[t] for t in picks]
@@ -128,11 +144,14 @@ class ModelDrafter(Drafter):
         super().__init__(**options)
         self.model: DraftModel | None = None  # attached by the engine builder (`attach`)
         self.pages: DraftPages | None = None
+        self.states: DraftStates | None = None  # a hybrid draft's snapshots
         self._seen: dict[str, tuple[int, int]] = {}  # per request: (table row, tokens the draft has read)
 
-    def attach(self, model: DraftModel, page_size: int) -> None:
+    def attach(self, model: DraftModel, page_size: int, num_rows: int) -> None:
         self.model = model
         self.pages = DraftPages(page_size)
+        if model.recurrent:
+            self.states = DraftStates(*snapshot_slots(num_rows))
 
     def propose(self, req: Request, max_tokens: int) -> list[int]:
         return [PENDING] * max_tokens
@@ -154,18 +173,46 @@ class ModelDrafter(Drafter):
         its own tokens (kernel/speculative/draft_pages.py), later ones after what the
         previous job read (its drafts' positions are redone: they may have been rejected).
         A hybrid draft resumes only where its `base` state is (the same row, the same
-        count), else from the request's first token: its state at a page is not kept."""
+        count) or from a snapshot at one of those pages (`_restart`), else from the
+        request's first token."""
         assert req.row is not None and self.pages is not None and self.model is not None
         total = req.total_len
         seen = self._seen.get(req.rid)
-        if self.model.recurrent:  # no page marks: a hybrid draft never starts at a page
-            resumable = seen is not None and seen[0] == req.row and seen[1] <= min(req.kv_len, total - 1)
-            start = seen[1] if resumable and seen is not None else 0
+        resume, track = 0, ()  # type: tuple[int, tuple[tuple[int, int], ...]]
+        if self.states is not None:
+            if seen is not None and seen[0] == req.row and seen[1] <= min(req.kv_len, total - 1):
+                start = seen[1]
+            else:
+                start, resume = self._restart(req, min(req.kv_len, total - 1))
+            track = self._snapshot(req, start, total)
         else:
             start = min(self.pages.trusted(req) if seen is None else seen[1], req.kv_len, total - 1)
-            self.pages.written(req, start, total, total + count - 1)
+        self.pages.written(req, start, total, total + count - 1)
         self._seen[req.rid] = (req.row, total)
-        return DraftJob(req.row, start, tuple(req.token_slice(start, total)), count, others)
+        return DraftJob(req.row, start, tuple(req.token_slice(start, total)), count, others, resume, track)
+
+    def _restart(self, req: Request, limit: int) -> tuple[int, int]:
+        """A hybrid draft's start without its `base`: (tokens, snapshot slot) of the longest
+        prefix of at most `limit` tokens whose pages hold its draft KV and whose state a
+        snapshot holds, else (0, 0)."""
+        assert self.pages is not None and self.states is not None
+        pages = min(self.pages.trusted(req), limit) // self.pages.page_size
+        n, slot = self.states.find(self.pages.keys(req, pages))
+        return n * self.pages.page_size, slot
+
+    def _snapshot(self, req: Request, start: int, total: int) -> tuple[tuple[int, int], ...]:
+        """The chunk [start, total)'s snapshot: the state at the last page boundary strictly
+        inside it, kept under that prefix's key."""
+        assert self.pages is not None and self.states is not None
+        pages = (total - 1) // self.pages.page_size
+        end = pages * self.pages.page_size
+        slot = self.states.keep(self.pages.keys(req, pages)[-1]) if end > start else 0
+        return ((end, slot),) if slot else ()
+
+    def settle(self, written: bool = True) -> None:
+        """The planned jobs' draft forward ran (written) or failed."""
+        if self.states is not None:
+            self.states.settle(written)
 
     def forget(self, req: Request) -> None:
         self._seen.pop(req.rid, None)

@@ -46,6 +46,10 @@ class DraftPages:
     def forget(self, req: Request) -> None:
         self._keys.pop(req.rid, None)
 
+    def keys(self, req: Request, pages: int) -> list[int]:
+        """The chained keys of `req`'s first `pages` whole pages of known tokens."""
+        return self._keys_of(req, pages)
+
     def _keys_of(self, req: Request, pages: int) -> list[int]:
         """The chained keys of `req`'s first `pages` whole pages of known tokens (grown as
         needed: a request's tokens never change once known)."""
