@@ -26,7 +26,7 @@ class DraftPages:
 
     def trusted(self, req: Request) -> int:
         """How many leading tokens of `req` the draft's KV already holds (whole pages)."""
-        keys = self._keys_of(req, len(req.pages))
+        keys = self.keys(req, len(req.pages))
         n = 0
         while n < len(keys) and self._marks.get(req.pages[n]) == keys[n]:
             n += 1
@@ -36,7 +36,7 @@ class DraftPages:
         """A draft job for `req` writes its KV at positions [start, end); tokens before
         `known` are the request's own, the rest its drafts."""
         ps = self.page_size
-        keys = self._keys_of(req, known // ps)
+        keys = self.keys(req, known // ps)
         for index in range(start // ps, min(-(-end // ps), len(req.pages))):
             if (index + 1) * ps <= known:
                 self._marks[req.pages[index]] = keys[index]
@@ -47,10 +47,6 @@ class DraftPages:
         self._keys.pop(req.rid, None)
 
     def keys(self, req: Request, pages: int) -> list[int]:
-        """The chained keys of `req`'s first `pages` whole pages of known tokens."""
-        return self._keys_of(req, pages)
-
-    def _keys_of(self, req: Request, pages: int) -> list[int]:
         """The chained keys of `req`'s first `pages` whole pages of known tokens (grown as
         needed: a request's tokens never change once known)."""
         keys = self._keys.setdefault(req.rid, [])

@@ -203,12 +203,8 @@ class Attender {
         // 150-350 keys, 30 layers, pages as served, one thread: 30.2-31.6 -> 27.0-28.3 ms a
         // step; prefill tiles, compute-bound, the same within noise).
         if (j + kAhead < n) {
-          const char* kn = reinterpret_cast<const char*>(p_.k + slot_[j + kAhead] + h * d);
-          const char* vn = reinterpret_cast<const char*>(p_.v + slot_[j + kAhead] + h * d);
-          for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(KV)); b += 64) {
-            __builtin_prefetch(kn + b);
-            __builtin_prefetch(vn + b);
-          }
+          tierserve_paged::to_l1(p_.k + slot_[j + kAhead] + h * d, d * static_cast<int64_t>(sizeof(KV)));
+          tierserve_paged::to_l1(p_.v + slot_[j + kAhead] + h * d, d * static_cast<int64_t>(sizeof(KV)));
         }
         cvec::widen_row(p_.k + slot_[j] + h * d, kr_.data() + j * d, d);
         cvec::widen_row(p_.v + slot_[j] + h * d, v_.data() + j * d, d);

@@ -32,6 +32,14 @@ constexpr int64_t kChunk = 128;     // keys per work item (a multiple of kBlock)
 constexpr int64_t kMaxHeadDim = 512;
 constexpr int kAhead = 8;           // keys ahead that a row's K and V lines are fetched into L1
 
+// `bytes` from `at` into L1 (software prefetch, a line at a time). NOTE: always inlined, as
+// every helper that calls it: GCC takes a function whose only effect is a prefetch for one
+// without any and drops its calls (it did, until inlining was forced).
+[[gnu::always_inline]] inline void to_l1(const void* at, int64_t bytes) {
+  const char* p = static_cast<const char*>(at);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
+}
+
 // What every work item reads; pointers into contiguous tensors. T: the query's and the
 // output's element type; KV: the pool's (T, or float16 under float32 compute).
 template <class T, class KV = T>
@@ -155,22 +163,13 @@ class Attender {
   }
 
   // A K or V row a few keys ahead into L1 (the block prefetch above brought it to L2).
-  [[gnu::always_inline]] void near(const KV* row) const {
-    const char* at = reinterpret_cast<const char*>(row);
-    for (int64_t b = 0; b < p_.dim * static_cast<int64_t>(sizeof(KV)); b += 64) __builtin_prefetch(at + b);
-  }
+  [[gnu::always_inline]] void near(const KV* row) const { to_l1(row, p_.dim * static_cast<int64_t>(sizeof(KV))); }
 
-  // A slot's K and V rows of the run's kv heads into L1, as `near`. NOTE: always inlined,
-  // as `ahead`: GCC takes a function whose only effect is a prefetch for one without any,
-  // and drops the calls (it did, until inlining was forced).
+  // A slot's K and V rows of the run's kv heads into L1, as `near`.
   [[gnu::always_inline]] void near_slot(int64_t slot_off) const {
     const int64_t bytes = (k1_ - k0_) * p_.dim * static_cast<int64_t>(sizeof(KV));
-    const char* k = reinterpret_cast<const char*>(p_.k + slot_off + k0_ * p_.dim);
-    const char* v = reinterpret_cast<const char*>(p_.v + slot_off + k0_ * p_.dim);
-    for (int64_t b = 0; b < bytes; b += 64) {
-      __builtin_prefetch(k + b);
-      __builtin_prefetch(v + b);
-    }
+    to_l1(p_.k + slot_off + k0_ * p_.dim, bytes);
+    to_l1(p_.v + slot_off + k0_ * p_.dim, bytes);
   }
 
   void block(int n, const int64_t* slot_off) {
