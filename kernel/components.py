@@ -117,7 +117,7 @@ def _build_components(
     pool = KVPool(kv_layers, num_pages, page_size, arch.num_kv_heads, arch.head_dim, kv_dtype, device, dtype)
     max_ctx_padded = pages_for(context, page_size) * page_size
     table = ReqToTokenTable(config.scheduler.max_running_requests + 1, max_ctx_padded, device,
-                            scratch_rows=_tree_rows(config, hybrid=getattr(model, "num_kv_layers", None) is not None))
+                            scratch_rows=_tree_rows(config))
     if config.deterministic and paged_decode.kernel_ready(cpu_kernels, pool):
         # NOTE: invariant 7 on CPU: every token through the C++ paged kernel, batch-invariant
         # and the same arithmetic for prefill and decode (gpu/attention/deterministic_paged.py).
@@ -226,15 +226,12 @@ def _speculator(config: Config, hybrid: bool, graph_rows: int | None, cache: Pre
     return Speculator(spec, row_limit=None if hybrid else graph_rows, cache=cache)
 
 
-def _tree_rows(config: Config, hybrid: bool) -> int:
+def _tree_rows(config: Config) -> int:
     """Scratch table rows for token trees' side nodes (kernel/speculative/tree.py): at most
     (topk - 1) per drafted position of each request drafting in a step."""
     spec = config.speculative
     if not spec.enabled or spec.topk == 1:
         return 0
-    if hybrid:
-        raise ConfigError("speculative.topk > 1 (token trees) needs a dense model: a hybrid model's verify "
-                          "step is one chunk through its recurrent state; use topk: 1")
     return (spec.topk - 1) * spec.num_draft_tokens * min(spec.max_batch, config.scheduler.max_running_requests)
 
 

@@ -279,7 +279,7 @@ class SpeculativeConfig:
     ngram_max: int = 4
     # Token trees: up to topk - 1 alternatives beside the main draft's tokens (ngram: other
     # continuations of the matched n-gram; draft: the draft model's next-best tokens at
-    # each position), all verified in one step; dense models only.
+    # each position), all verified in one step.
     topk: int = 1
     # method draft: the draft model (any checkpoint tierserve loads, sharing the target's
     # tokenizer), with its own dtype and quantization (auto: as for model.*).

@@ -71,6 +71,8 @@ class Request:
     # A verify step in flight (speculative decoding): (length, slot) of the state after
     # each position of its chunk, the last one its end (kernel/states/hybrid_state.py).
     verify_states: list[tuple[int, int]] = field(default_factory=list)
+    # and a token tree's: the slot of the state after each side node (its branch's chunk).
+    verify_side: list[int] = field(default_factory=list)
     # Host tier (kernel/tiers/host_tier.py): the load-back this request waits for, and its hit
     # tokens by tier (device + host + storage == cached_tokens).
     loading: object | None = None

@@ -33,7 +33,7 @@ class Oracle(Drafter):
         done = len(req.output_ids)
         if answer[:done] != req.output_ids:
             return []  # off the reference: nothing to guess from
-        draft = [t if (done + j) % WRONG_EVERY != WRONG_AT else (t + 1) % 1000 + 5
+        draft = [t if (done + j) % WRONG_EVERY != WRONG_AT else (t + 1) % 300 + 5
                  for j, t in enumerate(answer[done : done + max_tokens])]
         type(self).proposed += len(draft)
         return draft
@@ -60,11 +60,11 @@ class TreeOracle(Oracle):
             if token == answer[done + d]:
                 continue
             branch = answer[done + d : done + depth][: rows - len(draft)]
-            branch = [t if j != 3 else (t + 2) % 1000 + 5 for j, t in enumerate(branch)]
+            branch = [t if j != 3 else (t + 2) % 300 + 5 for j, t in enumerate(branch)]
             parents += [d - 1] + list(range(len(draft), len(draft) + len(branch) - 1))
             draft += branch
             branches += 1
-        decoy = (main[0] + 11) % 1000 + 5
+        decoy = (main[0] + 11) % 300 + 5
         roots = {t for t, p in zip(draft, parents) if p == -1}
         if branches < topk - 1 and len(draft) < rows and decoy not in roots and decoy != answer[done]:
             draft.append(decoy)

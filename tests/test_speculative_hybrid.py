@@ -2,9 +2,11 @@
 deterministic mode: the verify step is one chunk whose every position's state goes to a
 slot of its own, and the request resumes from the state after its last accepted token —
 so a speculating engine's output equals a plain engine's, token for token and logprob for
-logprob, for every state strategy, graphs off and emulated, and a later turn that hits a
-checkpoint a verify step cached (a grid point inside an accepted run) equals a cold run.
-The planted rollback one position off goes red.
+logprob, for every state strategy, graphs off and emulated, chains and token trees (each
+side branch a chunk of its own from the request's state, on a scratch table row), and a
+later turn that hits a checkpoint a verify step cached (a grid point inside an accepted
+run) equals a cold run. The planted rollback one position off, and a tree resuming from the
+main chain where its path left it, go red.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from kernel.states.hybrid_state import HybridState
 from tests import leaks
 from tests.conftest import GRAPHS_EMULATE, HYBRID_FAMILIES, HYBRID_OVERRIDES
 from tests.spec_drafters import Oracle
-from tests.test_speculative import ORACLE, same
+from tests.test_speculative import ORACLE, same, spec_stats
+from tests.test_speculative_tree import TREE, side
 from tests.tiny_hybrid import VOCAB
 
 INTERVAL = HYBRID_OVERRIDES["cache.state_track_interval"]
@@ -62,20 +65,24 @@ def reference(ref: Engine, prompt: list[int], params: dict[str, Any]) -> dict[st
     return out
 
 
+@pytest.mark.parametrize("topk", [1, 3])
 @pytest.mark.parametrize("graphs", ["off", "emulate"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_verify_steps_equal_plain_decoding(family: tuple[str, Engine], strategy: str, graphs: str,
+def test_verify_steps_equal_plain_decoding(family: tuple[str, Engine], strategy: str, graphs: str, topk: int,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """topk 3: token trees (TreeOracle: the right tokens on side branches where the main
+    chain is wrong), each side branch a chunk of its own from the request's state."""
     folder, ref = family
     offered: list[tuple[int, bool]] = []
     land = HybridState.land_verify
 
-    def spy(self: HybridState, req: Request, offer: Any) -> None:
-        land(self, req, lambda slot, length: offered.append((length, donated := offer(slot, length))) or donated)
+    def spy(self: HybridState, req: Request, offer: Any, *side: Any) -> None:
+        land(self, req, lambda slot, length: offered.append((length, donated := offer(slot, length))) or donated,
+             *side)
 
     monkeypatch.setattr(HybridState, "land_verify", spy)
     extra = GRAPHS_EMULATE if graphs == "emulate" else {"graphs.mode": "off"}
-    engine = make(folder, strategy, **ORACLE, **extra)
+    engine = make(folder, strategy, **(ORACLE if topk == 1 else TREE), **extra)
     try:
         refs = [reference(ref, p, q) for p, q in zip(PROMPTS, PARAMS)]
         outs = engine.generate(PROMPTS, PARAMS)
@@ -84,6 +91,9 @@ def test_verify_steps_equal_plain_decoding(family: tuple[str, Engine], strategy:
             same(out, r)
             meta = out["meta_info"]
             assert 0 < meta["spec_accepted_tokens"] < meta["spec_drafted_tokens"]
+        if topk > 1:
+            drafted, accepted = side(engine)
+            assert 0 < accepted < drafted, f"side nodes both accepted and rejected expected: {accepted} of {drafted}"
         assert any(donated for _, donated in offered), "no verify step cached a grid point"
         # A later turn resumes from a checkpoint inside the speculated output.
         turn = PROMPTS[0] + refs[0]["output_ids"][: 2 * INTERVAL + 1] + tokens(9, 3)
@@ -100,10 +110,10 @@ def test_planted_rollback_one_position_off_red(family: tuple[str, Engine], monke
     folder, ref = family
     land = HybridState.land_verify
 
-    def off_by_one(self: HybridState, req: Request, offer: Any) -> None:
+    def off_by_one(self: HybridState, req: Request, offer: Any, *side: Any) -> None:
         req.kv_len += 1
         try:
-            land(self, req, offer)
+            land(self, req, offer, *side)
         finally:
             req.kv_len -= 1
 
@@ -117,4 +127,49 @@ def test_planted_rollback_one_position_off_red(family: tuple[str, Engine], monke
             same(engine.generate(PROMPTS[0], PARAMS[0]), r)  # type: ignore[arg-type]
     finally:
         leaks.excuse(engine.engine)
+        engine.shutdown()
+
+
+def test_planted_tree_resumes_from_the_main_chain_red(family: tuple[str, Engine],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A token tree whose accepted path ran through side nodes resumes from the main
+    chain's state at that length (the rejected main tokens' state), as if the side
+    branch's states were never taken: the guard sees the difference."""
+    folder, ref = family
+    land = HybridState.land_verify
+
+    def main_only(self: HybridState, req: Request, offer: Any, *side: Any) -> None:
+        land(self, req, offer)
+
+    monkeypatch.setattr(HybridState, "land_verify", main_only)
+    engine = make(folder, "extra_buffer", **TREE, **{"debug.check_invariants": False})
+    try:
+        refs = [reference(ref, p, q) for p, q in zip(PROMPTS, PARAMS)]
+        outs = engine.generate(PROMPTS, PARAMS)
+        assert isinstance(outs, list)
+        assert side(engine)[1] > 0, "no side node accepted: the planted bug was never reached"
+        with pytest.raises(AssertionError, match="speculation guard"):
+            for out, r in zip(outs, refs):
+                same(out, r)
+    finally:
+        leaks.excuse(engine.engine)
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("topk", [1, 3])
+def test_ngram_drafts_exact(family: tuple[str, Engine], topk: int) -> None:
+    """The built-in n-gram drafter on a prompt whose n-grams were followed by several
+    tokens (side branches with topk 3), a prefix hit on the second request."""
+    folder, ref = family
+    engine = make(folder, "no_buffer", **{"speculative.method": "ngram", "speculative.ngram_min": 1,
+                                          "speculative.num_draft_tokens": 4, "speculative.topk": topk})
+    try:
+        motif = tokens(6, 5)
+        prompt = [t for i in range(6) for t in motif + [motif[0] + 1 + i]] + motif
+        for params in PARAMS:
+            out = engine.generate(prompt, params)
+            same(out, ref.generate(prompt, params))  # type: ignore[arg-type]
+        drafted, _ = side(engine)
+        assert spec_stats(engine)["drafted_tokens"] > 0 and (drafted > 0) == (topk > 1)
+    finally:
         engine.shutdown()

@@ -25,7 +25,7 @@ from kernel import Engine
 from kernel.speculative import draft_model
 from kernel.speculative.draft_model import DraftModel, ModelDrafter
 from tests.conftest import HYBRID_FAMILIES, HYBRID_OVERRIDES
-from tests.test_speculative import same
+from tests.test_speculative import same, spec_stats
 from tests.test_speculative_hybrid import PARAMS, PROMPTS, STRATEGIES, make
 
 OTHER = dict(zip(HYBRID_FAMILIES, reversed(HYBRID_FAMILIES)))
@@ -36,9 +36,9 @@ GREEDY = {**PARAMS[0], "max_new_tokens": 40}
 AGREES = 0.9
 
 
-def drafting(folder: str, draft: str, strategy: str = "extra_buffer") -> Engine:
+def drafting(folder: str, draft: str, strategy: str = "extra_buffer", topk: int = 1) -> Engine:
     return make(folder, strategy, **{"speculative.method": "draft", "speculative.draft_model": draft,
-                                     "speculative.num_draft_tokens": 4})
+                                     "speculative.num_draft_tokens": 4, "speculative.topk": topk})
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +79,23 @@ def test_same_weights_draft_is_exact_and_accepted(family: str, strategy: str, hy
         again = engine.generate(PROMPTS[1], GREEDY)
         assert isinstance(again, dict)
         assert acceptance(again) >= AGREES
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_draft_tree_on_a_hybrid_target_is_exact(family: str, hybrid_folders: dict[str, str],
+                                                refs: dict[str, list[dict[str, Any]]]) -> None:
+    """topk 2: the draft's next-best token beside each of its chain's, each such leaf a
+    side branch chunk of the target's verify step."""
+    folder = hybrid_folders[family]
+    engine = drafting(folder, folder, "no_buffer", topk=2)
+    try:
+        outs = engine.generate(PROMPTS + [PROMPTS[0]], PARAMS + [GREEDY])
+        assert isinstance(outs, list)
+        for out, ref in zip(outs, refs[family]):
+            same(out, ref)
+        assert spec_stats(engine)["side_drafted_tokens"] > 0, "no leaf drafted"
     finally:
         engine.shutdown()
 

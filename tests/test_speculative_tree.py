@@ -17,7 +17,6 @@ import pytest
 from gpu.kernels import cpu
 from gpu.model_runner import ModelRunner
 from kernel import Engine
-from kernel.config import ConfigError
 from kernel.scheduling import step_loop
 from kernel.speculative.tree import DraftTree, legal_tree, walk
 from tests import leaks
@@ -170,12 +169,6 @@ def test_planted_fork_page_not_copied_red(tiny_chat_folder: str, native_refs: li
     finally:
         leaks.excuse(engine.engine)
         engine.shutdown()
-
-
-def test_topk_needs_a_dense_model(hybrid_folders: dict[str, str]) -> None:
-    with pytest.raises(ConfigError, match="token trees"):
-        Engine(None, {"model.path": hybrid_folders["lfm2"], **TINY_OVERRIDES, "speculative.method": "ngram",
-                      "speculative.topk": 2})
 
 
 # ---- the tree, alone -----------------------------------------------------------------

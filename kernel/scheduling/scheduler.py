@@ -23,7 +23,7 @@ from kernel.scheduling.policy import SchedulePolicy
 from kernel.scheduling.prefix_reuse import PrefixReuse
 from kernel.scheduling.step_plan import ScheduledChunk, StepPlan
 from kernel.speculative.speculator import Speculator
-from kernel.speculative.tree import VerifyTree, free_scratch, plan_scratch, walk
+from kernel.speculative.tree import VerifyTree, free_scratch, main_length, plan_scratch, side_states, walk
 from kernel.speculative.tree import depths as tree_depths
 from kernel.states.hybrid_state import HybridState
 from kernel.structured.grammar_gate import advance_grammar
@@ -130,7 +130,7 @@ class Scheduler:
             if not self._reserve_decode(req, planned, retracted):
                 continue
             draft, tree = self._draft(req, budget - 1)
-            chunks.append(self._chunk(req, 1, draft)._replace(tree=tree))
+            chunks.append(self._chunk(req, 1, draft, tree))
             planned.add(id(req))
             budget -= 1 + len(draft) + (len(tree.extra) if tree is not None else 0)
         for req in list(self.running):
@@ -165,13 +165,17 @@ class Scheduler:
             budget -= length
         return chunks
 
-    def _chunk(self, req: Request, length: int, draft: tuple[int, ...] = ()) -> ScheduledChunk:
+    def _chunk(self, req: Request, length: int, draft: tuple[int, ...] = (),
+               tree: VerifyTree | None = None) -> ScheduledChunk:
         samples = req.kv_len + length == req.total_len and req.params.max_new_tokens > 0
         if self.hybrid is None:
-            return ScheduledChunk(req, req.kv_len, length, samples=samples, draft=draft)
-        if draft:
-            src, dst, track = self.hybrid.plan_verify(req, req.kv_len, length + len(draft))
-            return ScheduledChunk(req, req.kv_len, length, src, dst, track, samples, draft)
+            return ScheduledChunk(req, req.kv_len, length, samples=samples, draft=draft, tree=tree)
+        if draft:  # the main chain's chunk; a tree's side branches run from its src (tree.py)
+            main = tree.main if tree is not None else len(draft)
+            src, dst, track = self.hybrid.plan_verify(req, req.kv_len, length + main)
+            if tree is not None:
+                tree = tree._replace(states=self.hybrid.plan_side(req, len(draft) - main))
+            return ScheduledChunk(req, req.kv_len, length, src, dst, track, samples, draft, tree)
         src, dst, track = self.hybrid.plan(req, req.kv_len, length)
         return ScheduledChunk(req, req.kv_len, length, src, dst, track, samples)
 
@@ -185,8 +189,8 @@ class Scheduler:
             return (), None
         p = req.params
         room = (len(req.pages) + self.allocator.num_free) * self.page_size - req.total_len
-        if self.hybrid is not None:  # a state slot per position of the verify chunk
-            room = min(room, self.hybrid.spare_slots() - 1)
+        slots = self.hybrid.spare_slots() - 1 if self.hybrid is not None else 1 << 30
+        room = min(room, slots)  # hybrid: a state slot per position of the verify chunk, side nodes too
         depth = min(room, p.max_new_tokens - len(req.output_ids) - 1, self.max_context - req.total_len - 1)
         tree = spec.draft(req, depth, budget)
         if not tree.tokens:
@@ -196,7 +200,8 @@ class Scheduler:
         if not tree.parents:
             return tree.tokens, None
         draft, planned = plan_scratch(req, tree, self.allocator, self.req_table, self.page_size,
-                                      max_rows=min(budget - len(tree.tokens), spec.rows_left))
+                                      max_rows=min(budget - len(tree.tokens), spec.rows_left),
+                                      max_side=slots - main_length(tree.parents))
         spec.rows_left -= len(planned.extra) if planned is not None else 0
         return draft, planned
 
@@ -396,7 +401,8 @@ class Scheduler:
         self.speculator.record(req, len(chunk.draft), appended - 1, max(tree_depths(parents)), side)
         free_scratch(req, self.allocator, self.req_table)
         if self.hybrid is not None:  # resume from the state after the last accepted token
-            self.hybrid.land_verify(req, lambda slot, length: self.prefix.cache_checkpoint(req, slot, length))
+            self.hybrid.land_verify(req, lambda slot, length: self.prefix.cache_checkpoint(req, slot, length),
+                                    side_states(chunk.tree, chunk.start, rows[1:appended]))
         if req.finished:
             self._release_landed(req)
         else:

@@ -294,12 +294,17 @@ def build_forward_batch(plan: StepPlan, state_copies: tuple[tuple[int, int], ...
             for node, table_row, position in ch.tree.extra if ch.tree is not None else ():
                 chunks.append(PrefillChunk((tokens[node + 1],), table_row, position))  # not sampled
             continue
-        chunks.append(PrefillChunk(ids + ch.draft, req.row, ch.start, ch.state_src, ch.state_dst, ch.state_track))
+        main = ch.tree.main if ch.tree is not None else len(ch.draft)
+        chunks.append(PrefillChunk(ids + ch.draft[:main], req.row, ch.start, ch.state_src, ch.state_dst,
+                                   ch.state_track))
         if ch.draft:  # hybrid: one chunk (its recurrent state runs through it), every position sampled
             row = sampling_row(req)
-            for j in range(len(ch.draft) + 1):
+            for j in range(main + 1):
                 sampling.append((len(chunks) - 1, verify_row(row, req, ch.draft[:j])))
-                back.append(len(ch.draft) - j)
+                back.append(main - j)
+            for index, back_of, before in side_rows(req, ch, row, chunks):
+                sampling.append((index, before))
+                back.append(back_of)
         elif ch.samples:
             sampling.append((len(chunks) - 1, sampling_row(req)))
             back.append(0)
@@ -307,6 +312,31 @@ def build_forward_batch(plan: StepPlan, state_copies: tuple[tuple[int, int], ...
     if moved:
         spans = tuple(s._replace(chunk=moved.get(s.chunk, s.chunk)) for s in spans)
     return ForwardBatch.build(chunks, sampling, state_copies, spans, tuple(back))
+
+
+def side_rows(req: Request, ch: ScheduledChunk, row: SamplingRow,
+              chunks: list[PrefillChunk]) -> list[tuple[int, int, SamplingRow]]:
+    """A hybrid token tree's side branches, each appended to `chunks` as a chunk of its own
+    on its scratch row: its extra rows' tokens, then its side
+    nodes', from the request's state at the input token, the state after each side node
+    to its slot (kernel/speculative/tree.py). Returns (batch chunk, tokens before the
+    chunk's last, how it samples) per side node, in node order."""
+    if ch.tree is None:
+        return []
+    tokens = req.token_slice(ch.start, ch.start + 1) + list(ch.draft)
+    on_row: dict[int, list[int]] = {}  # scratch row -> its branch's side nodes
+    for node in range(ch.tree.main, len(ch.draft)):
+        on_row.setdefault(ch.tree.rows[node], []).append(node)
+    placed: dict[int, tuple[int, int]] = {}  # side node -> (batch chunk, tokens before the chunk's last)
+    for table_row, nodes in on_row.items():
+        ids = [tokens[node + 1] for node, r, _ in ch.tree.extra if r == table_row] + [tokens[n + 1] for n in nodes]
+        ends = [ch.start + len(ids) - len(nodes) + 1 + k for k in range(len(nodes))]
+        slots = [ch.tree.states[n - ch.tree.main] for n in nodes]
+        chunks.append(PrefillChunk(tuple(ids), table_row, ch.start, ch.state_src, slots[-1],
+                                   tuple(zip(ends[:-1], slots[:-1]))))
+        placed.update({n: (len(chunks) - 1, len(nodes) - 1 - k) for k, n in enumerate(nodes)})
+    return [(*placed[i], verify_row(row, req, tuple(ch.draft[n] for n in tree.path(ch.tree.parents, i))))
+            for i in range(ch.tree.main, len(ch.draft))]
 
 
 def verify_rows(req: Request, ch: ScheduledChunk) -> list[tuple[int, int, int, SamplingRow]]:

@@ -12,6 +12,13 @@ before the step and where the input token and the main-chain tokens before the b
 run again (`plan_scratch` says why). So each row attends to exactly the tokens its path
 would have had: the decode step that position would have had without speculation.
 
+A hybrid model's verify step is a chunk through its recurrent state rather than decode
+rows: the main chain is the request's chunk, and each side branch a chunk of its own on its
+scratch row, of the same tokens as its extra rows then its side nodes, which starts from
+the request's state (read only) and writes the state after each side node to a slot of its
+own (`VerifyTree.states`); the request resumes from the state after its last accepted node,
+wherever on the tree that lies (HybridState.land_verify).
+
 Acceptance walks from the input token: the token sampled after a node is appended, and
 the walk moves to the child drafted with that token, if any (`walk`). Where the accepted
 path runs through side nodes, their KV is copied to the request's own slots at the same
@@ -56,6 +63,8 @@ class VerifyTree(NamedTuple):
     slots: tuple[int, ...]
     extra: tuple[tuple[int, int, int], ...] = ()
     copies: tuple[tuple[int, int], ...] = ()
+    # Hybrid models: the state slot after each side node, in node order (HybridState.plan_side).
+    states: tuple[int, ...] = ()
 
     @property
     def main(self) -> int:
@@ -142,11 +151,12 @@ def branches(parents: Sequence[int]) -> list[list[int]]:
 
 def plan_scratch(
     req: Request, tree: DraftTree, allocator: PageAllocator, table: ReqToTokenTable, page_size: int,
-    max_rows: int,
+    max_rows: int, max_side: int = 1 << 30,
 ) -> tuple[tuple[int, ...], VerifyTree | None]:
     """Give `tree`'s side branches scratch rows and pages (free ones only) and write those
     rows; the request's own pages must already cover its main chain and the tree's depth.
-    Branches that do not fit (`max_rows` extra decode rows, free pages, scratch rows) are
+    Branches that do not fit (`max_rows` extra decode rows, `max_side` side nodes, free
+    pages, scratch rows) are
     dropped with their nodes, as are branches off other branches. Returns the tokens kept
     and the planned tree (None: only the main chain is left). The scratch stays with `req`
     until `free_scratch`.
@@ -173,7 +183,7 @@ def plan_scratch(
         pages = (last - first) // page_size + 1
         # A branch off another branch would need that one's tokens on its row too: dropped.
         if (parents[branch[0]] >= main or fork + 1 > max_rows - len(extra) or not table.num_scratch_free
-                or not allocator.can_allocate(pages)):
+                or len(kept) - main + len(branch) > max_side or not allocator.can_allocate(pages)):
             continue
         own = allocator.allocate(pages)
         row = table.allocate_scratch()
@@ -217,3 +227,13 @@ def kv_moves(req: Request, start: int, tokens: Sequence[int], tree: VerifyTree, 
     rows = walk(tokens, tree.parents, sampled)
     main = tree.main
     return [(tree.slots[r - 1], slot_of(req, start + depth[r - 1], page_size)) for r in rows[1:] if r - 1 >= main]
+
+
+def side_states(tree: VerifyTree | None, start: int, rows: Sequence[int]) -> list[tuple[int, int]]:
+    """A hybrid tree's verify step (input token at `start`) landed with the drafts of
+    `rows` (walk's rows past row 0) accepted: (length, state slot) after each side node
+    among them, in order."""
+    if tree is None or not tree.states:
+        return []
+    depth = depths(tree.parents)
+    return [(start + depth[r - 1] + 1, tree.states[r - 1 - tree.main]) for r in rows if r - 1 >= tree.main]

@@ -11,7 +11,7 @@ exactly the tokens its step ended at; `req.checkpoint_len` is always on the grid
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from cache.state_pool import StatePool
 from kernel.request import Request
@@ -119,12 +119,36 @@ class HybridState:
         *track, (_, dst) = req.verify_states
         return src, dst, tuple(track)
 
-    def land_verify(self, req: Request, offer: Callable[[int, int], bool]) -> None:
+    def plan_side(self, req: Request, nodes: int) -> tuple[int, ...]:
+        """Slots for the states after a token tree's `nodes` side nodes, in node order
+        (`req.verify_side`): each side branch is a chunk of its own from the request's
+        read slot (kernel/speculative/tree.py), which it only reads."""
+        assert not req.verify_side
+        for _ in range(nodes):
+            slot = self.pool.allocate()
+            assert slot is not None, "spare_slots promised the side nodes' slots"
+            req.verify_side.append(slot)
+        return tuple(req.verify_side)
+
+    def land_verify(self, req: Request, offer: Callable[[int, int], bool],
+                    side: Sequence[tuple[int, int]] = ()) -> None:
         """A verify step landed (`req.kv_len` is where it ended): grid points up to there
         are offered to the cache (`offer(slot, length)` -> donated), the state at kv_len
         becomes the request's (its live slot, or read from the cache's copy next), and
-        every other slot of the step is given back."""
+        every other slot of the step is given back. `side`: (length, slot) of the side
+        nodes the accepted path runs through (a token tree), in order: from the first on,
+        the path's states are theirs, not the main chain's."""
         states, req.verify_states = req.verify_states, []
+        spare, req.verify_side = req.verify_side, []
+        if side:
+            fork = side[0][0] - 1  # the path leaves the main chain after this length
+            for _, slot in [s for s in states if s[0] > fork]:
+                self.free(slot)
+            states = [s for s in states if s[0] <= fork] + list(side)
+        on_path = {slot for _, slot in side}
+        for slot in spare:
+            if slot not in on_path:
+                self.free(slot)
         for end, slot in states:
             if end > req.kv_len:
                 self.free(slot)  # a rejected draft's state: never cached, never read
@@ -177,11 +201,14 @@ class HybridState:
     def release(self, req: Request) -> None:
         for _, slot in req.step_track + req.verify_states:  # a step that never landed (error, abort)
             self.free(slot)
-        req.step_track, req.verify_states = [], []
+        for slot in req.verify_side:
+            self.free(slot)
+        req.step_track, req.verify_states, req.verify_side = [], [], []
         self.strategy.release(req, self)
         req.checkpoint_len = 0
         req.step_dst = None
 
     def own_slots(self, reqs: list[Request]) -> list[int]:
         own = [s for r in reqs for s in (r.state_slot, r.track_slot) if s is not None]
-        return own + [slot for r in reqs for _, slot in r.step_track + r.verify_states]
+        return own + [slot for r in reqs for _, slot in r.step_track + r.verify_states] + [
+            slot for r in reqs for slot in r.verify_side]
