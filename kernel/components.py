@@ -288,9 +288,23 @@ def build_graph_runner(
         decode_buckets=decode_buckets,
         prefill_tokens=[t for t in graphs.prefill_tokens if t <= sched.max_num_batched_tokens],
         prefill_max_requests=min(graphs.prefill_max_requests, sched.max_running_requests),
+        verify_tokens=_verify_tokens(config, decode_buckets) if states is not None else (),
     )
     runner.capture()
     return runner
+
+
+def _verify_tokens(config: Config, decode_buckets: list[int]) -> list[int]:
+    """A hybrid model's verify buckets (speculative decoding): per decode bucket of at most
+    speculative.max_batch requests, room for each to verify its deepest draft, and a
+    token tree's side nodes and their branches' rerun tokens (kernel/speculative/tree.py)
+    — capped by the step's token budget."""
+    spec = config.speculative
+    if not spec.enabled:
+        return []
+    per_request = 1 + spec.num_draft_tokens * (2 * spec.topk - 1)
+    budget = config.scheduler.max_num_batched_tokens
+    return sorted({min(b * per_request, budget) for b in decode_buckets if b <= spec.max_batch})
 
 
 def _state_pool(config: Config, model: Any, dtype: torch.dtype, device: torch.device) -> StatePool | None:

@@ -276,10 +276,11 @@ GRAPHS_EMULATE = {
 
 
 def graph_replays(engine: object) -> dict[str, int]:
-    """Steps an Engine ran in graph buckets, per kind (decode / prefill)."""
+    """Steps an Engine ran in graph buckets, per kind (decode / prefill, and verify where
+    the runner has verify buckets)."""
     graphs = engine.engine.parts.runner.graphs  # type: ignore[attr-defined]
     assert graphs is not None, "the engine runs without a graph runner"
-    counts = {"decode": 0, "prefill": 0}
+    counts = {"decode": 0, "prefill": 0, **({"verify": 0} if graphs.graphs["verify"] else {})}
     for bucket, n in graphs.replays.items():
         counts[bucket.kind] += n
     return counts

@@ -21,7 +21,7 @@ from kernel import Engine
 from kernel.request import Request
 from kernel.states.hybrid_state import HybridState
 from tests import leaks
-from tests.conftest import GRAPHS_EMULATE, HYBRID_FAMILIES, HYBRID_OVERRIDES
+from tests.conftest import GRAPHS_EMULATE, HYBRID_FAMILIES, HYBRID_OVERRIDES, graph_replays
 from tests.spec_drafters import Oracle
 from tests.test_speculative import ORACLE, same, spec_stats
 from tests.test_speculative_tree import TREE, side
@@ -95,6 +95,8 @@ def test_verify_steps_equal_plain_decoding(family: tuple[str, Engine], strategy:
             drafted, accepted = side(engine)
             assert 0 < accepted < drafted, f"side nodes both accepted and rejected expected: {accepted} of {drafted}"
         assert any(donated for _, donated in offered), "no verify step cached a grid point"
+        if graphs == "emulate":  # the verify steps ran in verify buckets' static buffers
+            assert graph_replays(engine)["verify"] > 0
         # A later turn resumes from a checkpoint inside the speculated output.
         turn = PROMPTS[0] + refs[0]["output_ids"][: 2 * INTERVAL + 1] + tokens(9, 3)
         warm = engine.generate(turn, PARAMS[0])
@@ -172,4 +174,41 @@ def test_ngram_drafts_exact(family: tuple[str, Engine], topk: int) -> None:
         drafted, _ = side(engine)
         assert spec_stats(engine)["drafted_tokens"] > 0 and (drafted > 0) == (topk > 1)
     finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["reset", "no-reset"])
+def test_planted_stale_verify_rows_after_a_smaller_replay_red(family: tuple[str, Engine],
+                                                             monkeypatch: pytest.MonkeyPatch, planted: bool) -> None:
+    """Verify steps replay one verify bucket with fewer live tokens each time: without the
+    registry's tail reset a smaller replay keeps a larger one's rows (their KV slots,
+    state slots and tracked slots), whose writes land in live requests' KV and states."""
+    from gpu.graphs.static_buffers import StaticBuffers
+
+    folder, ref = family
+    engine = make(folder, "extra_buffer", **ORACLE, **{**GRAPHS_EMULATE, "graphs.decode_buckets": [4],
+                                                       "debug.check_invariants": False})
+    verify = engine.engine.parts.runner.graphs.buffers["verify"]  # type: ignore[union-attr]
+    reset = StaticBuffers.reset_tail
+
+    def verify_never_reset(self: StaticBuffers, name: str, live: int, rows: int) -> None:
+        if self is not verify:
+            reset(self, name, live, rows)
+
+    if planted:  # the verify buckets' only, after the warm-up replays (which start from clean buffers)
+        monkeypatch.setattr(StaticBuffers, "reset_tail", verify_never_reset)
+    try:
+        refs = [reference(ref, p, q) for p, q in zip(PROMPTS, PARAMS)]
+        outs = engine.generate(PROMPTS, PARAMS)
+        assert isinstance(outs, list)
+        assert graph_replays(engine)["verify"] > 0
+        if not planted:
+            for out, r in zip(outs, refs):
+                same(out, r)
+            return
+        with pytest.raises(AssertionError, match="speculation guard"):
+            for out, r in zip(outs, refs):
+                same(out, r)
+    finally:
+        leaks.excuse(engine.engine)
         engine.shutdown()

@@ -2,11 +2,15 @@
 
 Decode graphs are captured per batch-size bucket (one token per request), prefill graphs
 per token-count bucket with a fixed number of request slots (`prefill_max_requests`
-live ones plus one padding request that takes the padding tokens). A batch runs in the
-smallest bucket that holds it; one that fits none runs eagerly (`bucket_for` -> None).
+live ones plus one padding request that takes the padding tokens). Verify graphs (a
+hybrid model's speculative verify steps: chunks whose every position is sampled,
+`sample_back`) per token-count bucket with a request slot and a logits row per token. A
+batch runs in the smallest bucket that holds it; one that fits none runs eagerly
+(`bucket_for` -> None).
 
 Mode `cuda` captures every bucket once, largest first, into one shared memory pool and
-replays it (for hybrid models the decode buckets only); mode `emulate` runs the model on
+replays it (for hybrid models the decode buckets only: their prefill and verify buckets
+branch on each request's length, gpu/graphs/control.py); mode `emulate` runs the model on
 the very same static buffers instead of replaying, so CPU CI exercises the buckets, the
 padding and the registry. Either way a replay is: stage the batch (the registry copies
 the live rows of every buffer and resets rows [live:bucket) of every buffer), check that
@@ -56,17 +60,17 @@ BATCH_FIELDS: dict[str, tuple[str, ...]] = {
     "state_src": ("state_src", "fresh"),
     "state_dst": ("state_dst",),
     "state_track": ("track_slots", "track_mask"),
+    "sample_back": ("sample_index",),  # verify buckets (bucket_for)
 }
 HYBRID_ONLY = frozenset({"state_src", "state_dst", "state_track"})
 # Fields used outside the graph: sampling reads the graph's logits, copies run before it.
-# Batches with prompt logprobs run eagerly (ModelRunner.run), never in a graph; so do
-# batches with sample_back (bucket_for).
-HOST_SIDE = frozenset({"sampling", "state_copies", "prompt_logprobs", "sample_back"})
+# Batches with prompt logprobs run eagerly (ModelRunner.run), never in a graph.
+HOST_SIDE = frozenset({"sampling", "state_copies", "prompt_logprobs"})
 
 _MODEL_INPUTS = {
     "input_ids": BufferSpec("tokens", (), torch.int64, 0),  # token 0
     "positions": BufferSpec("tokens", (), torch.int64, 0),
-    "sample_index": BufferSpec("requests", (), torch.int64, 0),  # logits of token 0, dropped
+    "sample_index": BufferSpec("samples", (), torch.int64, 0),  # logits of token 0, dropped
 }
 _STATE_INPUTS = {
     "state_src": BufferSpec("requests", (), torch.int64, 0),  # the reserved state slot
@@ -78,7 +82,7 @@ _STATE_INPUTS = {
 
 
 class Bucket(NamedTuple):
-    kind: str  # "decode" | "prefill"
+    kind: str  # "decode" | "prefill" | "verify"
     tokens: int
     requests: int
 
@@ -103,6 +107,7 @@ class GraphRunner:
     def __init__(
         self, model: Any, attention: AttentionBackend, states: StatePool | None, mode: str,
         decode_buckets: Sequence[int], prefill_tokens: Sequence[int], prefill_max_requests: int,
+        verify_tokens: Sequence[int] = (),
     ) -> None:
         if mode not in ("cuda", "emulate"):
             raise ValueError(f"graph runner mode must be cuda or emulate, got {mode!r}")
@@ -114,11 +119,13 @@ class GraphRunner:
         if mode == "cuda" and states is not None and prefill_tokens:
             # A hybrid prefill's state layers branch on each request's length (chunked
             # form, tracked points); only its decode steps are a function of the bucket.
-            log.info("graphs_hybrid_decode_only", skipped_prefill_buckets=list(prefill_tokens))
-            prefill_tokens = ()
+            log.info("graphs_hybrid_decode_only", skipped_prefill_buckets=list(prefill_tokens),
+                     skipped_verify_buckets=list(verify_tokens))
+            prefill_tokens = verify_tokens = ()
         self.graphs: dict[str, list[Graph]] = {
             "decode": [self._graph(Bucket("decode", b, b)) for b in sorted(set(decode_buckets))],
             "prefill": [self._graph(Bucket("prefill", t, slots)) for t in sorted(set(prefill_tokens))],
+            "verify": [self._graph(Bucket("verify", t, t)) for t in sorted(set(verify_tokens))],
         }
         self.prefill_max_requests = prefill_max_requests
         self.buffers = {kind: self._registry(graphs) for kind, graphs in self.graphs.items() if graphs}
@@ -130,7 +137,8 @@ class GraphRunner:
 
     def _graph(self, bucket: Bucket) -> Graph:
         rows = {"tokens": bucket.tokens, "requests": bucket.requests}
-        rows["tracks"] = bucket.tokens if bucket.kind == "prefill" else 1  # decode never tracks
+        rows["tracks"] = 1 if bucket.kind == "decode" else bucket.tokens  # decode never tracks
+        rows["samples"] = bucket.tokens if bucket.kind == "verify" else bucket.requests  # logits rows
         rows.update(self.attention.static_rows(bucket.tokens, bucket.requests))
         return Graph(bucket, rows)
 
@@ -218,8 +226,8 @@ class GraphRunner:
     def bucket_for(self, batch: ForwardBatch) -> Graph | None:
         """The smallest bucket that holds the batch, or None (run it eagerly)."""
         num_reqs, num_tokens = len(batch.rows), len(batch.input_ids)
-        if batch.sample_back:  # more logits rows than a bucket has request slots
-            return None
+        if batch.sample_back:  # more logits rows than request slots: a verify bucket's
+            return next((g for g in self.graphs["verify"] if g.bucket.tokens >= num_tokens), None)
         if all(n == 1 for n in batch.extend_lens):
             for graph in self.graphs["decode"]:
                 if graph.bucket.requests >= num_reqs:
@@ -316,10 +324,14 @@ def padding_lens(live_reqs: int, live_tokens: int, bucket: Bucket) -> list[int]:
 
 def capture_batch(bucket: Bucket) -> ForwardBatch:
     """The capture / warm-up batch of a bucket: padding requests built like live batches,
-    every one sampling (as many as the bucket's live requests can be)."""
+    every one sampling (as many as the bucket's live requests can be); a verify bucket's,
+    one padding request sampling at every position, as a verify chunk does."""
+    greedy = SamplingRow(0.0, 1.0, -1, 0.0, 0.0, 0.0, 1.0, 0, 0, 0)
+    if bucket.kind == "verify":
+        n = bucket.tokens
+        return ForwardBatch.build([PrefillChunk.padding(n)], [(0, greedy)] * n, (), (), tuple(range(n - 1, -1, -1)))
     live = bucket.requests if bucket.kind == "decode" else bucket.requests - 1
     live = min(live, bucket.tokens)
     lens = [1] * (live - 1) + [bucket.tokens - (live - 1)]
     chunks = [PrefillChunk.padding(n) for n in lens]
-    greedy = SamplingRow(0.0, 1.0, -1, 0.0, 0.0, 0.0, 1.0, 0, 0, 0)
     return ForwardBatch.build(chunks, [(i, greedy) for i in range(len(chunks))], ())
