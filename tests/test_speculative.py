@@ -140,6 +140,9 @@ def stop_cases(ref: dict[str, Any], tokenizer: Any) -> list[dict[str, Any]]:
         piece = tokenizer.decode(ids[: i + 1])[len(tokenizer.decode(ids[:i])):]
         if piece.strip():
             cases.append({"stop": [piece]})
+            # max_tokens just past it: a verify step that ends the request by length after
+            # the stop string's token finishes it by the stop string (what plain decoding did).
+            cases.append({"stop": [piece], "max_new_tokens": i + 2})
     return cases
 
 

@@ -203,6 +203,8 @@ class OutputProcessor:
                 assert step.matched_stop is not None
                 if i + 1 < len(new_ids):
                     req.cut_output(len(req.output_ids) - len(new_ids) + i + 1)
+                    if req.finished:  # by a dropped token (max_tokens, a stop token): never produced
+                        req.finish_reason, req.matched_stop = "stop", step.matched_stop
                 self.stop_text(req, step.matched_stop)
                 return "".join(pieces)
         if req.finished:
