@@ -40,6 +40,7 @@ TESTS = [
     "tests/test_triton_invariant.py", "tests/test_batch_invariant.py", "tests/test_triton_globals.py",
     "tests/test_host_state_pool.py", "tests/test_speculative.py", "tests/test_speculative_tree.py",
     "tests/test_speculative_hybrid.py", "tests/test_speculative_tiers.py", "tests/test_triton_moe.py",
+    "tests/test_speculative_hybrid_tiers.py", "tests/test_speculative_hybrid_grammar.py",
 ]
 # ~0.49B parameters with SmolLM2's 49k vocabulary.
 LLAMA_05B = {"hidden_size": 1280, "intermediate_size": 3584, "num_hidden_layers": 24,

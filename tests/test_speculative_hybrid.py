@@ -212,3 +212,33 @@ def test_planted_stale_verify_rows_after_a_smaller_replay_red(family: tuple[str,
     finally:
         leaks.excuse(engine.engine)
         engine.shutdown()
+
+
+@pytest.mark.parametrize("topk", [1, 3])
+def test_retraction_prompt_logprobs_and_n(family: tuple[str, Engine], topk: int) -> None:
+    """Requests retracted while speculating (their state slots and verify slots back, then
+    recomputed), prompt logprobs in the same batch as verify steps, and `n` > 1 samples:
+    the plain engine's output."""
+    folder, ref = family
+    prompts = [tokens(30 + i, 10 + i) for i in range(6)]
+    params = [{**PARAMS[0], "max_new_tokens": 30, **({"logprob_start_len": 0} if i == 0 else {})} for i in range(6)]
+    refs = [reference(ref, p, q) for p, q in zip(prompts, params)]
+    # 24 usable pages of 4 tokens = 96 tokens for 6 requests that grow to ~42 tokens each.
+    engine = make(folder, "extra_buffer", **(ORACLE if topk == 1 else TREE), **{"cache.num_pages": 25})
+    try:
+        outs = engine.generate(prompts, params)
+        assert isinstance(outs, list)
+        assert engine.engine.scheduler.num_retractions > 0
+        for out, r in zip(outs, refs):
+            same(out, r)
+        assert outs[0]["meta_info"]["input_token_logprobs"] == refs[0]["meta_info"]["input_token_logprobs"]
+        assert sum(out["meta_info"].get("spec_verify_ct", 0) for out in outs) > 0
+        # n = 3 as the HTTP layer sends it (plugins/http/sampling.py): sample j seeded seed + j.
+        samples = [{**PARAMS[1], "seed": PARAMS[1]["seed"] + j} for j in range(3)]
+        want = [reference(ref, PROMPTS[1], q) for q in samples[:1]] + ref.generate([PROMPTS[1]] * 2, samples[1:])
+        many = engine.generate([PROMPTS[1]] * 3, samples)
+        assert isinstance(many, list) and len({tuple(o["output_ids"]) for o in many}) > 1
+        for out, r in zip(many, want):
+            same(out, r)
+    finally:
+        engine.shutdown()
