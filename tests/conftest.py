@@ -243,6 +243,18 @@ def hybrid_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     }
 
 
+@pytest.fixture(scope="module", params=HYBRID_FAMILIES)
+def hybrid_ref(request: pytest.FixtureRequest, hybrid_folders: dict[str, str]) -> Iterator[tuple[str, object]]:
+    """Per hybrid family: (model folder, a plain deterministic engine of it), the reference
+    of the hybrid speculation tests (tests/test_speculative_hybrid.py `plain`)."""
+    from tests.test_speculative_hybrid import plain
+
+    folder = hybrid_folders[request.param]
+    ref = plain(folder)
+    yield folder, ref
+    ref.shutdown()
+
+
 HYBRID_MOE_FAMILIES = ("qwen3_next", "qwen3_5_moe_text", "lfm2_moe")
 
 

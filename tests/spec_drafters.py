@@ -71,3 +71,9 @@ class TreeOracle(Oracle):
             parents.append(-1)
         type(self).side_proposed += len(draft) - len(main)
         return DraftTree(tuple(draft), tuple(parents))
+
+
+def motif_prompt(motif: list[int]) -> list[int]:
+    """`motif` six times, each followed by another token, then once more: every n-gram of
+    it was followed by several tokens (the n-gram drafter's side branches)."""
+    return [t for i in range(6) for t in motif + [motif[0] + 1 + i]] + motif

@@ -12,7 +12,6 @@ main chain where its path left it, go red.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,8 +20,8 @@ from kernel import Engine
 from kernel.request import Request
 from kernel.states.hybrid_state import HybridState
 from tests import leaks
-from tests.conftest import GRAPHS_EMULATE, HYBRID_FAMILIES, HYBRID_OVERRIDES, graph_replays
-from tests.spec_drafters import Oracle
+from tests.conftest import GRAPHS_EMULATE, HYBRID_OVERRIDES, graph_replays
+from tests.spec_drafters import Oracle, motif_prompt
 from tests.test_speculative import ORACLE, same, spec_stats
 from tests.test_speculative_tree import TREE, side
 from tests.tiny_hybrid import VOCAB
@@ -49,13 +48,9 @@ def make(folder: str, strategy: str, **extra: Any) -> Engine:
                          "cache.state_strategy": strategy, **extra})
 
 
-@pytest.fixture(scope="module", params=HYBRID_FAMILIES)
-def family(request: pytest.FixtureRequest, hybrid_folders: dict[str, str]) -> Iterator[tuple[str, Engine]]:
-    """(model folder, a plain deterministic engine: the reference)."""
-    folder = hybrid_folders[request.param]
-    ref = make(folder, "extra_buffer", **{"cache.prefix": "none"})
-    yield folder, ref
-    ref.shutdown()
+def plain(folder: str) -> Engine:
+    """The reference: a plain deterministic engine (no prefix cache, no speculation)."""
+    return make(folder, "extra_buffer", **{"cache.prefix": "none"})
 
 
 def reference(ref: Engine, prompt: list[int], params: dict[str, Any]) -> dict[str, Any]:
@@ -65,14 +60,28 @@ def reference(ref: Engine, prompt: list[int], params: dict[str, Any]) -> dict[st
     return out
 
 
+def run_prompts(engine: Engine, ref: Engine) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """PROMPTS through `engine`, and the reference's outputs (which the Oracles draft)."""
+    refs = [reference(ref, p, q) for p, q in zip(PROMPTS, PARAMS)]
+    outs = engine.generate(PROMPTS, PARAMS)
+    assert isinstance(outs, list)
+    return outs, refs
+
+
+def assert_red(outs: list[dict[str, Any]], refs: list[dict[str, Any]]) -> None:
+    with pytest.raises(AssertionError, match="speculation guard"):
+        for out, r in zip(outs, refs):
+            same(out, r)
+
+
 @pytest.mark.parametrize("topk", [1, 3])
 @pytest.mark.parametrize("graphs", ["off", "emulate"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_verify_steps_equal_plain_decoding(family: tuple[str, Engine], strategy: str, graphs: str, topk: int,
+def test_verify_steps_equal_plain_decoding(hybrid_ref: tuple[str, Engine], strategy: str, graphs: str, topk: int,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """topk 3: token trees (TreeOracle: the right tokens on side branches where the main
     chain is wrong), each side branch a chunk of its own from the request's state."""
-    folder, ref = family
+    folder, ref = hybrid_ref
     offered: list[tuple[int, bool]] = []
     land = HybridState.land_verify
 
@@ -106,10 +115,10 @@ def test_verify_steps_equal_plain_decoding(family: tuple[str, Engine], strategy:
         engine.shutdown()
 
 
-def test_planted_rollback_one_position_off_red(family: tuple[str, Engine], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_planted_rollback_one_position_off_red(hybrid_ref: tuple[str, Engine], monkeypatch: pytest.MonkeyPatch) -> None:
     """The request resumes from the state one position past its last accepted token (the
     first rejected draft's): the guard sees the difference."""
-    folder, ref = family
+    folder, ref = hybrid_ref
     land = HybridState.land_verify
 
     def off_by_one(self: HybridState, req: Request, offer: Any, *side: Any) -> None:
@@ -132,12 +141,12 @@ def test_planted_rollback_one_position_off_red(family: tuple[str, Engine], monke
         engine.shutdown()
 
 
-def test_planted_tree_resumes_from_the_main_chain_red(family: tuple[str, Engine],
+def test_planted_tree_resumes_from_the_main_chain_red(hybrid_ref: tuple[str, Engine],
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A token tree whose accepted path ran through side nodes resumes from the main
     chain's state at that length (the rejected main tokens' state), as if the side
     branch's states were never taken: the guard sees the difference."""
-    folder, ref = family
+    folder, ref = hybrid_ref
     land = HybridState.land_verify
 
     def main_only(self: HybridState, req: Request, offer: Any, *side: Any) -> None:
@@ -146,28 +155,23 @@ def test_planted_tree_resumes_from_the_main_chain_red(family: tuple[str, Engine]
     monkeypatch.setattr(HybridState, "land_verify", main_only)
     engine = make(folder, "extra_buffer", **TREE, **{"debug.check_invariants": False})
     try:
-        refs = [reference(ref, p, q) for p, q in zip(PROMPTS, PARAMS)]
-        outs = engine.generate(PROMPTS, PARAMS)
-        assert isinstance(outs, list)
+        outs, refs = run_prompts(engine, ref)
         assert side(engine)[1] > 0, "no side node accepted: the planted bug was never reached"
-        with pytest.raises(AssertionError, match="speculation guard"):
-            for out, r in zip(outs, refs):
-                same(out, r)
+        assert_red(outs, refs)
     finally:
         leaks.excuse(engine.engine)
         engine.shutdown()
 
 
 @pytest.mark.parametrize("topk", [1, 3])
-def test_ngram_drafts_exact(family: tuple[str, Engine], topk: int) -> None:
+def test_ngram_drafts_exact(hybrid_ref: tuple[str, Engine], topk: int) -> None:
     """The built-in n-gram drafter on a prompt whose n-grams were followed by several
     tokens (side branches with topk 3), a prefix hit on the second request."""
-    folder, ref = family
+    folder, ref = hybrid_ref
     engine = make(folder, "no_buffer", **{"speculative.method": "ngram", "speculative.ngram_min": 1,
                                           "speculative.num_draft_tokens": 4, "speculative.topk": topk})
     try:
-        motif = tokens(6, 5)
-        prompt = [t for i in range(6) for t in motif + [motif[0] + 1 + i]] + motif
+        prompt = motif_prompt(tokens(6, 5))
         for params in PARAMS:
             out = engine.generate(prompt, params)
             same(out, ref.generate(prompt, params))  # type: ignore[arg-type]
@@ -178,14 +182,14 @@ def test_ngram_drafts_exact(family: tuple[str, Engine], topk: int) -> None:
 
 
 @pytest.mark.parametrize("planted", [False, True], ids=["reset", "no-reset"])
-def test_planted_stale_verify_rows_after_a_smaller_replay_red(family: tuple[str, Engine],
+def test_planted_stale_verify_rows_after_a_smaller_replay_red(hybrid_ref: tuple[str, Engine],
                                                              monkeypatch: pytest.MonkeyPatch, planted: bool) -> None:
     """Verify steps replay one verify bucket with fewer live tokens each time: without the
     registry's tail reset a smaller replay keeps a larger one's rows (their KV slots,
     state slots and tracked slots), whose writes land in live requests' KV and states."""
     from gpu.graphs.static_buffers import StaticBuffers
 
-    folder, ref = family
+    folder, ref = hybrid_ref
     engine = make(folder, "extra_buffer", **ORACLE, **{**GRAPHS_EMULATE, "graphs.decode_buckets": [4],
                                                        "debug.check_invariants": False})
     verify = engine.engine.parts.runner.graphs.buffers["verify"]  # type: ignore[union-attr]
@@ -198,28 +202,23 @@ def test_planted_stale_verify_rows_after_a_smaller_replay_red(family: tuple[str,
     if planted:  # the verify buckets' only, after the warm-up replays (which start from clean buffers)
         monkeypatch.setattr(StaticBuffers, "reset_tail", verify_never_reset)
     try:
-        refs = [reference(ref, p, q) for p, q in zip(PROMPTS, PARAMS)]
-        outs = engine.generate(PROMPTS, PARAMS)
-        assert isinstance(outs, list)
+        outs, refs = run_prompts(engine, ref)
         assert graph_replays(engine)["verify"] > 0
-        if not planted:
-            for out, r in zip(outs, refs):
-                same(out, r)
-            return
-        with pytest.raises(AssertionError, match="speculation guard"):
-            for out, r in zip(outs, refs):
-                same(out, r)
+        if planted:
+            assert_red(outs, refs)
+        for out, r in zip(outs, refs) if not planted else ():
+            same(out, r)
     finally:
         leaks.excuse(engine.engine)
         engine.shutdown()
 
 
 @pytest.mark.parametrize("topk", [1, 3])
-def test_retraction_prompt_logprobs_and_n(family: tuple[str, Engine], topk: int) -> None:
+def test_retraction_prompt_logprobs_and_n(hybrid_ref: tuple[str, Engine], topk: int) -> None:
     """Requests retracted while speculating (their state slots and verify slots back, then
     recomputed), prompt logprobs in the same batch as verify steps, and `n` > 1 samples:
     the plain engine's output."""
-    folder, ref = family
+    folder, ref = hybrid_ref
     prompts = [tokens(30 + i, 10 + i) for i in range(6)]
     params = [{**PARAMS[0], "max_new_tokens": 30, **({"logprob_start_len": 0} if i == 0 else {})} for i in range(6)]
     refs = [reference(ref, p, q) for p, q in zip(prompts, params)]

@@ -10,17 +10,15 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from kernel import Engine
 from kernel.request import Request
 from tests.conftest import HYBRID_FAMILIES
-from tests.spec_drafters import Oracle
 from tests.structured_cases import MAX_TOKENS, SMALL, TEXT, array, obj
 from tests.test_speculative import ORACLE, same, spec_stats, stop_cases
-from tests.test_speculative_hybrid import make, tokens
+from tests.test_speculative_hybrid import make, plain, reference, tokens
 from tests.test_speculative_tree import TREE
 
 DRAFTERS = {"chain": ORACLE, "tree": TREE}
@@ -43,16 +41,9 @@ def build(family: str, folder: Path) -> str:
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Engine]]:
     """(model folder, a plain deterministic engine: the reference)."""
     folder = build(request.param, tmp_path_factory.mktemp(f"text_{request.param}"))
-    ref = make(folder, "extra_buffer", **{"cache.prefix": "none"})
+    ref = plain(folder)
     yield folder, ref
     ref.shutdown()
-
-
-def reference(ref: Engine, prompt: list[int], params: dict[str, Any]) -> dict[str, Any]:
-    out = ref.generate(prompt, params)
-    assert isinstance(out, dict)
-    Oracle.answers[tuple(prompt)] = out["output_ids"]
-    return out
 
 
 @pytest.mark.parametrize("drafter", sorted(DRAFTERS))

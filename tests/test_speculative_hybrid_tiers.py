@@ -9,14 +9,12 @@ both families and every state strategy.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kernel import Engine
-from tests.conftest import HYBRID_FAMILIES
 from tests.test_host_tier_hybrid import INTERVAL
 from tests.test_speculative import ORACLE, same
 from tests.test_speculative_hybrid import STRATEGIES, make, reference, tokens
@@ -33,15 +31,6 @@ PARAMS: list[dict[str, Any]] = [
 DRAFTERS = {"chain": ORACLE, "tree": TREE}
 
 
-@pytest.fixture(scope="module", params=HYBRID_FAMILIES)
-def family(request: pytest.FixtureRequest, hybrid_folders: dict[str, str]) -> Iterator[tuple[str, Engine]]:
-    """(model folder, a plain deterministic engine: the reference)."""
-    folder = hybrid_folders[request.param]
-    ref = make(folder, "extra_buffer", **{"cache.prefix": "none"})
-    yield folder, ref
-    ref.shutdown()
-
-
 def hit(out: dict[str, Any], tier: str, at_least: int) -> None:
     tiers = out["meta_info"]["cached_tokens_by_tier"]
     assert tiers[tier] >= at_least and tiers["device"] == 0, f"not a {tier} hit past the first prompt: {tiers}"
@@ -50,9 +39,9 @@ def hit(out: dict[str, Any], tier: str, at_least: int) -> None:
 
 @pytest.mark.parametrize("drafter", sorted(DRAFTERS))
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_next_turn_from_host_and_storage(family: tuple[str, Engine], strategy: str, drafter: str,
+def test_next_turn_from_host_and_storage(hybrid_ref: tuple[str, Engine], strategy: str, drafter: str,
                                          tmp_path: Path) -> None:
-    folder, ref = family
+    folder, ref = hybrid_ref
     engine = make(folder, strategy, **TIERED, **DRAFTERS[drafter], **{"hicache.storage_dir": str(tmp_path)})
     try:
         first = reference(ref, PROMPT, PARAMS[0])

@@ -21,6 +21,7 @@ from kernel.scheduling import step_loop
 from kernel.speculative.tree import DraftTree, legal_tree, walk
 from tests import leaks
 from tests.conftest import GRAPHS_EMULATE, TINY_OVERRIDES
+from tests.spec_drafters import motif_prompt
 from tests.test_speculative import (
     PARAMS,
     PROMPTS,
@@ -88,8 +89,7 @@ def test_ngram_tree_exact(tiny_chat_folder: str, tiny_det_engine: Engine) -> Non
     tokens: side branches are drafted, the output is exact."""
     engine = make(tiny_chat_folder, **{"speculative.method": "ngram", "speculative.ngram_min": 1})
     try:
-        motif = tokens(6, 5)
-        prompt = [t for i in range(6) for t in motif + [motif[0] + 1 + i]] + motif  # 6 tokens after the motif
+        prompt = motif_prompt(tokens(6, 5))
         params = [PARAMS[0], PARAMS[1]]
         outs = engine.generate([prompt, prompt[2:]], params)
         assert isinstance(outs, list)
