@@ -278,7 +278,7 @@ def build_graph_runner(
         log.info("cpu_step_off", reason=why)
     if mode == "cpu":
         raise ConfigError(f"graphs.mode: cpu runs on a CPU device, and the model runs on {device.type}")
-    if mode == "auto":  # hybrid models too: they capture their decode buckets only
+    if mode == "auto":  # hybrid models too: they capture their decode and verify buckets
         static = attention.supports_static and getattr(model, "static_shapes", True)
         mode = "cuda" if device.type == "cuda" and static else "off"
     if mode == "off":
@@ -289,6 +289,7 @@ def build_graph_runner(
         prefill_tokens=[t for t in graphs.prefill_tokens if t <= sched.max_num_batched_tokens],
         prefill_max_requests=min(graphs.prefill_max_requests, sched.max_running_requests),
         verify_tokens=_verify_tokens(config, decode_buckets) if states is not None else (),
+        verify_span=_verify_span(config),
     )
     runner.capture()
     return runner
@@ -302,9 +303,15 @@ def _verify_tokens(config: Config, decode_buckets: list[int]) -> list[int]:
     spec = config.speculative
     if not spec.enabled:
         return []
-    per_request = 1 + spec.num_draft_tokens * (2 * spec.topk - 1)
     budget = config.scheduler.max_num_batched_tokens
+    per_request = 1 + spec.num_draft_tokens * (2 * spec.topk - 1)
     return sorted({min(b * per_request, budget) for b in decode_buckets if b <= spec.max_batch})
+
+
+def _verify_span(config: Config) -> int:
+    """The most tokens one chunk of a verify step brings: the input token and the deepest
+    draft (a side branch's chunk reruns the main-chain tokens before its fork: no longer)."""
+    return 1 + config.speculative.num_draft_tokens
 
 
 def _state_pool(config: Config, model: Any, dtype: torch.dtype, device: torch.device) -> StatePool | None:

@@ -5,8 +5,9 @@ at capture is frozen).
 Checked on CPU by running a bucket's forward with those operations made to raise: dense
 models in every bucket (deterministic and triton backends), hybrid models in decode
 buckets — their state layers decide by the step's lengths, so only a decode bucket (every
-request one token, nothing tracked) is captured for them, and a live step whose control
-differs from the capture's is an error. Planted: a decode path that builds its index
+request one token, nothing tracked) and a verify bucket (the lengths a buffer, the state
+layers' static forms) are captured for them, and a live step whose control differs from
+the capture's is an error. Planted: a decode path that builds its index
 tensors from the lengths goes red, and so does each host-value construct of
 tests/host_reads.py planted into the dense forward. On a GPU: captured hybrid decode graphs give the
 emulated run's bits, every state strategy, both families.
@@ -27,14 +28,14 @@ if not torch.cuda.is_available():  # the fast (non-deterministic) runs use the t
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from gpu.attention.deterministic import DeterministicAttention
-from gpu.forward_batch import ForwardBatch
+from gpu.forward_batch import ForwardBatch, PrefillChunk
 from gpu.graphs.runner import GraphRunner
 from gpu.graphs.static_buffers import StaticBufferError
 from gpu.kernels import gated_delta, short_conv
 from kernel.components import Components
 from tests.conftest import GRAPHS_EMULATE, HYBRID_OVERRIDES, TINY_OVERRIDES, graph_replays
 from tests.host_reads import HostRead, trap_host_tensors
-from tests.test_graph_runner import batch, parts
+from tests.test_graph_runner import GREEDY_ROW, batch, parts
 
 FAMILIES = ["qwen3_5_text", "lfm2"]
 
@@ -104,6 +105,26 @@ def test_dense_forward_makes_no_host_tensors(
                                  live, kind)
 
 
+def verify_batch() -> ForwardBatch:
+    """A hybrid verify step: two verify chunks (5 and 3 tokens, every position sampled) and
+    a plain decode, states from slots 10.. to fresh slots, every position but the last of
+    each chunk tracked."""
+    chunks = [PrefillChunk(tuple(range(3, 8)), 1, 6, 10, 24, ((7, 20), (8, 21), (9, 22), (10, 23))),
+              PrefillChunk((4, 5, 6), 2, 4, 11, 27, ((5, 25), (6, 26))), PrefillChunk((9,), 3, 7, 12, 12)]
+    sampling = [(0, GREEDY_ROW)] * 5 + [(1, GREEDY_ROW)] * 3 + [(2, GREEDY_ROW)]
+    return ForwardBatch.build(chunks, sampling, sample_back=(4, 3, 2, 1, 0, 2, 1, 0, 0))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_verify_forward_makes_no_host_tensors(hybrid_folders: dict[str, str], monkeypatch: pytest.MonkeyPatch,
+                                              family: str) -> None:
+    """A hybrid verify bucket (its lengths a registered buffer, the state layers' static
+    forms, the torch ones: what CUDA captures) builds nothing from host values either."""
+    components = parts(hybrid_folders[family], HYBRID_OVERRIDES, **GRAPHS_EMULATE,
+                       **{"model.cpu_kernels": "off", "speculative.method": "ngram"})
+    forward_without_host_traffic(components, monkeypatch, verify_batch(), "verify")
+
+
 @pytest.mark.parametrize("family,planted", [("qwen3_5_text", "delta"), ("qwen3_5_text", "native"), ("lfm2", "conv")])
 def test_red_decode_path_indexing_by_lengths(
     hybrid_folders: dict[str, str], monkeypatch: pytest.MonkeyPatch, family: str, planted: str
@@ -130,7 +151,7 @@ def test_red_decode_path_indexing_by_lengths(
         monkeypatch.setattr(gated_delta, "native_varlen", offsets_from_lengths)
     else:
         monkeypatch.setattr(short_conv, "_one_token_each", lambda x, windows, weight, bias: short_conv._varlen(
-            x, windows, [1] * x.shape[0], weight, bias))
+            x, windows, torch.tensor([1] * x.shape[0]), weight, bias)[:2])
     components = parts(hybrid_folders[family], HYBRID_OVERRIDES, **GRAPHS_EMULATE, **extra)
     with pytest.raises(HostRead, match="torch.tensor during a captured forward"):
         forward_without_host_traffic(components, monkeypatch)
@@ -192,8 +213,8 @@ def test_one_token_conv_is_the_varlen_conv(dtype: torch.dtype) -> None:
     weight, bias = torch.randn((12, 4), generator=gen).to(dtype), torch.randn(12, generator=gen).to(dtype)
     for b in (bias, None):
         fast = short_conv.short_conv_varlen(x, windows, [1] * 5, weight, b)
-        general = short_conv._varlen(x, windows, [1] * 5, weight, b)
-        assert all(torch.equal(f, g) for f, g in zip(fast, general))
+        general = short_conv.short_conv_static(x, windows, torch.ones(5, dtype=torch.int64), weight, b)
+        assert all(torch.equal(f, g) for f, g in zip(fast, general[:2]))
 
 
 def test_live_control_must_match_the_capture(hybrid_folders: dict[str, str]) -> None:

@@ -161,6 +161,10 @@ def test_capture_batches_are_built_like_live_batches() -> None:
         cap = capture_batch(bucket)
         assert set(cap.rows) == {0} and len(cap.input_ids) == bucket.tokens
         assert len(cap.rows) <= bucket.requests - (bucket.kind == "prefill")
+    for tokens in (15, 13):  # a verify bucket's: chunks of at most the span, every position sampled
+        cap = capture_batch(Bucket("verify", tokens, tokens), span=5)
+        assert set(cap.rows) == {0} and len(cap.input_ids) == tokens and max(cap.extend_lens) == 5
+        assert len(cap.sample_rows) == tokens and sorted(cap.sample_back) != list(cap.sample_back)
     with pytest.raises(ValueError, match="malformed chunk"):  # row 0 only for padding requests
         ForwardBatch.build([PrefillChunk((5,), 0, 3)], [])
 

@@ -12,12 +12,14 @@ from gpu.kernels.gated_delta import (
     DeltaInputs,
     chunk_prefill,
     chunk_prefill_tracked,
+    gated_delta_static,
     gated_delta_varlen,
+    native_available,
     recurrent_prefill,
     recurrent_prefill_tracked,
     recurrent_step,
 )
-from gpu.kernels.short_conv import short_conv_varlen, short_conv_windows_at
+from gpu.kernels.short_conv import short_conv_static, short_conv_varlen, short_conv_windows_at
 from gpu.models.hybrid_step import HybridStep
 
 H, DK, DV = 4, 16, 8
@@ -340,3 +342,38 @@ def test_forward_batch_carries_state_track() -> None:
     step = runner.hybrid_step(batch)
     assert step.track_points == ((0, 64), (0, 128)) and step.track_slots.tolist() == [3, 4]
     assert runner.hybrid_step(ForwardBatch.build(chunks[1:], [])).track_points == ()
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+def test_static_forms_equal_the_varlen_forms(native: bool) -> None:
+    """A verify bucket's static forms (lengths as a tensor, request slots of 0 tokens
+    too): the recurrent varlen form's outputs and final states, the state after every
+    token equal to its tracked state (the last one to the final state), the conv's
+    outputs, windows and per-token windows equal to `short_conv_windows_at`'s — bit for
+    bit; an empty slot keeps its state."""
+    if native and not native_available(torch.device("cpu")):
+        pytest.skip("the C++ gated-delta kernel does not build here")
+    gen = torch.Generator().manual_seed(11)
+    lens = [3, 1, 0, 5, 2]
+    live = [r for r, n in enumerate(lens) if n]
+    tokens, heads, dk, dv = sum(lens), 2, 8, 4
+    x = DeltaInputs(torch.randn(tokens, heads, dk, generator=gen), torch.randn(tokens, heads, dk, generator=gen),
+                    torch.randn(tokens, heads, dv, generator=gen), -torch.rand(tokens, heads, generator=gen),
+                    torch.rand(tokens, heads, generator=gen))
+    states = torch.randn(len(lens), heads, dk, dv, generator=gen)
+    track = [(i, n) for i, r in enumerate(live) for n in range(1, lens[r])]
+    want_out, want_states, want_tracked = gated_delta_varlen(
+        x, states[live], [lens[r] for r in live], [0] * len(live), recurrent=True, track=track, native=native)
+    out, final, after = gated_delta_static(x, states, torch.tensor(lens), max(lens), native=native)
+    assert torch.equal(out, want_out) and torch.equal(final[live], want_states) and torch.equal(final[2], states[2])
+    last = torch.tensor(lens).cumsum(0)[live] - 1
+    tracked_rows = [t for t in range(tokens) if t not in set(last.tolist())]
+    assert torch.equal(after[last], want_states) and torch.equal(after[tracked_rows], want_tracked)
+    channels, width = 6, 3
+    xc, windows = torch.randn(tokens, channels, generator=gen), torch.randn(len(lens), channels, width, generator=gen)
+    weight, bias = torch.randn(channels, width + 1, generator=gen), torch.randn(channels, generator=gen)
+    y, new, per_token = short_conv_static(xc, windows, torch.tensor(lens), weight, bias)
+    want_y, want_new = short_conv_varlen(xc, windows[live], [lens[r] for r in live], weight, bias)
+    points = [(i, n) for i, r in enumerate(live) for n in range(1, lens[r] + 1)]
+    assert torch.equal(y, want_y) and torch.equal(new[live], want_new) and torch.equal(new[2], windows[2])
+    assert torch.equal(per_token, short_conv_windows_at(xc, windows[live], [lens[r] for r in live], points))

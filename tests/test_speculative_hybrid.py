@@ -241,3 +241,39 @@ def test_retraction_prompt_logprobs_and_n(hybrid_ref: tuple[str, Engine], topk: 
             same(out, r)
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("topk", [1, 3])
+def test_verify_buckets_torch_form(hybrid_ref: tuple[str, Engine], topk: int,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the C++ kernels a verify bucket's state layers run the torch static form
+    (every request slot `static_steps` batched recurrent steps, the lengths read from a
+    buffer): what a captured CUDA graph runs. Against a plain engine without them too.
+    The host-side lengths of each verify step are replaced by ones (what a graph captured
+    with other lengths would hold): the output stays exact, so the forward never reads them."""
+    import dataclasses
+
+    from gpu.graphs.runner import GraphRunner
+
+    stage = GraphRunner._stage
+
+    def frozen_lengths(self: GraphRunner, graph: Any, batch: Any) -> Any:
+        step = stage(self, graph, batch)
+        if step is not None and step.static_lens is not None:
+            step = dataclasses.replace(step, extend_lens=(1,) * len(step.extend_lens))
+        return step
+
+    monkeypatch.setattr(GraphRunner, "_stage", frozen_lengths)
+    folder, _ = hybrid_ref
+    off = {"model.cpu_kernels": "off"}
+    ref = make(folder, "extra_buffer", **{"cache.prefix": "none", **off})
+    engine = make(folder, "extra_buffer", **(ORACLE if topk == 1 else TREE), **GRAPHS_EMULATE, **off)
+    try:
+        outs, refs = run_prompts(engine, ref)
+        for out, r in zip(outs, refs):
+            same(out, r)
+        assert graph_replays(engine)["verify"] > 0
+        assert not getattr(engine.engine.parts.runner.model, "native_recurrence", False)
+    finally:
+        engine.shutdown()
+        ref.shutdown()

@@ -9,7 +9,9 @@ differs from its bucket's capture would run another step's kernels, so it is an 
 (checked in emulation too, so CPU tests catch a backend that binds a per-step value).
 
 NOTE: hybrid prefill buckets branch on each request's length by design; they are never
-captured (only emulated), so their step control is not compared.
+captured (only emulated), so their step control is not compared. Hybrid verify buckets
+read the lengths from a registered buffer (HybridStep.static_lens): their control is the
+static steps and request slots alone.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ def control_of(attention: AttentionBackend, step: HybridStep | None, kind: str) 
     control = {f"attention.{k}": v for k, v in vars(attention).items() if _plain(v)}
     if step is not None and kind == "decode":
         control.update({"step.extend_lens": step.extend_lens, "step.track_points": step.track_points})
+    elif step is not None and kind == "verify":  # the lengths are a buffer: only the shape is frozen
+        control.update({"step.static_steps": step.static_steps, "step.slots": len(step.extend_lens)})
     return control
 
 

@@ -9,8 +9,9 @@ batch runs in the smallest bucket that holds it; one that fits none runs eagerly
 (`bucket_for` -> None).
 
 Mode `cuda` captures every bucket once, largest first, into one shared memory pool and
-replays it (for hybrid models the decode buckets only: their prefill and verify buckets
-branch on each request's length, gpu/graphs/control.py); mode `emulate` runs the model on
+replays it (for hybrid models the decode and verify buckets: their prefill buckets branch
+on each request's length, gpu/graphs/control.py; a verify bucket's lengths are a
+registered buffer, read by the state layers' static forms); mode `emulate` runs the model on
 the very same static buffers instead of replaying, so CPU CI exercises the buckets, the
 padding and the registry. Either way a replay is: stage the batch (the registry copies
 the live rows of every buffer and resets rows [live:bucket) of every buffer), check that
@@ -107,7 +108,7 @@ class GraphRunner:
     def __init__(
         self, model: Any, attention: AttentionBackend, states: StatePool | None, mode: str,
         decode_buckets: Sequence[int], prefill_tokens: Sequence[int], prefill_max_requests: int,
-        verify_tokens: Sequence[int] = (),
+        verify_tokens: Sequence[int] = (), verify_span: int = 0,
     ) -> None:
         if mode not in ("cuda", "emulate"):
             raise ValueError(f"graph runner mode must be cuda or emulate, got {mode!r}")
@@ -118,16 +119,19 @@ class GraphRunner:
         slots = prefill_max_requests + 1  # + the padding request
         if mode == "cuda" and states is not None and prefill_tokens:
             # A hybrid prefill's state layers branch on each request's length (chunked
-            # form, tracked points); only its decode steps are a function of the bucket.
-            log.info("graphs_hybrid_decode_only", skipped_prefill_buckets=list(prefill_tokens),
-                     skipped_verify_buckets=list(verify_tokens))
-            prefill_tokens = verify_tokens = ()
+            # form, tracked points); its decode and verify steps are a function of the bucket.
+            log.info("graphs_hybrid_no_prefill", skipped_prefill_buckets=list(prefill_tokens))
+            prefill_tokens = ()
         self.graphs: dict[str, list[Graph]] = {
             "decode": [self._graph(Bucket("decode", b, b)) for b in sorted(set(decode_buckets))],
             "prefill": [self._graph(Bucket("prefill", t, slots)) for t in sorted(set(prefill_tokens))],
             "verify": [self._graph(Bucket("verify", t, t)) for t in sorted(set(verify_tokens))],
         }
         self.prefill_max_requests = prefill_max_requests
+        # Verify buckets: the most tokens one request brings (its slot's static steps).
+        self.verify_span = verify_span
+        if self.graphs["verify"] and (states is None or verify_span < 1):
+            raise ValueError("verify buckets are for a hybrid model's verify steps, with a span of >= 1 token")
         self.buffers = {kind: self._registry(graphs) for kind, graphs in self.graphs.items() if graphs}
         self._pool: Any = None
         self._stream: Any = None
@@ -150,6 +154,8 @@ class GraphRunner:
         specs.update({ATTN + k: v for k, v in self.attention.static_specs().items()})
         if self.states is not None:
             specs.update(_STATE_INPUTS)
+        if graphs[0].bucket.kind == "verify":
+            specs["extend_lens"] = BufferSpec("requests", (), torch.int64, 0)  # padding requests: none
         for name, spec in specs.items():
             buffers.register(name, spec)
         return buffers
@@ -184,7 +190,7 @@ class GraphRunner:
                     raise StaticBufferError(f"ForwardBatch.{f.name} lands in unregistered static buffer {name!r}")
 
     def _capture_one(self, graph: Graph) -> None:
-        batch = capture_batch(graph.bucket)
+        batch = capture_batch(graph.bucket, self.verify_span)
         step = self._stage(graph, batch)
         self.check_reads(self.buffers[graph.bucket.kind], step)
         graph.control = control_of(self.attention, step, graph.bucket.kind)
@@ -212,6 +218,8 @@ class GraphRunner:
                 "step.src_slots": step.src_slots, "step.dst_slots": step.dst_slots, "step.fresh": step.fresh,
                 "step.track_slots": step.track_slots,
             })
+            if step.static_lens is not None:
+                reads["step.static_lens"] = step.static_lens
         for name, tensor in reads.items():
             if not buffers.owns(tensor):
                 raise StaticBufferError(f"the captured forward reads {name}, which is not a registered static buffer")
@@ -227,6 +235,8 @@ class GraphRunner:
         """The smallest bucket that holds the batch, or None (run it eagerly)."""
         num_reqs, num_tokens = len(batch.rows), len(batch.input_ids)
         if batch.sample_back:  # more logits rows than request slots: a verify bucket's
+            if max(batch.extend_lens) > self.verify_span:
+                return None
             return next((g for g in self.graphs["verify"] if g.bucket.tokens >= num_tokens), None)
         if all(n == 1 for n in batch.extend_lens):
             for graph in self.graphs["decode"]:
@@ -256,7 +266,8 @@ class GraphRunner:
     def _stage(self, graph: Graph, batch: ForwardBatch) -> HybridStep | None:
         """Copy the batch into the bucket's buffers (tails reset by the registry), point
         the attention backend at the views, build the hybrid step over them."""
-        views = self.buffers[graph.bucket.kind].stage(self._live(batch), graph.rows)
+        verify = graph.bucket.kind == "verify"
+        views = self.buffers[graph.bucket.kind].stage(self._live(batch, graph.bucket if verify else None), graph.rows)
         self._views = views
         self.attention.bind_static({k[len(ATTN):]: v for k, v in views.items() if k.startswith(ATTN)})
         if self.states is None:
@@ -266,12 +277,15 @@ class GraphRunner:
         track = list(batch.state_track) + [()] * (len(extend) - len(batch.rows)) if batch.state_track else ()
         return HybridStep(
             extend_lens=tuple(extend), prefix_lens=tuple(prefix), src_slots=views["state_src"],
-            dst_slots=views["state_dst"], fresh=views["fresh"], track=tuple(track),
+            dst_slots=views["state_dst"], fresh=views["fresh"], track=() if verify else tuple(track),
             static_track=(views["track_slots"], views["track_mask"]),
+            static_lens=views["extend_lens"] if verify else None, static_steps=self.verify_span if verify else 0,
         )
 
-    def _live(self, batch: ForwardBatch) -> dict[str, torch.Tensor]:
-        """The live rows of every registered buffer for this batch."""
+    def _live(self, batch: ForwardBatch, verify: Bucket | None = None) -> dict[str, torch.Tensor]:
+        """The live rows of every registered buffer for this batch (`verify`: the verify
+        bucket it runs in, whose track rows are one per token and whose lengths, padding
+        requests' too, are a buffer: HybridStep.static_lens)."""
         dev = self.device
         input_ids, positions, last = self.inputs.build(batch) if self.inputs is not None else flat_inputs(batch, dev)
         live = {"input_ids": input_ids, "positions": positions, "sample_index": last}
@@ -281,14 +295,17 @@ class GraphRunner:
             track = HybridStep.check(
                 batch.extend_lens, batch.prefix_lens, batch.state_src, batch.state_dst, batch.state_track
             )
-            slots = [s for pairs in track for _, s in pairs]
+            slots = per_token_slots(batch, track) if verify is not None else [s for pairs in track for _, s in pairs]
             live.update({
                 "state_src": to_device(batch.state_src, torch.int64, dev),
                 "state_dst": to_device(batch.state_dst, torch.int64, dev),
                 "fresh": to_device([p == 0 for p in batch.prefix_lens], torch.bool, dev),
                 "track_slots": to_device(slots, torch.int64, dev),
-                "track_mask": torch.ones(len(slots), dtype=torch.bool, device=dev),
+                "track_mask": to_device([s != 0 for s in slots], torch.bool, dev),
             })
+            if verify is not None:
+                padding = padding_lens(len(batch.rows), len(batch.input_ids), verify)
+                live["extend_lens"] = to_device(list(batch.extend_lens) + padding, torch.int64, dev)
         return live
 
     def _model_forward(self, graph: Graph, step: HybridStep | None) -> torch.Tensor:
@@ -322,14 +339,30 @@ def padding_lens(live_reqs: int, live_tokens: int, bucket: Bucket) -> list[int]:
     return lens
 
 
-def capture_batch(bucket: Bucket) -> ForwardBatch:
+def per_token_slots(batch: ForwardBatch, track: Sequence[Sequence[tuple[int, int]]]) -> list[int]:
+    """A verify bucket's track rows: per token of the batch, the slot the state after it
+    goes to (0: none; a request's last token's goes to its dst slot instead)."""
+    slots = [0] * len(batch.input_ids)
+    start = 0
+    for prefix, extend, pairs in zip(batch.prefix_lens, batch.extend_lens, track or [()] * len(batch.rows)):
+        for end, slot in pairs:
+            slots[start + end - prefix - 1] = slot
+        start += extend
+    return slots
+
+
+def capture_batch(bucket: Bucket, span: int = 0) -> ForwardBatch:
     """The capture / warm-up batch of a bucket: padding requests built like live batches,
     every one sampling (as many as the bucket's live requests can be); a verify bucket's,
-    one padding request sampling at every position, as a verify chunk does."""
+    padding requests of `span` tokens (the last one the rest) sampling at every position,
+    as verify chunks do."""
     greedy = SamplingRow(0.0, 1.0, -1, 0.0, 0.0, 0.0, 1.0, 0, 0, 0)
     if bucket.kind == "verify":
-        n = bucket.tokens
-        return ForwardBatch.build([PrefillChunk.padding(n)], [(0, greedy)] * n, (), (), tuple(range(n - 1, -1, -1)))
+        lens = [span] * (bucket.tokens // span) + ([bucket.tokens % span] if bucket.tokens % span else [])
+        chunks = [PrefillChunk.padding(n) for n in lens]
+        sampling = [(i, greedy) for i, n in enumerate(lens) for _ in range(n)]
+        back = tuple(n - 1 - j for n in lens for j in range(n))
+        return ForwardBatch.build(chunks, sampling, (), (), back)
     live = bucket.requests if bucket.kind == "decode" else bucket.requests - 1
     live = min(live, bucket.tokens)
     lens = [1] * (live - 1) + [bucket.tokens - (live - 1)]

@@ -335,3 +335,42 @@ def _recurrent_varlen(
         for m, (r, n) in enumerate(track):
             if n == t + 1:
                 tracked[m] = states[r]
+
+
+def gated_delta_static(
+    x: DeltaInputs, states: torch.Tensor, lens: torch.Tensor, steps: int, native: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The recurrent form of `gated_delta_varlen` with the lengths as a device tensor (lens
+    [R] int64, summing to T, each at most `steps`) -> (output [T, H, dv], states after each
+    request's last token [R, ...], the state after each token [T, ...]): the static-shape
+    form of a graph runner's verify bucket. Every request slot runs `steps` batched
+    `recurrent_step`s; a slot past its length computes a row that is dropped (its state
+    kept, its output and state written to a spare row). Nothing read back, no tensor made
+    from host values: a captured graph replays it for any lengths within `steps`.
+
+    `native` (CPU only, never captured): the C++ recurrence tracking every position,
+    the arithmetic every step of such a model runs (`gated_delta_varlen`)."""
+    tokens, reqs = x.q.shape[0], states.shape[0]
+    if native:
+        extend = [int(n) for n in lens.tolist()]
+        track = [(r, n) for r, length in enumerate(extend) for n in range(1, length)]
+        out, final, tracked = native_varlen(x, states, extend, track)
+        picks, m = [], 0  # per token: its tracked row (in request order), a request's last its final state
+        for r, length in enumerate(extend):
+            if length:
+                picks += list(range(m, m + length - 1)) + [len(track) + r]
+                m += length - 1
+        return out, final, torch.cat([tracked, final])[torch.tensor(picks, dtype=torch.int64)]
+    starts = torch.cumsum(lens, 0) - lens
+    spare = tokens + torch.arange(reqs, device=lens.device)  # a row of its own per slot past its length
+    out = x.v.new_zeros((tokens + reqs, *x.v.shape[1:]))
+    after = states.new_zeros((tokens + reqs, *states.shape[1:]))
+    s = states.clone()
+    for t in range(steps):
+        live = lens > t
+        tok = torch.where(live, starts + t, spare)
+        o, s_next = recurrent_step(x.rows(tok.clamp(max=max(tokens - 1, 0))), s)
+        s = torch.where(live.view(-1, *([1] * (s.dim() - 1))), s_next, s)
+        out.index_copy_(0, tok, o.to(out.dtype))
+        after.index_copy_(0, tok, s_next)
+    return out[:tokens], s, after[:tokens]

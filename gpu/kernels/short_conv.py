@@ -37,17 +37,29 @@ def short_conv_varlen(
         raise ValueError(f"extend_lens {list(extend_lens)} do not match {num_tokens} tokens / {reqs} windows")
     if all(n == 1 for n in extend_lens):
         return _one_token_each(x, windows, weight, bias)
-    return _varlen(x, windows, extend_lens, weight, bias)
+    y, new_windows, _ = _varlen(x, windows, to_device(list(extend_lens), torch.int64, x.device), weight, bias)
+    return y, new_windows
+
+
+def short_conv_static(
+    x: torch.Tensor, windows: torch.Tensor, lens: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`short_conv_varlen` with the lengths as a device tensor (lens [R] int64, summing to
+    T), plus the window after each token -> (y [T, C], new windows [R, C, K-1], windows
+    [T, C, K-1]): the static-shape form of a graph runner's verify bucket (every shape from
+    T, R and K; nothing read back). The same products in the same order as
+    `short_conv_varlen`, the windows the same copies as `short_conv_windows_at`."""
+    return _varlen(x, windows, lens, weight, bias)
 
 
 def _varlen(
-    x: torch.Tensor, windows: torch.Tensor, extend_lens: Sequence[int], weight: torch.Tensor, bias: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`short_conv_varlen` for any lengths: one buffer of window rows and new tokens."""
+    x: torch.Tensor, windows: torch.Tensor, lens: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`short_conv_varlen` for any lengths (lens [R] on x's device): one buffer of window
+    rows and new tokens; also the window after each token."""
     num_tokens, channels = x.shape
     reqs, _, width = windows.shape
     device = x.device
-    lens = to_device(list(extend_lens), torch.int64, device)
     # One extended buffer: per request its window rows, then its new tokens.
     seg_len = lens + width
     seg_start = torch.cumsum(seg_len, 0) - seg_len
@@ -68,7 +80,9 @@ def _varlen(
         acc = acc + bias.float()
     last_rows = (seg_start + seg_len - width)[:, None] + torch.arange(width, device=device)[None, :]
     new_windows = ext[last_rows.reshape(-1)].view(reqs, width, channels).transpose(1, 2)
-    return acc.to(x.dtype), new_windows.to(windows.dtype)
+    after = tok_row[:, None] + torch.arange(1 - width, 1, device=device)[None, :]  # each token's window rows
+    token_windows = ext[after.reshape(-1)].view(num_tokens, width, channels).transpose(1, 2)
+    return acc.to(x.dtype), new_windows.to(windows.dtype), token_windows.to(windows.dtype)
 
 
 def _one_token_each(

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from cache.state_pool import LayerStateShape, StatePool
 from gpu.attention.base import AttentionBackend
 from gpu.batch_invariant import linear_tiled
-from gpu.kernels.short_conv import short_conv_varlen, short_conv_windows_at
+from gpu.kernels.short_conv import short_conv_static, short_conv_varlen, short_conv_windows_at
 from gpu.model_config import ModelArchConfig
 from gpu.models.hybrid_common import Weights, apply_rope, rope_cos_sin, swiglu
 from gpu.models.hybrid_step import HybridStep
@@ -240,6 +240,11 @@ class HybridDecoder(ABC, Generic[A, S]):
         windows at its tracked lengths in their slots)."""
         conv_pool = pool.conv[state_layer]
         start = step.load(conv_pool)
+        if step.static_lens is not None:  # a verify bucket: the window after every token
+            y, windows, after = short_conv_static(x, start, step.static_lens, weight, bias)
+            step.store(conv_pool, windows)
+            step.store_tracked(conv_pool, after)
+            return y
         y, windows = short_conv_varlen(x, start, step.extend_lens, weight, bias)
         step.store(conv_pool, windows)
         if step.writes_tracked:

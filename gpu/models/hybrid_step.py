@@ -50,6 +50,13 @@ class HybridStep:
     # mask (live rows True, padding rows False, slot 0). Every row is written, as a
     # captured graph does; None: exactly the tracked points are written.
     static_track: tuple[torch.Tensor, torch.Tensor] | None = None
+    # A verify bucket (gpu/graphs/runner.py): the lengths as a registered [R] buffer, each
+    # at most `static_steps`; the state layers then run their static forms
+    # (gpu/kernels/gated_delta.py `gated_delta_static`, short_conv.py `short_conv_static`),
+    # which read no host length, and `static_track` holds one row per token: the slot for
+    # the state after that token (mask False: not kept).
+    static_lens: torch.Tensor | None = None
+    static_steps: int = 0
     # Flattened track, in request order: (request index, tokens into its chunk).
     track_points: tuple[tuple[int, int], ...] = field(init=False)
     track_slots: torch.Tensor = field(init=False)  # [M] int64, same order (static: [M_max])

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from cache.state_pool import LayerStateShape, StatePool
 from gpu.attention.base import AttentionBackend
 from gpu.batch_invariant import pointwise, sum_last
-from gpu.kernels.gated_delta import DeltaInputs, gated_delta_varlen
+from gpu.kernels.gated_delta import DeltaInputs, gated_delta_static, gated_delta_varlen
 from gpu.models.hybrid_base import BlockNames, HybridDecoder
 from gpu.models.hybrid_common import Weights, gated_rms_norm, rms_norm_zero_centred, softplus
 from gpu.models.hybrid_step import HybridStep
@@ -149,15 +149,20 @@ class Qwen3_5Model(HybridDecoder[_Attention, _DeltaNet]):
         beta = pointwise(torch.sigmoid, b).float()
         g = layer.neg_a * softplus(a.float() + layer.dt_bias)
         rec_pool = pool.recurrent_of(state_layer)
-        out, states, tracked = gated_delta_varlen(
-            DeltaInputs(q, k, v.reshape(tokens, heads_v, dv).float(), g, beta),
-            step.load(rec_pool),
-            step.extend_lens,
-            step.prefix_lens,
-            recurrent=self.deterministic,
-            track=step.track_points,
-            native=self.native_recurrence,
-        )
+        inputs = DeltaInputs(q, k, v.reshape(tokens, heads_v, dv).float(), g, beta)
+        if step.static_lens is not None:  # a verify bucket: the state after every token
+            out, states, tracked = gated_delta_static(inputs, step.load(rec_pool), step.static_lens,
+                                                      step.static_steps, native=self.native_recurrence)
+        else:
+            out, states, tracked = gated_delta_varlen(
+                inputs,
+                step.load(rec_pool),
+                step.extend_lens,
+                step.prefix_lens,
+                recurrent=self.deterministic,
+                track=step.track_points,
+                native=self.native_recurrence,
+            )
         step.store(rec_pool, states)
         step.store_tracked(rec_pool, tracked)
         out = gated_rms_norm(out.to(x.dtype), z.reshape(tokens, heads_v, dv), layer.norm, arch.rms_norm_eps)
