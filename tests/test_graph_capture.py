@@ -250,6 +250,34 @@ def test_cuda_hybrid_decode_graphs_equal_emulation(hybrid_folders: dict[str, str
         assert_bit_exact(cuda, emulated)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("topk", [1, 3])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cuda_hybrid_verify_graphs_equal_emulation(hybrid_folders: dict[str, str], family: str, topk: int) -> None:
+    """Speculating hybrid engines (chains and token trees): captured verify graphs give
+    the emulated run's tokens and logprobs, and the plain engine's."""
+    from tests.test_speculative import ORACLE, same
+    from tests.test_speculative_hybrid import PARAMS, PROMPTS, make, reference
+    from tests.test_speculative_tree import TREE
+
+    folder = hybrid_folders[family]
+    plain = make(folder, "extra_buffer", **{"cache.prefix": "none", "model.device": "cuda"})
+    try:
+        refs = [reference(plain, p, q) for p, q in zip(PROMPTS, PARAMS)]
+    finally:
+        plain.shutdown()
+    for mode in ("emulate", "cuda"):
+        engine = make(folder, "extra_buffer", **(ORACLE if topk == 1 else TREE),
+                      **{**GRAPHS_EMULATE, "model.device": "cuda", "graphs.mode": mode})
+        try:
+            outs = engine.generate(PROMPTS, PARAMS)
+            assert isinstance(outs, list) and graph_replays(engine)["verify"] > 0
+            for out, ref in zip(outs, refs):
+                same(out, ref)
+        finally:
+            engine.shutdown()
+
+
 def test_red_backend_binding_a_per_step_value(tiny_chat_folder: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Planted: the attention backend keeps a per-step host value from the staged views (a
     CUDA graph would freeze the capture's). The replay of another step is refused."""
