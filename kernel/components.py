@@ -186,9 +186,11 @@ def _build_components(
     runner.graphs = build_graph_runner(config, model, attention, states, device)
     speculator = _speculator(config, states is not None, runner.graphs.decode_rows if runner.graphs else None, cache)
     if speculator is not None and isinstance(speculator.drafter, ModelDrafter):
+        graph_mode = runner.graphs.mode if isinstance(runner.graphs, GraphRunner) else None
+        buckets = [b for b in config.graphs.decode_buckets if b <= config.scheduler.max_running_requests]
         speculator.drafter.attach(build_draft(config, device, built, context, num_pages, table, attention_name,
-                                              decode_buckets=config.graphs.decode_buckets), page_size,
-                                    table.num_rows)
+                                              decode_buckets=buckets, graph_mode=graph_mode), page_size,
+                                  table.num_rows)
     if runner.graphs is not None:
         runner.graphs.inputs = runner.inputs
     return Components(

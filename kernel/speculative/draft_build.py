@@ -15,6 +15,7 @@ from cache.req_table import ReqToTokenTable
 from cache.state_pool import StatePool
 from gpu.graphs import cpu_step
 from gpu.graphs.cpu_step import CpuStepRunner
+from gpu.graphs.runner import GraphRunner
 from gpu.model_runner import ModelRunner
 from kernel import registry
 from kernel.config import Config, ConfigError
@@ -23,7 +24,12 @@ from kernel.speculative.draft_model import DraftModel, state_slots
 
 
 def build_draft(config: Config, device: torch.device, target: BuiltModel, context: int, num_pages: int,
-                table: ReqToTokenTable, attention_name: str, decode_buckets: Sequence[int]) -> DraftModel:
+                table: ReqToTokenTable, attention_name: str, decode_buckets: Sequence[int],
+                graph_mode: str | None = None) -> DraftModel:
+    """`graph_mode`: the target's graph runner's (cuda / emulate), if it has one: the
+    draft's decode steps then replay decode buckets of a graph runner of its own (on a
+    static-shape attention backend); else, on a CPU where the draft has a native decode
+    step, they run natively."""
     spec = config.speculative
     assert spec.draft_model is not None
     section = dataclasses.replace(config.model, path=spec.draft_model, dtype=spec.draft_dtype,
@@ -42,14 +48,23 @@ def build_draft(config: Config, device: torch.device, target: BuiltModel, contex
     kv_layers = getattr(draft.model, "num_kv_layers", arch.num_layers)  # hybrids: attention layers only
     pool = KVPool(kv_layers, num_pages, config.cache.page_size, arch.num_kv_heads, arch.head_dim, draft.dtype,
                   device)
-    name = "torch" if attention_name.startswith("deterministic") else attention_name
+    name = attention_name
+    if attention_name.startswith("deterministic"):  # the draft's numerics never reach an output
+        name = "deterministic" if graph_mode is not None else "torch"  # static-shape metadata for the graphs
     attention = registry.lookup("attention", name)(pool, table.table, cpu_kernels=draft.cpu_kernels)
     # A hybrid draft: two state slots per table row (kernel/speculative/draft_model.py), the
     # request rows' only — a token tree's scratch rows run the target, never the draft.
     states = (StatePool(draft.model.state_shapes(), state_slots(table.num_rows), draft.dtype, device)
               if hasattr(draft.model, "state_shapes") else None)
     runner = ModelRunner(draft.model, pool, attention, states, cpu_kernels=draft.cpu_kernels)
-    if device.type == "cpu" and cpu_step.unsupported(draft.model, attention) is None:
+    if graph_mode is not None:
+        # NOTE: invariants 5 and 6 for the draft's steps too: its buffers registered, padding
+        # rows inert, capture batches built like live ones (gpu/graphs/runner.py).
+        graphs = GraphRunner(draft.model, attention, states, graph_mode, decode_buckets=decode_buckets,
+                             prefill_tokens=(), prefill_max_requests=1)
+        graphs.capture()
+        runner.graphs = graphs
+    elif device.type == "cpu" and cpu_step.unsupported(draft.model, attention) is None:
         runner.graphs = CpuStepRunner(draft.model, attention, decode_buckets)  # its decode steps, natively
     return DraftModel(runner)
 
