@@ -1,6 +1,7 @@
 """The draft model's steps under the graph runner (`graphs.mode: emulate`, what CUDA
-captures): with the target in a graph runner, the draft gets one of its own (decode
-buckets, a static-shape attention backend) and its greedy steps replay them — dense and
+captures): with the target in a graph runner, the draft gets one of its own (decode and
+prefill buckets, a static-shape attention backend) and its jobs' chunks and greedy steps
+replay them — dense and
 hybrid drafts, the target's output `==` the plain engine's, nearly every draft of the same
 weights accepted, and after every draft replay the rows past its live ones hold their
 sentinels (a job's greedy steps shrink as its requests' drafts end).
@@ -102,6 +103,8 @@ def test_draft_steps_replay_decode_buckets(folders: dict[str, str], model: str, 
         for out, ref in zip(outs, want):
             same(out, ref)
         assert stale, "no draft step replayed a bucket"
+        kinds = {bucket.kind for bucket, n in graphs.replays.items() if n}
+        assert kinds == {"decode", "prefill"}, f"draft replays: {dict(graphs.replays)}"
         if planted:
             assert max(stale) > 0, "stale-row guard: the planted bug left no stale row"
             return

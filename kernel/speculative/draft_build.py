@@ -27,9 +27,9 @@ def build_draft(config: Config, device: torch.device, target: BuiltModel, contex
                 table: ReqToTokenTable, attention_name: str, decode_buckets: Sequence[int],
                 graph_mode: str | None = None) -> DraftModel:
     """`graph_mode`: the target's graph runner's (cuda / emulate), if it has one: the
-    draft's decode steps then replay decode buckets of a graph runner of its own (on a
-    static-shape attention backend); else, on a CPU where the draft has a native decode
-    step, they run natively."""
+    draft's steps then replay the buckets of a graph runner of its own (on a static-shape
+    attention backend; a hybrid draft's prefill buckets emulated only, as the target's);
+    else, on a CPU where the draft has a native decode step, they run natively."""
     spec = config.speculative
     assert spec.draft_model is not None
     section = dataclasses.replace(config.model, path=spec.draft_model, dtype=spec.draft_dtype,
@@ -60,8 +60,10 @@ def build_draft(config: Config, device: torch.device, target: BuiltModel, contex
     if graph_mode is not None:
         # NOTE: invariants 5 and 6 for the draft's steps too: its buffers registered, padding
         # rows inert, capture batches built like live ones (gpu/graphs/runner.py).
+        sched = config.scheduler
         graphs = GraphRunner(draft.model, attention, states, graph_mode, decode_buckets=decode_buckets,
-                             prefill_tokens=(), prefill_max_requests=1)
+                             prefill_tokens=[t for t in config.graphs.prefill_tokens if t <= sched.max_num_batched_tokens],
+                             prefill_max_requests=min(config.graphs.prefill_max_requests, sched.max_running_requests))
         graphs.capture()
         runner.graphs = graphs
     elif device.type == "cpu" and cpu_step.unsupported(draft.model, attention) is None:
