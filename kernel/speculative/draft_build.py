@@ -48,6 +48,8 @@ def build_draft(config: Config, device: torch.device, target: BuiltModel, contex
     kv_layers = getattr(draft.model, "num_kv_layers", arch.num_layers)  # hybrids: attention layers only
     pool = KVPool(kv_layers, num_pages, config.cache.page_size, arch.num_kv_heads, arch.head_dim, draft.dtype,
                   device)
+    if graph_mode is not None and not getattr(draft.model, "static_shapes", True):
+        graph_mode = None  # a MoE draft whose experts read routing on the host: its steps run eagerly
     name = attention_name
     if attention_name.startswith("deterministic"):  # the draft's numerics never reach an output
         name = "deterministic" if graph_mode is not None else "torch"  # static-shape metadata for the graphs
