@@ -317,10 +317,10 @@ def build_forward_batch(plan: StepPlan, state_copies: tuple[tuple[int, int], ...
 def side_rows(req: Request, ch: ScheduledChunk, row: SamplingRow,
               chunks: list[PrefillChunk]) -> list[tuple[int, int, SamplingRow]]:
     """A hybrid token tree's side branches, each appended to `chunks` as a chunk of its own
-    on its scratch row: its extra rows' tokens, then its side
-    nodes', from the request's state at the input token, the state after each side node
-    to its slot (kernel/speculative/tree.py). Returns (batch chunk, tokens before the
-    chunk's last, how it samples) per side node, in node order."""
+    on its scratch row: its extra rows' tokens, then its side nodes' — from the request's
+    state at the input token, the state after each side node to its slot
+    (kernel/speculative/tree.py). Returns (batch chunk, tokens before the chunk's last,
+    how it samples) per side node, in node order."""
     if ch.tree is None:
         return []
     tokens = req.token_slice(ch.start, ch.start + 1) + list(ch.draft)
