@@ -38,7 +38,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from cache.kv_events import Subscriber
+from cache.kv_events import KVEvent, Subscriber
 from cache.radix_node import InsertResult, MatchResult, TreeNode
 
 __all__ = ["InsertResult", "MatchResult", "NoPrefixCache", "PrefixCache"]
@@ -219,6 +219,11 @@ class PrefixCache(ABC):
     def subscribe(self, callback: Subscriber) -> Callable[[], None] | None:
         """Follow KV events; None if this cache publishes none."""
         return None
+
+    def snapshot_events(self) -> list[KVEvent]:
+        """The cache as events a new follower applies to hold its view: AllBlocksCleared,
+        then what is cached now (none if this cache publishes no events). Changes nothing."""
+        return []
 
 
 class NoPrefixCache(PrefixCache):

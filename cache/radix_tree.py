@@ -42,7 +42,9 @@ from cache.evict_heap import EvictHeap
 from cache.evict_policy import EvictPolicy
 from cache.kv_events import (
     AllBlocksCleared,
+    BlockStored,
     EventHub,
+    KVEvent,
     Subscriber,
 )
 from cache.prefix_cache import PrefixCache
@@ -342,6 +344,21 @@ class RadixTree(TreeShape, HostTierMixin, PrefixCache):
         bounded queue). Returns a function that unsubscribes.
         """
         return self._events.subscribe(callback)
+
+    def snapshot_events(self) -> list[KVEvent]:
+        """The tree as events (PrefixCache.snapshot_events): AllBlocksCleared, then per node,
+        parents first, BlockStored for its device pages and BlockStored(medium="host") for
+        its host copy — what a follower that saw every event since the tree was empty holds
+        now. NOTE: the hashes are the nodes' own, so a follower's later events chain on."""
+        events: list[KVEvent] = [AllBlocksCleared()]
+        for node in self.nodes():
+            assert node.parent is not None
+            stored = (list(node.hashes), node.parent.hash, list(node.key), self.page_size)
+            if node.pages:
+                events.append(BlockStored(*stored))
+            if node.host_pages is not None:
+                events.append(BlockStored(*stored, medium="host"))
+        return events
 
     def nodes(self) -> Iterator[TreeNode]:
         """Every node except the root, parents before children. Do not mutate while iterating."""

@@ -321,6 +321,11 @@ class AsyncEngine:
         """Follow the prefix cache's KV events; None when it publishes none."""
         return self.scheduler.prefix.cache.subscribe(callback)
 
+    def kv_snapshot_events(self) -> list[Any]:
+        """The prefix cache as KV events a new follower applies (AllBlocksCleared, then
+        what is cached); on the event loop, like every cache operation."""
+        return self.scheduler.prefix.cache.snapshot_events()
+
     def check(self) -> str | None:
         """Run the integrity check now; the failure message, or None when it holds."""
         try:

@@ -3,7 +3,7 @@
 What the prefix cache publishes (cache/kv_events.py: pages as blocks, chained hashes a
 client recomputes from token ids) leaves the process as vLLM's publisher sends it:
 
-- PUB socket at `kv_events.endpoint`, multipart `[topic, seq, payload]`: `seq` an 8-byte
+- PUB socket (an XPUB) at `kv_events.endpoint`, multipart `[topic, seq, payload]`: `seq` an 8-byte
   big-endian count from 0 (a restart starts again at 0, visibly), `payload` a msgpack
   `KVEventBatch` as vLLM's msgspec structs encode it: the batch a positional array
   `[ts, [event, ...], data_parallel_rank]`, each event a map tagged under "type":
@@ -22,6 +22,14 @@ client recomputes from token ids) leaves the process as vLLM's publisher sends i
   is ignored there, and the router's index stays missing the batches of a gap (found
   with vllm-router 0.1.17: tests/test_routers_e2e.py plants the old framing).
 
+- A new subscription (a router started, or restarted, after the replica: its SUB socket
+  joins with nothing known) is answered on the PUB stream by a snapshot batch:
+  `AllBlocksCleared`, then a `BlockStored` for every cached block (device, and "host" for
+  a host copy), parents first, under the next seq like any batch. A router that joined
+  late would otherwise know only blocks stored after it (vllm-router asks the replay
+  socket only for a gap in seq, never on its own start). NOTE: every subscriber gets it;
+  for one already following, clearing and storing the same blocks leaves its view as it was.
+
 Hybrid trees' StateStored / StateRemoved have no place in vLLM's schema and are not sent.
 The cache calls `publish` on the event loop; encoding happens there (cheap), the sockets
 live on one thread of their own (ZMQ sockets are not thread-safe).
@@ -29,10 +37,12 @@ live on one thread of their own (ZMQ sockets are not thread-safe).
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -44,7 +54,7 @@ from kernel.registry import optional_module
 log = structlog.get_logger("tierserve")
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-POLL_MS = 50
+POLL_MS = 10  # how long queued events may wait while the sockets are polled
 
 
 def event_row(event: KVEvent) -> dict[str, Any] | None:
@@ -61,12 +71,15 @@ def event_row(event: KVEvent) -> dict[str, Any] | None:
 
 
 class ZmqKvPublisher:
-    """Started once the engine runs; `close()` stops the thread and closes the sockets."""
+    """Started once the engine runs; `close()` stops the thread and closes the sockets.
+    `on_subscribe` is called on the socket thread when a subscriber joins (start_kv_events
+    has it publish a snapshot from the event loop)."""
 
-    def __init__(self, config: KvEventsConfig) -> None:
+    def __init__(self, config: KvEventsConfig, on_subscribe: Callable[[], None] | None = None) -> None:
         self.zmq = optional_module("zmq", "kv_events.publisher: zmq")
         self.msgpack = optional_module("msgspec", "kv_events.publisher: zmq").msgpack.Encoder()
         self.config = config
+        self.on_subscribe = on_subscribe
         self.seq = 0
         self._out: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._ready = threading.Event()
@@ -90,7 +103,8 @@ class ZmqKvPublisher:
         ctx = self.zmq.Context()
         pub = replay = None
         try:
-            pub = ctx.socket(self.zmq.PUB)
+            pub = ctx.socket(self.zmq.XPUB)
+            pub.setsockopt(self.zmq.XPUB_VERBOSE, 1)  # every subscription, not only a topic's first
             pub.bind(self.config.endpoint)
             if self.config.replay_endpoint:
                 replay = ctx.socket(self.zmq.ROUTER)
@@ -109,23 +123,36 @@ class ZmqKvPublisher:
         topic = self.config.topic.encode("utf-8")
         kept: deque[tuple[int, bytes]] = deque(maxlen=self.config.buffer)
         poller = self.zmq.Poller()
+        poller.register(pub, self.zmq.POLLIN)
         if replay is not None:
             poller.register(replay, self.zmq.POLLIN)
         while True:
             try:
-                payload = self._out.get(timeout=POLL_MS / 1000 if replay is None else 0.0)
+                payload = self._out.get_nowait()
             except queue.Empty:
                 payload = b""
             if payload is None:
                 return
             if payload:
                 seq = self.seq.to_bytes(8, "big")
-                pub.send_multipart((topic, seq, payload))
+                self._send(pub, (topic, seq, payload))
                 kept.append((self.seq, payload))
                 self.seq += 1
                 continue
-            if replay is not None and poller.poll(POLL_MS):
+            ready = dict(poller.poll(POLL_MS))
+            if pub in ready:
+                self._joined(pub)
+            if replay is not None and replay in ready:
                 self._answer(replay, kept)
+
+    def _send(self, pub: Any, frames: tuple[bytes, bytes, bytes]) -> None:
+        pub.send_multipart(frames)
+
+    def _joined(self, pub: Any) -> None:
+        """A (un)subscription message: byte 1 then the topic prefix on joining, 0 on leaving."""
+        message = pub.recv()
+        if message[:1] == b"\x01" and self.on_subscribe is not None:
+            self.on_subscribe()
 
     def _answer(self, replay: Any, kept: deque[tuple[int, bytes]]) -> None:
         frames = replay.recv_multipart()
@@ -141,13 +168,23 @@ class ZmqKvPublisher:
         replay.send_multipart((client, empty, topic, END_SEQ, b""))
 
 
-def start_kv_events(config: KvEventsConfig, subscribe: Any) -> ZmqKvPublisher | None:
+def start_kv_events(config: KvEventsConfig, subscribe: Any,
+                    snapshot: Callable[[], list[KVEvent]] | None = None) -> ZmqKvPublisher | None:
     """The publisher `config` asks for, following the cache through `subscribe`
-    (`AsyncEngine.subscribe_kv_events`); None when off. Raises when the endpoint cannot be
-    bound or there is no prefix cache to follow (a start-up error, exit 1)."""
+    (`AsyncEngine.subscribe_kv_events`), answering each new subscriber with `snapshot()`
+    (`AsyncEngine.kv_snapshot_events`) taken on the running event loop; None when off.
+    Raises when the endpoint cannot be bound or there is no prefix cache to follow (a
+    start-up error, exit 1)."""
     if config.publisher == "none":
         return None
-    publisher = ZmqKvPublisher(config)
+    on_subscribe = None
+    if snapshot is not None:
+        loop = asyncio.get_running_loop()
+
+        def on_subscribe() -> None:  # the socket thread: the cache is read on the loop
+            loop.call_soon_threadsafe(lambda: publisher.publish(snapshot()))
+
+    publisher = ZmqKvPublisher(config, on_subscribe)
     if subscribe(publisher.publish) is None:
         publisher.close()
         raise ValueError("kv_events.publisher: zmq needs a prefix cache (cache.prefix: radix)")

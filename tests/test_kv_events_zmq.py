@@ -242,3 +242,72 @@ def test_tiers_name_their_medium(tiny_chat_folder: str) -> None:
     media = {(type(e).__name__, e.medium) for e in events if not isinstance(e, AllBlocksCleared)}
     assert ("BlockStored", "device") in media and ("BlockStored", "host") in media, media
     assert ("BlockRemoved", "device") in media, media
+
+
+def late_view(tiny_chat_folder: str) -> tuple[list[KVEventBatch], set[int], set[int], tuple[set[int], set[int]]]:
+    """A tiered engine caches prompts (device pages, host copies) while its publisher runs
+    with no subscriber; then a SUB socket joins. -> (the batches it got, the device and
+    host blocks they say are cached, the tree's own (device, host) blocks at idle)."""
+    from tests.test_host_tier import TIERED, settle
+
+    pub_at, _ = endpoints()
+    engine = Engine(None, {"model.path": tiny_chat_folder, **TINY_OVERRIDES, **TIERED})
+    ae = engine.engine
+
+    async def start() -> Any:  # on the engine's loop, as the server starts it
+        return start_kv_events(KvEventsConfig(publisher="zmq", endpoint=pub_at), ae.subscribe_kv_events,
+                               ae.kv_snapshot_events)
+
+    publisher = engine._call(start())
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        for i in range(6):
+            engine.generate([300 + i] * 6 + list(range(400 + 40 * i, 430 + 40 * i)),
+                            {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True})
+            settle(engine)
+        tree = ae.scheduler.prefix.cache
+        truth = ({h for n in tree.nodes() if n.pages for h in n.hashes},
+                 {h for n in tree.nodes() if n.host_pages is not None for h in n.hashes})
+        sub.connect(pub_at)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")  # joins now: everything before it was sent to no one
+        batches = [b for _, _, b in receive(sub, time.monotonic() + 3)]
+    finally:
+        publisher.close()
+        sub.close(linger=0)
+        ctx.term()
+        engine.shutdown()
+    device: set[int] = set()
+    host: set[int] = set()
+    for batch in batches:
+        for ev in batch.events:
+            if isinstance(ev, AllBlocksCleared):
+                device.clear()
+                host.clear()
+            elif isinstance(ev, BlockStored):
+                assert ev.parent_block_hash is None or ev.parent_block_hash in device | host, "a child before its parent"
+                (host if ev.medium == "host" else device).update(ev.block_hashes)
+    return batches, device, host, truth
+
+
+def assert_late_view(tiny_chat_folder: str) -> None:
+    """The guard: a late subscriber's view of the cache is the tree's."""
+    _, device, host, (tree_device, tree_host) = late_view(tiny_chat_folder)
+    assert tree_device and tree_host, "the workload left no device block or no host copy"
+    assert (device, host) == (tree_device, tree_host), "late-subscriber guard: its view is not the tree"
+
+
+def test_a_late_subscriber_gets_the_cache_as_a_snapshot(tiny_chat_folder: str) -> None:
+    """A router started (or restarted) after the replica: its SUB socket's subscription is
+    answered with AllBlocksCleared and every cached block, device and host copies alike."""
+    assert_late_view(tiny_chat_folder)
+
+
+def test_red_no_snapshot_for_a_late_subscriber(tiny_chat_folder: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted: the subscription is not answered (an empty snapshot): the late subscriber
+    knows none of the cached blocks, and the guard goes red."""
+    from cache.radix_tree import RadixTree
+
+    monkeypatch.setattr(RadixTree, "snapshot_events", lambda self: [])
+    with pytest.raises(AssertionError, match="late-subscriber guard"):
+        assert_late_view(tiny_chat_folder)

@@ -143,6 +143,38 @@ def test_vllm_router_kv_aware_follows_the_kv_events(replicas: list[ServerProcess
         router.stop()
 
 
+def test_vllm_router_started_late_learns_the_cache(replicas: list[ServerProcess]) -> None:
+    """A kv_aware router started (as after a restart) when both replicas already hold
+    prompts: its subscriptions are answered with each replica's cache as a snapshot
+    (plugins/kv_events_zmq.py), so a follow-up of each prompt runs where its prefix is —
+    the replica's own device hit, not the router's log, says so. Without the snapshot the
+    router knows none of them (tests/test_kv_events_zmq.py plants that)."""
+    info = replicas[0].info()
+    model, page = info["served_model_name"], info["block_size"]
+    rng = random.Random(11)
+    prompts = [[rng.randint(100, 40000) for _ in range(120)] for _ in range(6)]
+    holders = [1, 1, 0, 1, 0, 0]  # not what round-robin (or any fixed alternation) would pick
+    for ids, holder in zip(prompts, holders):  # before the router exists: no subscriber sees these events
+        body = {"model": model, "prompt": ids, "max_tokens": 2, "temperature": 0}
+        requests.post(f"{replicas[holder].url}/v1/completions", json=body, timeout=60).raise_for_status()
+    sources = [arg for r in replicas for arg in ("--kv-event-source", f"{r.url}={r.kv_endpoint}")]  # type: ignore[attr-defined]
+    router = Router("vllm", [r.url for r in replicas],
+                    ("--policy", "kv_aware", *sources, "--kv-event-block-size", str(page), "--kv-event-model", model))
+    try:
+        router.wait_models()
+        time.sleep(1.5)  # the SUB sockets join; the snapshots arrive
+        for i, (ids, holder) in enumerate(zip(prompts, holders)):
+            body = {"model": model, "prompt": ids + [7, 8], "max_tokens": 2, "temperature": 0}
+            before = replicas[holder].info()["cache"]["prefix_hit_tokens"]
+            routed = requests.post(f"{router.url}/v1/completions", json=body, timeout=60)
+            routed.raise_for_status()
+            cached = routed.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            hit = replicas[holder].info()["cache"]["prefix_hit_tokens"] - before
+            assert cached >= 100 and hit >= 100, (i, cached, hit, router.log_text())
+    finally:
+        router.stop()
+
+
 def routed_to_holder(router: Router, replicas: list[ServerProcess], model: str, holder: int, trials: int,
                      place: Any, seed: int) -> int:
     """How many of `trials` prompts the router sent to replica `holder`, each prompt's
@@ -176,19 +208,14 @@ class InProcessSource:
 
         self.hidden = [False]
         hidden = self.hidden
-
-        class DropWhileHidden:
-            def __init__(self, sock: Any, drops: bool) -> None:
-                self.sock, self.drops = sock, drops
-
-            def send_multipart(self, frames: Any) -> None:
-                if not (self.drops and hidden[0]):
-                    self.sock.send_multipart(frames)
-
         self.pub_at, self.replay_at = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-        serve = kz.ZmqKvPublisher._serve
-        monkeypatch.setattr(kz.ZmqKvPublisher, "_serve", lambda p, pub, rep: serve(
-            p, DropWhileHidden(pub, p.config.endpoint == self.pub_at), rep))
+        send = kz.ZmqKvPublisher._send
+
+        def drop_while_hidden(p: Any, pub: Any, frames: Any) -> None:  # replica 0's PUB socket only
+            if not (hidden[0] and p.config.endpoint == self.pub_at):
+                send(p, pub, frames)
+
+        monkeypatch.setattr(kz.ZmqKvPublisher, "_send", drop_while_hidden)
         self.rival_at = f"tcp://127.0.0.1:{free_port()}"
         self.rival_publisher = kz.ZmqKvPublisher(KvEventsConfig(publisher="zmq", endpoint=self.rival_at))
         self.publisher = kz.ZmqKvPublisher(KvEventsConfig(publisher="zmq", endpoint=self.pub_at,

@@ -86,7 +86,8 @@ async def serve(config: Config) -> int:
         state.engine = await AsyncEngine.create(config)
         app[ENGINE_ROUTES].bind(state.engine)
         state.engine.events.subscribe(log_lifecycle)
-        kv_events = start_kv_events(config.kv_events, state.engine.subscribe_kv_events)
+        kv_events = start_kv_events(config.kv_events, state.engine.subscribe_kv_events,
+                                    state.engine.kv_snapshot_events)
     except Exception as exc:  # noqa: BLE001 - a taken port or a model that fails to load: exit 1
         log.error("server_start_failed", error=str(exc))
         await runner.cleanup()
