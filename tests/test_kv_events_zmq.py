@@ -12,6 +12,7 @@ import msgspec
 import pytest
 import zmq
 
+from cache.kv_events import AllBlocksCleared as CacheAllBlocksCleared
 from cache.kv_events import BlockRemoved as CacheBlockRemoved
 from cache.kv_events import page_hashes
 from kernel import Engine
@@ -311,3 +312,44 @@ def test_red_no_snapshot_for_a_late_subscriber(tiny_chat_folder: str, monkeypatc
     monkeypatch.setattr(RadixTree, "snapshot_events", lambda self: [])
     with pytest.raises(AssertionError, match="late-subscriber guard"):
         assert_late_view(tiny_chat_folder)
+
+
+def test_a_restarted_replica_resends_its_cache_to_a_following_router() -> None:
+    """A replica restarts at the same endpoint: the follower's SUB socket reconnects and
+    subscribes again (ZMQ does that by itself), and the new incarnation answers with its
+    own cache (AllBlocksCleared first): the follower drops what the old one had."""
+    from cache.kv_events import BlockStored as Stored
+
+    pub_at, _ = endpoints()
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.RECONNECT_IVL, 50)
+    sub.connect(pub_at)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+
+    def incarnation(blocks: list[int]) -> ZmqKvPublisher:
+        holder: list[ZmqKvPublisher] = []
+
+        def answer() -> None:  # what start_kv_events does through the event loop
+            holder[0].publish([CacheAllBlocksCleared(),
+                               *(Stored([b], None, list(range(PAGE)), PAGE) for b in blocks)])
+
+        holder.append(ZmqKvPublisher(KvEventsConfig(publisher="zmq", endpoint=pub_at), answer))
+        return holder[0]
+
+    first = incarnation([11, 12])
+    try:
+        got = receive(sub, time.monotonic() + 2)
+    finally:
+        first.close()
+    second = incarnation([21])
+    try:
+        again = receive(sub, time.monotonic() + 3)
+    finally:
+        second.close()
+        sub.close(linger=0)
+        ctx.term()
+    assert [e.block_hashes for _, _, b in got for e in b.events if isinstance(e, BlockStored)] == [[11], [12]]
+    assert again and again[0][1] == 0, "the new incarnation's seq starts again at 0"
+    events = again[0][2].events
+    assert isinstance(events[0], AllBlocksCleared) and [e.block_hashes for e in events[1:]] == [[21]]
