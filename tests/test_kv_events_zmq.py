@@ -51,6 +51,13 @@ DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 PAGE = TINY_OVERRIDES["cache.page_size"]
 
 
+def close_all(publisher: Any, sub: Any, ctx: Any, engine: Engine) -> None:
+    publisher.close()
+    sub.close(linger=0)
+    ctx.term()
+    engine.shutdown()
+
+
 def endpoints() -> tuple[str, str]:
     return f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
 
@@ -107,10 +114,7 @@ def test_published_batches_decode_as_vllm_reads_them(tiny_chat_folder: str) -> N
         assert [b.events for _, b in replayed] == [g[2].events for g in got[1:]]
         dealer.close(linger=0)
     finally:
-        publisher.close()
-        sub.close(linger=0)
-        ctx.term()
-        engine.shutdown()
+        close_all(publisher, sub, ctx, engine)
 
 
 def test_off_taken_endpoint_and_no_prefix_cache(tiny_chat_folder: str) -> None:
@@ -164,10 +168,7 @@ def published(tiny_chat_folder: str, overrides: dict[str, Any], drive: Any) -> t
         result = drive(engine)
         batches = [b for _, _, b in receive(sub, time.monotonic() + 3)]
     finally:
-        publisher.close()
-        sub.close(linger=0)
-        ctx.term()
-        engine.shutdown()
+        close_all(publisher, sub, ctx, engine)
     return batches, result
 
 
@@ -274,10 +275,7 @@ def late_view(tiny_chat_folder: str) -> tuple[list[KVEventBatch], set[int], set[
         sub.setsockopt(zmq.SUBSCRIBE, b"")  # joins now: everything before it was sent to no one
         batches = [b for _, _, b in receive(sub, time.monotonic() + 3)]
     finally:
-        publisher.close()
-        sub.close(linger=0)
-        ctx.term()
-        engine.shutdown()
+        close_all(publisher, sub, ctx, engine)
     device: set[int] = set()
     host: set[int] = set()
     for batch in batches:
