@@ -25,7 +25,7 @@ from gpu.attention.base import AttentionBackend
 from gpu.cpu_threads import share_cpus
 from gpu.graphs import cpu_step
 from gpu.graphs.cpu_step import CpuStepRunner
-from gpu.graphs.runner import GraphRunner
+from gpu.graphs.runner import GraphBuckets, GraphRunner
 from gpu.model_runner import ModelRunner
 from gpu.models.llama import LlamaModel
 from gpu.step_inputs import NextTokens, StepInputs
@@ -187,10 +187,8 @@ def _build_components(
     speculator = _speculator(config, states is not None, runner.graphs.decode_rows if runner.graphs else None, cache)
     if speculator is not None and isinstance(speculator.drafter, ModelDrafter):
         graph_mode = runner.graphs.mode if isinstance(runner.graphs, GraphRunner) else None
-        buckets = [b for b in config.graphs.decode_buckets if b <= config.scheduler.max_running_requests]
         speculator.drafter.attach(build_draft(config, device, built, context, num_pages, table, attention_name,
-                                              decode_buckets=buckets, graph_mode=graph_mode), page_size,
-                                  table.num_rows)
+                                              graph_buckets(config), graph_mode), page_size, table.num_rows)
     if runner.graphs is not None:
         runner.graphs.inputs = runner.inputs
     return Components(
@@ -256,15 +254,14 @@ def build_graph_runner(
     """graphs.mode resolved (auto: cuda where it can run, cpu where the model has a native
     decode step, else off), buckets capped by the scheduler's limits, every bucket captured
     (or, emulated, warmed up) now."""
-    graphs, sched = config.graphs, config.scheduler
-    mode, name = graphs.mode, type(attention).__name__
+    mode, name = config.graphs.mode, type(attention).__name__
     if mode in ("cuda", "emulate") and not attention.supports_static:
         raise ConfigError(f"graphs.mode: {mode} needs an attention backend with static-shape metadata "
                           f"(deterministic, triton); {name} has none")
     if mode in ("cuda", "emulate") and not getattr(model, "static_shapes", True):
         raise ConfigError(f"graphs.mode: {mode} needs static shapes, and this model's MoE implementation reads "
                           "routing results on the host; use model.moe: dense (static shapes) or graphs.mode: off")
-    decode_buckets = [b for b in graphs.decode_buckets if b <= sched.max_running_requests]
+    buckets = graph_buckets(config)
     if config.parallel.tp_size > 1 and mode == "auto":
         # NOTE: every rank runs this with the same config (kernel/parallel/worker.py), so
         # all ranks hold the same buckets. The native CPU step has no collectives, and
@@ -274,7 +271,7 @@ def build_graph_runner(
     if mode in ("auto", "cpu") and device.type == "cpu":
         why = cpu_step.unsupported(model, attention)
         if why is None:
-            return CpuStepRunner(model, attention, decode_buckets)
+            return CpuStepRunner(model, attention, buckets.decode)
         if mode == "cpu":
             raise ConfigError(f"graphs.mode: cpu {why}")
         log.info("cpu_step_off", reason=why)
@@ -287,14 +284,24 @@ def build_graph_runner(
         return None
     runner = GraphRunner(
         model, attention, states, mode,
-        decode_buckets=decode_buckets,
-        prefill_tokens=[t for t in graphs.prefill_tokens if t <= sched.max_num_batched_tokens],
-        prefill_max_requests=min(graphs.prefill_max_requests, sched.max_running_requests),
-        verify_tokens=_verify_tokens(config, decode_buckets) if states is not None else (),
+        decode_buckets=buckets.decode,
+        prefill_tokens=buckets.prefill_tokens,
+        prefill_max_requests=buckets.prefill_max_requests,
+        verify_tokens=_verify_tokens(config, buckets.decode) if states is not None else (),
         verify_span=_verify_span(config),
     )
     runner.capture()
     return runner
+
+
+def graph_buckets(config: Config) -> GraphBuckets:
+    """graphs.* bucket sizes capped by the scheduler's limits (the target's runner and the draft's)."""
+    graphs, sched = config.graphs, config.scheduler
+    return GraphBuckets(
+        decode=[b for b in graphs.decode_buckets if b <= sched.max_running_requests],
+        prefill_tokens=[t for t in graphs.prefill_tokens if t <= sched.max_num_batched_tokens],
+        prefill_max_requests=min(graphs.prefill_max_requests, sched.max_running_requests),
+    )
 
 
 def _verify_tokens(config: Config, decode_buckets: list[int]) -> list[int]:

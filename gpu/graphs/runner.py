@@ -82,6 +82,14 @@ _STATE_INPUTS = {
 }
 
 
+class GraphBuckets(NamedTuple):
+    """A runner's bucket sizes, already capped by the scheduler's limits."""
+
+    decode: list[int]
+    prefill_tokens: list[int]
+    prefill_max_requests: int
+
+
 class Bucket(NamedTuple):
     kind: str  # "decode" | "prefill" | "verify"
     tokens: int

@@ -49,14 +49,17 @@ def short_conv_static(
     [T, C, K-1]): the static-shape form of a graph runner's verify bucket (every shape from
     T, R and K; nothing read back). The same products in the same order as
     `short_conv_varlen`, the windows the same copies as `short_conv_windows_at`."""
-    return _varlen(x, windows, lens, weight, bias)
+    y, new_windows, after = _varlen(x, windows, lens, weight, bias, per_token=True)
+    assert after is not None
+    return y, new_windows, after
 
 
 def _varlen(
-    x: torch.Tensor, windows: torch.Tensor, lens: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, windows: torch.Tensor, lens: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    per_token: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`short_conv_varlen` for any lengths (lens [R] on x's device): one buffer of window
-    rows and new tokens; also the window after each token."""
+    rows and new tokens; also the window after each token where `per_token` (else None)."""
     num_tokens, channels = x.shape
     reqs, _, width = windows.shape
     device = x.device
@@ -80,6 +83,8 @@ def _varlen(
         acc = acc + bias.float()
     last_rows = (seg_start + seg_len - width)[:, None] + torch.arange(width, device=device)[None, :]
     new_windows = ext[last_rows.reshape(-1)].view(reqs, width, channels).transpose(1, 2)
+    if not per_token:
+        return acc.to(x.dtype), new_windows.to(windows.dtype), None
     after = tok_row[:, None] + torch.arange(1 - width, 1, device=device)[None, :]  # each token's window rows
     token_windows = ext[after.reshape(-1)].view(num_tokens, width, channels).transpose(1, 2)
     return acc.to(x.dtype), new_windows.to(windows.dtype), token_windows.to(windows.dtype)

@@ -6,7 +6,6 @@ request-token table (kernel/speculative/draft_model.py says why)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import torch
 
@@ -15,7 +14,7 @@ from cache.req_table import ReqToTokenTable
 from cache.state_pool import StatePool
 from gpu.graphs import cpu_step
 from gpu.graphs.cpu_step import CpuStepRunner
-from gpu.graphs.runner import GraphRunner
+from gpu.graphs.runner import GraphBuckets, GraphRunner
 from gpu.model_runner import ModelRunner
 from kernel import registry
 from kernel.config import Config, ConfigError
@@ -24,7 +23,7 @@ from kernel.speculative.draft_model import DraftModel, state_slots
 
 
 def build_draft(config: Config, device: torch.device, target: BuiltModel, context: int, num_pages: int,
-                table: ReqToTokenTable, attention_name: str, decode_buckets: Sequence[int],
+                table: ReqToTokenTable, attention_name: str, buckets: GraphBuckets,
                 graph_mode: str | None = None) -> DraftModel:
     """`graph_mode`: the target's graph runner's (cuda / emulate), if it has one: the
     draft's steps then replay the buckets of a graph runner of its own (on a static-shape
@@ -62,14 +61,12 @@ def build_draft(config: Config, device: torch.device, target: BuiltModel, contex
     if graph_mode is not None:
         # NOTE: invariants 5 and 6 for the draft's steps too: its buffers registered, padding
         # rows inert, capture batches built like live ones (gpu/graphs/runner.py).
-        sched = config.scheduler
-        graphs = GraphRunner(draft.model, attention, states, graph_mode, decode_buckets=decode_buckets,
-                             prefill_tokens=[t for t in config.graphs.prefill_tokens if t <= sched.max_num_batched_tokens],
-                             prefill_max_requests=min(config.graphs.prefill_max_requests, sched.max_running_requests))
+        graphs = GraphRunner(draft.model, attention, states, graph_mode, decode_buckets=buckets.decode,
+                             prefill_tokens=buckets.prefill_tokens, prefill_max_requests=buckets.prefill_max_requests)
         graphs.capture()
         runner.graphs = graphs
     elif device.type == "cpu" and cpu_step.unsupported(draft.model, attention) is None:
-        runner.graphs = CpuStepRunner(draft.model, attention, decode_buckets)  # its decode steps, natively
+        runner.graphs = CpuStepRunner(draft.model, attention, buckets.decode)  # its decode steps, natively
     return DraftModel(runner)
 
 
