@@ -228,7 +228,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="c = 1 only, two prompts a workload")
     p.add_argument("--no-llama", dest="llama", action="store_false", help="tierserve only")
-    p.add_argument("--num-draft-tokens", type=int, default=6, help="speculative.num_draft_tokens (the default: 6)")
+    p.add_argument("--num-draft-tokens", type=int, default=10, help="speculative.num_draft_tokens (the default: 10)")
     p.add_argument("--topk", type=int, default=1,
                    help="> 1: also tierserve ngram with token trees of this topk (speculative.topk)")
     p.add_argument("--no-exactness", dest="exactness", action="store_false",

@@ -274,10 +274,11 @@ class SpeculativeConfig:
     and no request drafts in a step with more than `max_batch` decoding requests."""
 
     method: str = "none"  # none | ngram | draft | pkg.module:Class
-    # 6: on a 2-core Zen 5 at batch 1, against 4, decode 1.85-1.88x -> 2.15-2.22x on the code
-    # workload of benchmarks/speculative.py and 1.87-1.96x -> 2.27-2.49x on quote (alternating runs);
-    # a request's draft length still starts at 4 and halves on poor acceptance.
-    num_draft_tokens: int = 6
+    # 10: on a 2-core Zen 5 at batch 1, against 6, decode 1.84x -> 2.24x on the code workload
+    # of benchmarks/speculative.py and 1.89x -> 2.16x on quote, json and chat the same (means of
+    # three alternating pairs; c = 4 no worse). Copies run 6/6 accepted for dozens of steps, and a
+    # row costs ~1/6 of a step. A request's draft length starts at 4, doubles, halves on poor acceptance.
+    num_draft_tokens: int = 10
     ngram_min: int = 2
     ngram_max: int = 4
     # Token trees: up to topk - 1 alternatives beside the main draft's tokens (ngram: other
