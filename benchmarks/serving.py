@@ -149,6 +149,7 @@ class Target:
     endpoint: str  # completions | chat
     ignore_eos: bool
     headers: dict[str, str]
+    sampling: dict[str, Any] = field(default_factory=dict)  # body fields over greedy (temperature, seed)
 
     @property
     def url(self) -> str:
@@ -163,6 +164,7 @@ def payload(target: Target, prompt: Prompt) -> dict[str, Any]:
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **target.sampling,
     }
     if target.ignore_eos:
         body["ignore_eos"] = True

@@ -6,6 +6,8 @@ llama-server (the pinned build) without and with its n-gram speculation.
     .venv/bin/python benchmarks/speculative.py --no-llama       # tierserve only (no llama.cpp build)
     .venv/bin/python benchmarks/speculative.py --no-exactness   # without the float32 / int4-draft pair
     .venv/bin/python benchmarks/speculative.py --topk 3         # also ngram token trees (speculative.topk)
+    .venv/bin/python benchmarks/speculative.py --rounds 3       # tierserve's pair alternated 3 times
+    .venv/bin/python benchmarks/speculative.py --exactness-only --sampled 0.8   # exact vs rejection acceptance
 
 Workloads, as chat completions (each server applies the model's own chat template):
 input-grounded — `code` (rewrite a file of this repository with one name changed), `quote`
@@ -19,7 +21,11 @@ an answer an earlier one left in a cache (tierserve's ngram drafter would draft 
 Reported per workload and level: output tok/s (all completion tokens / wall time) and
 mean per-request decode tok/s (after the first token), tierserve's speculative/plain
 ratio of both (`decode`: the second, batch-1 decode speed at c = 1, which prefill does not
-dilute), and tierserve ngram against llama-server's best n-gram mode. Exactness: tierserve's
+dilute), and tierserve ngram against llama-server's best n-gram mode. With `--rounds N`
+tierserve without and with speculation run N times, alternating (a shared VM drifts by
+tens of percent between the minutes of two runs): the ratio columns are the medians of the
+N per-round ratios, each round's decode ratio is listed, and the absolute rates are the
+first round's. Exactness: tierserve's
 speculative text must equal its plain text for the same prompt (`same` column: equal /
 compared). llama-server's modes: `--spec-type ngram-simple` and `ngram-mod`, with their own
 default draft sizes.
@@ -27,7 +33,9 @@ default draft sizes.
 Exactness for those who need it (`--exactness`, on by default): tierserve with float32
 weights alone, and the same float32 target drafted by the packaged weights in int4
 (`speculative.method: draft`), at c = 1 on every workload: the speed ratio, and whether
-the text is the same.
+the text is the same. With `--sampled T` the pair samples (temperature T, a fixed seed) and a
+third system runs the same draft under `speculative.acceptance: rejection`, whose output
+follows the target's distribution rather than repeating its tokens.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import os
 import random
 import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -74,6 +83,9 @@ class Run(NamedTuple):
     duration: float
 
 
+Results = dict[str, dict[tuple[str, int], Run]]  # system label -> (workload, level) -> its run
+
+
 def code_prompts() -> list[str]:
     out = []
     for path in CODE_FILES:
@@ -104,6 +116,7 @@ def workloads(quick: bool) -> dict[str, list[str]]:
 
 
 TREE = "tierserve ngram tree"
+PAIR = ("tierserve", "tierserve ngram")  # what --rounds alternates
 
 
 def systems(args: argparse.Namespace) -> list[System]:
@@ -127,7 +140,7 @@ def systems(args: argparse.Namespace) -> list[System]:
 
 
 async def run_system(system: System, sets: dict[str, list[str]], levels: tuple[int, ...],
-                     args: argparse.Namespace) -> dict[tuple[str, int], Run]:
+                     args: argparse.Namespace, sampling: dict[str, float] | None = None) -> dict[tuple[str, int], Run]:
     server = Server(system, args.log_dir)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=900)
     results: dict[tuple[str, int], Run] = {}
@@ -135,7 +148,8 @@ async def run_system(system: System, sets: dict[str, list[str]], levels: tuple[i
         connector = aiohttp.TCPConnector(limit=0, force_close=True)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             await server.ready(session)
-            target = Target(f"{server.base_url}/v1", await served_model(session, server.base_url), "chat", False, {})
+            target = Target(f"{server.base_url}/v1", await served_model(session, server.base_url), "chat", False, {},
+                            sampling or {})
             for name, prompts in sets.items():
                 for text in prompts:  # untimed: every prefix cached, every code path warm
                     await send(session, target, Prompt(text, 8))
@@ -169,28 +183,51 @@ def exactness_systems(args: argparse.Namespace) -> list[System]:
     f32 = ["model.dtype=float32", "model.quantization=none", *args.exact_set]
     draft = [*f32, "speculative.method=draft", f"speculative.draft_model={packaged}",
              "speculative.draft_quantization=int4", f"speculative.num_draft_tokens={args.exact_draft_tokens}"]
-    return [tierserve("tierserve f32", packaged, f32), tierserve("tierserve f32 + int4 draft", packaged, draft)]
+    out = [tierserve("tierserve f32", packaged, f32), tierserve("tierserve f32 + int4 draft", packaged, draft)]
+    if args.sampled is not None:
+        out.append(tierserve(REJECTING, packaged, [*draft, "speculative.acceptance=rejection"]))
+    return out
 
 
-def report_exactness(results: dict[str, dict[tuple[str, int], Run]], sets: dict[str, list[str]]) -> None:
-    plain, drafted = results["tierserve f32"], results["tierserve f32 + int4 draft"]
-    print("\nfloat32 target, alone and drafted by its int4 weights (c=1): output tok/s (mean per-request decode tok/s)")
-    for name in sets:
-        (a, da), (b, db) = rates(plain[(name, 1)]), rates(drafted[(name, 1)])
-        pairs = list(zip(plain[(name, 1)].records, drafted[(name, 1)].records))
-        equal = sum("".join(x.text) == "".join(y.text) for x, y in pairs if x.ok and y.ok)
-        decode = f"decode {db / da:.2f}x" if da and db else "decode -"
-        print(f"  {name:6s} {a:6.1f} ({da or 0:6.1f}) -> {b:6.1f} ({db or 0:6.1f})  {b / a:.2f}x  {decode}  "
-              f"same text {equal}/{len(pairs)}")
+REJECTING = "tierserve f32 + int4 draft, rejection"
+
+
+def report_exactness(results: dict[str, dict[tuple[str, int], Run]], sets: dict[str, list[str]],
+                     sampled: float | None) -> None:
+    plain = results["tierserve f32"]
+    how = "greedy" if sampled is None else f"temperature {sampled}, seeded"
+    print(f"\nfloat32 target, alone and drafted by its int4 weights (c=1, {how}): output tok/s "
+          "(mean per-request decode tok/s)")
+    for label in [lb for lb in results if lb != "tierserve f32"]:
+        print(f" {label}:")
+        for name in sets:
+            (a, da), (b, db) = rates(plain[(name, 1)]), rates(results[label][(name, 1)])
+            pairs = list(zip(plain[(name, 1)].records, results[label][(name, 1)].records))
+            equal = sum("".join(x.text) == "".join(y.text) for x, y in pairs if x.ok and y.ok)
+            decode = f"decode {db / da:.2f}x" if da and db else "decode -"
+            # rejection acceptance keeps the target's distribution, not its tokens: no text to compare
+            same = f"same text {equal}/{len(pairs)}" if label != REJECTING else "(distribution-equal)"
+            print(f"  {name:6s} {a:6.1f} ({da or 0:6.1f}) -> {b:6.1f} ({db or 0:6.1f})  {b / a:.2f}x  {decode}  {same}")
+
+
+def pair_ratios(rounds: Sequence[Results], key: tuple[str, int]) -> list[tuple[float, float]]:
+    """tierserve ngram / tierserve per round: (output tok/s ratio, decode tok/s ratio)."""
+    out = []
+    for got in rounds:
+        if all(label in got for label in PAIR):
+            (o0, d0), (o1, d1) = (rates(got[label][key]) for label in PAIR)
+            out.append((o1 / o0, d1 / d0 if d0 and d1 else float("nan")))
+    return out
 
 
 def report(all_results: dict[str, dict[tuple[str, int], Run]], sets: dict[str, list[str]],
-           levels: tuple[int, ...]) -> None:
+           levels: tuple[int, ...], later: Sequence[Results] = ()) -> None:
     labels = list(all_results)
-    print("\noutput tok/s (mean per-request decode tok/s)")
+    rounds = [all_results, *later]
+    print("\noutput tok/s (mean per-request decode tok/s)" + (f"; ratios: medians of {len(rounds)} rounds" if later else ""))
     tree = TREE in all_results
-    head = ["workload", "c", *labels, "ts ngram / ts", "decode", *(["tree / ts"] if tree else []),
-            "ts ngram / best llama ngram",
+    head = ["workload", "c", *labels, "ts ngram / ts", "decode", *(["decode per round"] if later else []),
+            *(["tree / ts"] if tree else []), "ts ngram / best llama ngram",
             "same", *(["same (tree)"] if tree else [])]
     rows = [head]
     for name in sets:
@@ -198,14 +235,17 @@ def report(all_results: dict[str, dict[tuple[str, int], Run]], sets: dict[str, l
             got = {lb: rates(all_results[lb][(name, level)]) for lb in labels}
             row = [name, str(level)] + [f"{o:.1f} ({d:.1f})" if d else f"{o:.1f}" for o, d in got.values()]
             plain, spec = got.get("tierserve"), got.get("tierserve ngram")
-            row.append(f"{spec[0] / plain[0]:.2f}x" if plain and spec else "-")
+            ratios = pair_ratios(rounds, (name, level))
+            row.append(f"{statistics.median(r[0] for r in ratios):.2f}x" if ratios else "-")
             # the issue's target: per-request decode speed (after the first token), prefill left out
-            row.append(f"{spec[1] / plain[1]:.2f}x" if plain and spec and plain[1] and spec[1] else "-")
+            row.append(f"{statistics.median(r[1] for r in ratios):.2f}x" if ratios else "-")
+            if later:
+                row.append(" ".join(f"{r[1]:.2f}" for r in ratios))
             if tree:
                 row.append(f"{got[TREE][0] / plain[0]:.2f}x" if plain else "-")
             llama_spec = [got[lb][0] for lb in labels if lb.startswith("llama-server ngram")]
             row.append(f"{spec[0] / max(llama_spec):.2f}x" if spec and llama_spec else "-")
-            row.append(same_text(all_results, name, level))
+            row.append(same_text(all_results, name, level, rounds=later))
             if tree:
                 row.append(same_text(all_results, name, level, TREE))
             rows.append(row)
@@ -215,11 +255,13 @@ def report(all_results: dict[str, dict[tuple[str, int], Run]], sets: dict[str, l
 
 
 def same_text(all_results: dict[str, dict[tuple[str, int], Run]], name: str, level: int,
-              label: str = "tierserve ngram") -> str:
+              label: str = "tierserve ngram", rounds: Sequence[Results] = ()) -> str:
+    """Speculative texts equal to the plain ones, every round's against round 1's plain."""
     plain, spec = all_results.get("tierserve"), all_results.get(label)
     if plain is None or spec is None:
         return "-"
-    pairs = list(zip(plain[(name, level)].records, spec[(name, level)].records))
+    specs = [spec, *(r[label] for r in rounds if label in r)]
+    pairs = [pair for s in specs for pair in zip(plain[(name, level)].records, s[(name, level)].records)]
     equal = sum("".join(a.text) == "".join(b.text) for a, b in pairs if a.ok and b.ok)
     return f"{equal}/{len(pairs)}"
 
@@ -235,11 +277,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="skip the float32 / int4-draft pair")
     p.add_argument("--exact-draft-tokens", type=int, default=8, help="num_draft_tokens of the int4 draft")
     p.add_argument("--exactness-only", action="store_true", help="only the float32 / int4-draft pair")
+    p.add_argument("--sampled", type=float, metavar="T",
+                   help="the float32 / int4-draft pair at this temperature (seeded), with a third system: "
+                        "the same draft under speculative.acceptance rejection")
     p.add_argument("--exact-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="an override for both systems of the pair (deterministic=true: the bit-exact mode)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)), help="llama.cpp build jobs")
     p.add_argument("--cache", type=Path, default=llamacpp_build.cache_root(), help="build and model cache")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run tierserve without and with speculation this many times, alternating; "
+                        "ratios are medians of the rounds'")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
@@ -253,16 +301,21 @@ def main(argv: list[str] | None = None) -> None:
     all_systems = [] if args.exactness_only else systems(args)
     warn_if_busy()
     results: dict[str, dict[tuple[str, int], Run]] = {}
+    later: list[Results] = []  # rounds 2.. of tierserve's pair
     for system in all_systems:
         results[system.label] = run_loop(run_system(system, sets, levels, args))
+    paired = [s for s in all_systems if s.label in PAIR]
+    for _ in range(1, args.rounds if len(paired) == len(PAIR) else 1):
+        later.append({s.label: run_loop(run_system(s, sets, levels, args)) for s in paired})
     exact: dict[str, dict[tuple[str, int], Run]] = {}
     if args.exactness or args.exactness_only:
+        sampling = None if args.sampled is None else {"temperature": args.sampled, "seed": 1}
         for system in exactness_systems(args):
-            exact[system.label] = run_loop(run_system(system, sets, (1,), args))
+            exact[system.label] = run_loop(run_system(system, sets, (1,), args, sampling))
     if results:
-        report(results, sets, levels)
+        report(results, sets, levels, later)
     if exact:
-        report_exactness(exact, sets)
+        report_exactness(exact, sets, args.sampled)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import torch
+
 from gpu.grammar_mask import TokenMasker
 from gpu.prompt_logprobs import PromptLogprobSpan
 
@@ -45,6 +47,12 @@ class SamplingRow:
     # Whether the sampled token's logprob is reported (top logprobs imply it); when no row
     # of a step asks, sampling skips the log_softmax and the logprob comes back NaN.
     logprobs: bool = True
+    # Speculative acceptance by rejection sampling (gpu/rejection.py): the drafted token this
+    # row's draw tests (-1: none), and the distribution [V] the drafter drew it from (None: a
+    # guess, a point mass). NOTE: not a plain value, but the draft job made it on the device
+    # thread and nothing writes it after.
+    draft_token: int = -1
+    draft_q: torch.Tensor | None = None
 
     @property
     def needs_history(self) -> bool:

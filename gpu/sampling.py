@@ -27,6 +27,8 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from gpu import rejection
+from gpu.draw_keys import accept_uniform, mix_seed
 from gpu.grammar_mask import TokenMask, TokenMasker, apply_token_mask, build_token_mask
 from gpu.kernels import cpu
 from gpu.readback import HostCopy, Pending
@@ -35,7 +37,6 @@ from gpu.upload import to_device
 # Below this temperature logits/T overflows float32; such rows are treated as greedy.
 _MIN_TEMPERATURE = 1e-5
 _MASK32 = 0xFFFFFFFF
-_MASK64 = 0xFFFFFFFFFFFFFFFF
 NATIVE_ARGMAX = "sampling"  # gpu/kernels/cpu/sampling.cpp
 
 
@@ -68,18 +69,6 @@ class SampleResult(NamedTuple):
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]]]
     token_tensor: torch.Tensor | None = None  # token_ids, still on the device
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def mix_seed(seed: int, step: int) -> int:
-    """64-bit key for one draw; two splitmix rounds decorrelate neighbouring seeds and steps."""
-    return _splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64))
 
 
 def _mul32_(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -145,6 +134,8 @@ class SamplingBatch:
     logprob_row_ids: tuple[int, ...] = ()
     # Argmax by the C++ op (gpu/kernels/cpu/sampling.cpp): same indices, CPU only.
     native_argmax: bool = False
+    # Speculative verify rows that test a drafted token by rejection sampling (gpu/rejection.py).
+    tests: rejection.Tests | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -198,7 +189,7 @@ class SamplingBatch:
 
     def _set_random(self, params: Sequence[SamplingSettings], seeds: list[int], steps: list[int],
                     device: torch.device) -> None:
-        rows = [i for i, p in enumerate(params) if not _is_greedy(p)]
+        rows = [i for i, p in enumerate(params) if not is_greedy(p)]
         if not rows:
             return
         chosen = [params[i] for i in rows]
@@ -213,6 +204,12 @@ class SamplingBatch:
             self.top_p = _column([p.top_p if p.top_p < 1.0 else 2.0 for p in chosen], device)
         if any(p.min_p > 0.0 for p in chosen):
             self.log_min_p = torch.log(_column([p.min_p for p in chosen], device))
+        tested = [(k, i) for k, i in enumerate(rows) if getattr(params[i], "draft_token", -1) >= 0]
+        if tested:
+            self.tests = rejection.Tests.build(
+                [k for k, _ in tested], [getattr(params[i], "draft_token", -1) for _, i in tested],
+                [accept_uniform(seeds[i], steps[i]) for _, i in tested],
+                [getattr(params[i], "draft_q", None) for _, i in tested], self.vocab_size, device)
 
     def _set_penalties(self, params: Sequence[SamplingSettings], prompt_ids: Sequence[Sequence[int]],
                        output_ids: Sequence[Sequence[int]], device: torch.device) -> None:
@@ -237,13 +234,13 @@ class SamplingBatch:
         return counts
 
 
-def _is_greedy(p: SamplingSettings) -> bool:
+def is_greedy(p: SamplingSettings) -> bool:
     return p.temperature < _MIN_TEMPERATURE or p.top_k == 1
 
 
 def _plain_greedy(p: SamplingSettings, no_logprobs: bool) -> bool:
     """A greedy row that reports no logprobs and has no penalty or bias: its token is the argmax."""
-    return (_is_greedy(p) and no_logprobs and not p.top_logprobs_num and not p.logit_bias
+    return (is_greedy(p) and no_logprobs and not p.top_logprobs_num and not p.logit_bias
             and p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty)
 
 
@@ -351,15 +348,41 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def _draw(scores: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Greedy argmax for every row, overwritten by a random draw on the random rows."""
-    assert batch.random_rows is not None and batch.draw_keys is not None and batch.temperature is not None
+    """Greedy argmax for every row, overwritten by a random draw on the random rows (on
+    those that test a drafted token, the rejection rule's token: gpu/rejection.py)."""
+    assert batch.random_rows is not None and batch.draw_keys is not None
     tokens = argmax_rows(scores, batch.native_argmax)
-    rows = scores.index_select(0, batch.random_rows)
-    rows = _truncate(rows / batch.temperature, batch)
+    rows = tempered(scores.index_select(0, batch.random_rows), batch)
     noise = gumbel_noise(batch.draw_keys, batch.vocab_size, scores.device)
     # Gumbel-max: argmax(log p + G) is an exact draw from softmax(rows).
-    tokens[batch.random_rows] = argmax_rows(rows + noise, batch.native_argmax)
+    drawn = argmax_rows(rows + noise, batch.native_argmax)
+    tests = batch.tests
+    if tests is not None:
+        drawn[tests.rows] = rejection.settle(rows[tests.rows], noise[tests.rows], tests)
+    tokens[batch.random_rows] = drawn
     return tokens
+
+
+def draw_drafts(logits: torch.Tensor, params: Sequence[SamplingSettings],
+                keys: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+    """A draft model's draws under rejection-sampling acceptance (gpu/rejection.py): each
+    row's token drawn from q, its logits over the temperature and truncated as the row's
+    top-k / top-p / min-p say, by its own key (gpu.draw_keys.draft_key); and q, float32 [V].
+    Penalties, bias and grammar are left out: any q keeps the target's distribution, they
+    would only bring q closer to it. Every row must draw at random (not greedy)."""
+    n, vocab = logits.shape
+    batch = SamplingBatch(size=n, vocab_size=vocab)
+    batch._set_random(params, [0] * n, [0] * n, logits.device)
+    rows = tempered(logits, batch)
+    tokens = argmax_rows(rows + gumbel_noise(keys, vocab, logits.device))
+    q = torch.softmax(rows, dim=-1)
+    return [int(t) for t in tokens.tolist()], list(q.unbind(0))
+
+
+def tempered(rows: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The random rows' scores as their draw reads them: over the temperature, truncated."""
+    assert batch.temperature is not None
+    return _truncate(rows / batch.temperature, batch)
 
 
 def _truncate(rows: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -294,6 +294,12 @@ class SpeculativeConfig:
     window: int = 8
     min_acceptance: float = 0.3
     cooldown: int = 16
+    # How a sampled request's drafts are verified. exact: a draft is kept when it equals the
+    # token the target draws at that step, so output is the non-speculative output, token for
+    # token (greedy requests always verify so). rejection (opt-in): kept with probability
+    # min(1, p/q), a draft model drawing its drafts from its own distribution q; output follows
+    # the target's distribution but not the non-speculative tokens (gpu/rejection.py). Chains only.
+    acceptance: str = "exact"
 
     @property
     def enabled(self) -> bool:
@@ -317,6 +323,9 @@ class SpeculativeConfig:
             raise ConfigError("speculative.draft_model is set exactly when speculative.method is draft")
         _choice("speculative.draft_dtype", self.draft_dtype, ("auto", "float32", "bfloat16", "float16"))
         _choice("speculative.draft_quantization", self.draft_quantization, ("auto", "none", "int8", "int4"))
+        _choice("speculative.acceptance", self.acceptance, ("exact", "rejection"))
+        if self.acceptance == "rejection" and self.topk > 1:
+            raise ConfigError("speculative.acceptance: rejection verifies chains; set speculative.topk to 1")
         if self.method != "none":
             try:
                 registry.lookup("drafter", self.method)

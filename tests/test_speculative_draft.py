@@ -81,8 +81,8 @@ def first_starts(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> dict[str, i
     starts: dict[str, int] = {}
     job = ModelDrafter.job
 
-    def recorded(self: ModelDrafter, req: Any, count: int, others: int = 0) -> Any:
-        out = job(self, req, count, others)
+    def recorded(self: ModelDrafter, req: Any, count: int, others: int = 0, **kw: Any) -> Any:
+        out = job(self, req, count, others, **kw)
         starts.setdefault(req.rid, out.start)
         return out
 

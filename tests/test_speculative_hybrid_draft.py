@@ -156,9 +156,9 @@ def second_turn(folder: str) -> Turn:
     calls: list[tuple[draft_model.DraftJob, list[int]]] = []
     run = DraftModel.draft
 
-    def record(self: DraftModel, jobs: Any) -> list[list[int]]:
+    def record(self: DraftModel, jobs: Any) -> list[draft_model.Drafts]:
         drafts = run(self, jobs)
-        calls.append((jobs[0], drafts[0]))
+        calls.append((jobs[0], drafts[0].tokens))
         return drafts
 
     with pytest.MonkeyPatch.context() as m:

@@ -130,7 +130,10 @@ class Scheduler:
             if not self._reserve_decode(req, planned, retracted):
                 continue
             draft, tree = self._draft(req, budget - 1)
-            chunks.append(self._chunk(req, 1, draft, tree))
+            chunk = self._chunk(req, 1, draft, tree)
+            if draft and self.speculator is not None and self.speculator.rejects(req):
+                chunk = chunk._replace(rejection=True)
+            chunks.append(chunk)
             planned.add(id(req))
             budget -= 1 + len(draft) + (len(tree.extra) if tree is not None else 0)
         for req in list(self.running):

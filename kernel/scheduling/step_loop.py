@@ -160,7 +160,8 @@ class StepLoop:
         assert spec is not None and isinstance(spec.drafter, ModelDrafter) and spec.drafter.model is not None
         drafter, model = spec.drafter, spec.drafter.model
         pending = [i for i, c in enumerate(plan.chunks) if c.draft and c.draft[0] == PENDING]
-        jobs = [drafter.job(plan.chunks[i].req, *tree_shape(plan.chunks[i])) for i in pending]
+        jobs = [drafter.job(plan.chunks[i].req, *tree_shape(plan.chunks[i]), draws=draws(plan.chunks[i]))
+                for i in pending]
         try:
             drafts = await self.device_thread.submit(lambda: model.draft(jobs))
         except Exception as exc:
@@ -171,7 +172,7 @@ class StepLoop:
         drafter.settle()
         chunks = list(plan.chunks)
         for i, draft in zip(pending, drafts):
-            chunks[i] = chunks[i]._replace(draft=tuple(draft))
+            chunks[i] = chunks[i]._replace(draft=tuple(draft.tokens), draft_probs=draft.dists)
         return plan._replace(chunks=chunks)
 
     async def flush_state_copies(self) -> bool:
@@ -300,7 +301,7 @@ def build_forward_batch(plan: StepPlan, state_copies: tuple[tuple[int, int], ...
         if ch.draft:  # hybrid: one chunk (its recurrent state runs through it), every position sampled
             row = sampling_row(req)
             for j in range(main + 1):
-                sampling.append((len(chunks) - 1, verify_row(row, req, ch.draft[:j])))
+                sampling.append((len(chunks) - 1, tests(verify_row(row, req, ch.draft[:j]), ch, j)))
                 back.append(main - j)
             for index, back_of, before in side_rows(req, ch, row, chunks):
                 sampling.append((index, before))
@@ -345,10 +346,10 @@ def verify_rows(req: Request, ch: ScheduledChunk) -> list[tuple[int, int, int, S
     side nodes on their scratch rows, each after the drafts on its path."""
     assert req.row is not None
     row = sampling_row(req)
-    out = [(req.token_slice(ch.start, ch.start + 1)[0], req.row, ch.start, row)]
+    out = [(req.token_slice(ch.start, ch.start + 1)[0], req.row, ch.start, tests(row, ch, 0))]
     if ch.tree is None:
         for j, token in enumerate(ch.draft):
-            out.append((token, req.row, ch.start + 1 + j, verify_row(row, req, ch.draft[: j + 1])))
+            out.append((token, req.row, ch.start + 1 + j, tests(verify_row(row, req, ch.draft[: j + 1]), ch, j + 1)))
         return out
     depth = tree.depths(ch.tree.parents)
     for i, token in enumerate(ch.draft):
@@ -370,6 +371,22 @@ def sampling_row(req: Request) -> SamplingRow:
         return row
     # A snapshot: the loop appends to output_ids while this step may still be running.
     return dataclasses.replace(row, prompt_ids=tuple(req.prompt_ids), output_ids=tuple(req.output_ids))
+
+
+def tests(row: SamplingRow, ch: ScheduledChunk, j: int) -> SamplingRow:
+    """Row j of a chain's verify step (the one that samples the token after j drafts): under
+    rejection-sampling acceptance it tests draft j (gpu/rejection.py); the last row, past
+    every draft, draws as usual."""
+    if not ch.rejection or j >= len(ch.draft):
+        return row
+    q = ch.draft_probs[j] if ch.draft_probs is not None else None
+    return dataclasses.replace(row, draft_token=ch.draft[j], draft_q=q)
+
+
+def draws(ch: ScheduledChunk) -> SamplingRow | None:
+    """How a draft model draws `ch`'s drafts: the request's temperature and truncation at
+    the step of its first draft under rejection-sampling acceptance, else None (greedy)."""
+    return sampling_row(ch.req) if ch.rejection else None
 
 
 def verify_row(row: SamplingRow, req: Request, accepted: tuple[int, ...]) -> SamplingRow:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import torch
+
 from kernel.request import Request
 from kernel.speculative.tree import VerifyTree
 
@@ -28,6 +30,11 @@ class ScheduledChunk(NamedTuple):
     draft: tuple[int, ...] = ()
     # A token tree (speculative.topk > 1): `draft` is its nodes, main chain first; None: a chain.
     tree: VerifyTree | None = None
+    # speculative.acceptance rejection, for a request that samples at random: each drafted
+    # token is kept by the rejection rule (gpu/rejection.py), not by equality with the draw;
+    # draft_probs: the distributions a draft model drew them from (None: guesses, point masses).
+    rejection: bool = False
+    draft_probs: tuple[torch.Tensor, ...] | None = None
 
 
 class StepPlan(NamedTuple):

@@ -12,7 +12,9 @@ an output different.
 A draft job runs on the device thread before the step that verifies its drafts
 (kernel/scheduling/step_loop.py `fill_drafts`): per request one chunk of the tokens the
 draft has not seen yet (up to the last one), then k - 1 batched decode steps of its own
-greedy picks, written at the positions the verify step's drafted tokens take.
+greedy picks (under rejection-sampling acceptance, a sampled request's drafts are drawn from
+the draft's distribution instead, and the distributions go to the verify step:
+gpu/rejection.py), written at the positions the verify step's drafted tokens take.
 
 A hybrid draft model (recurrent state layers) keeps two state slots per request-table
 row, fixed by the row (nothing to allocate or free): `base`, the state after the tokens
@@ -25,14 +27,16 @@ one slot per table row more), else from the request's first token.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 
+from gpu.draw_keys import draft_key
 from gpu.forward_batch import ForwardBatch, PrefillChunk, SamplingRow
 from gpu.model_runner import ModelRunner
-from gpu.sampling import argmax_rows
+from gpu.sampling import argmax_rows, draw_drafts, is_greedy
 from kernel.registry import register
 from kernel.request import Request
 from kernel.speculative.draft_pages import DraftPages
@@ -53,6 +57,17 @@ class DraftJob(NamedTuple):
     others: int = 0  # token trees: next-best tokens wanted beside each draft
     resume: int = 0  # a hybrid draft: the snapshot slot its `base` starts from (0: base as it is)
     track: tuple[tuple[int, int], ...] = ()  # a hybrid draft: (tokens, snapshot slot) the chunk keeps
+    # Rejection-sampling acceptance (gpu/rejection.py): how the drafts are drawn (the request's
+    # temperature and truncation, its first draft's step); None: greedy.
+    draws: SamplingRow | None = None
+
+
+class Drafts(NamedTuple):
+    """A draft job's result: its tokens, and where they were drawn at random the
+    distributions they were drawn from, one [V] float32 tensor a token (else None)."""
+
+    tokens: list[int]
+    dists: tuple[torch.Tensor, ...] | None = None
 
 
 def base_slot(row: int) -> int:
@@ -98,39 +113,65 @@ class DraftModel:
         return PrefillChunk(tokens, row, start, src, base_slot(row) if step == 0 else scratch_slot(row), track)
 
     @torch.inference_mode()
-    def draft(self, jobs: Sequence[DraftJob]) -> list[list[int]]:
-        """The greedy drafts of every job, in order (device thread); a job with `others`
-        also gets, after its drafts, the next-best tokens at each of their positions
-        (`others` a position, best first: the side nodes of `ModelDrafter.propose_tree`)."""
+    def draft(self, jobs: Sequence[DraftJob]) -> list[Drafts]:
+        """The drafts of every job, in order (device thread): greedy, or drawn as the job's
+        `draws` says; a job with `others` also gets, after its drafts, the next-best tokens
+        at each of their positions (`others` a position, best first: the side nodes of
+        `ModelDrafter.propose_tree`)."""
         resumes = [(job.resume, base_slot(job.row)) for job in jobs if job.resume]
         if resumes:  # NOTE: before the forward, which may write a snapshot slot another job resumes from
             self.runner.run_state_copies(resumes)
         chunks = [self._chunk(job.tokens, job.row, job.start, 0, job.track) for job in jobs]
         others = max(job.others for job in jobs)
-        picks, alts = self._greedy(chunks, others)
+        picks, alts, dists = self._pick(chunks, [job.draws for job in jobs], others)
         drafts = [[t] for t in picks]
         beside = [[a] for a in alts]
+        drawn = [[d] for d in dists]
         for step in range(1, max(job.wanted for job in jobs)):
             live = [i for i, job in enumerate(jobs) if job.wanted > step]
             chunks = [self._chunk((drafts[i][-1],), jobs[i].row, jobs[i].start + len(jobs[i].tokens) + step - 1, step)
                       for i in live]
-            picks, alts = self._greedy(chunks, others)
-            for i, token, alt in zip(live, picks, alts):
+            draws = [_at_step(jobs[i].draws, step) for i in live]
+            picks, alts, dists = self._pick(chunks, draws, others)
+            for i, token, alt, dist in zip(live, picks, alts, dists):
                 drafts[i].append(token)
                 beside[i].append(alt)
-        return [d + [t for alt in b for t in alt[: job.others]] for d, b, job in zip(drafts, beside, jobs)]
+                drawn[i].append(dist)
+        return [Drafts(d + [t for alt in b for t in alt[: job.others]], _dists(q))
+                for d, b, q, job in zip(drafts, beside, drawn, jobs)]
 
-    def _greedy(self, chunks: list[PrefillChunk], others: int = 0) -> tuple[list[int], list[list[int]]]:
-        """Each row's greedy pick, and its `others` next-best tokens (best first)."""
+    def _pick(self, chunks: list[PrefillChunk], draws: Sequence[SamplingRow | None],
+              others: int = 0) -> tuple[list[int], list[list[int]], list[torch.Tensor | None]]:
+        """Each row's pick (greedy, or drawn as its `draws` says, with the distribution it
+        was drawn from), and its `others` next-best tokens (best first)."""
         batch = ForwardBatch.build(chunks, [(i, _GREEDY) for i in range(len(chunks))])
         graphs = self.runner.graphs
         graph = graphs.bucket_for(batch) if graphs is not None else None
         logits = self.runner.forward(batch) if graph is None or graphs is None else graphs.replay(graph, batch)
         picks = [int(t) for t in argmax_rows(logits.float(), self.runner.native_argmax).tolist()]
+        dists: list[torch.Tensor | None] = [None] * len(picks)
+        rows = [i for i, d in enumerate(draws) if d is not None and not is_greedy(d)]
+        if rows:
+            settings = [d for d in draws if d is not None and not is_greedy(d)]
+            keys = [draft_key(d.seed, d.step) for d in settings]
+            tokens, probs = draw_drafts(logits.float()[rows], settings, keys)
+            for k, i in enumerate(rows):
+                picks[i], dists[i] = tokens[k], probs[k]
         if not others:
-            return picks, [[] for _ in picks]
+            return picks, [[] for _ in picks], dists
         ranked = torch.topk(logits.float(), others + 1, dim=-1).indices.tolist()
-        return picks, [[t for t in row if t != pick][:others] for row, pick in zip(ranked, picks)]
+        return picks, [[t for t in row if t != pick][:others] for row, pick in zip(ranked, picks)], dists
+
+
+def _at_step(draws: SamplingRow | None, step: int) -> SamplingRow | None:
+    """A job's draw settings for its `step`-th draft."""
+    return None if draws is None else dataclasses.replace(draws, step=draws.step + step)
+
+
+def _dists(dists: list[torch.Tensor | None]) -> tuple[torch.Tensor, ...] | None:
+    """A job's draft distributions, if every draft was drawn (else None: greedy)."""
+    drawn = tuple(d for d in dists if d is not None)
+    return drawn if dists and len(drawn) == len(dists) else None
 
 
 @register("drafter", "draft")
@@ -167,7 +208,7 @@ class ModelDrafter(Drafter):
             parents += [d - 1] * (topk - 1)
         return DraftTree((PENDING,) * len(parents), tuple(parents))
 
-    def job(self, req: Request, count: int, others: int = 0) -> DraftJob:
+    def job(self, req: Request, count: int, others: int = 0, draws: SamplingRow | None = None) -> DraftJob:
         """The draft work for `req`'s PENDING drafts: the tokens its KV lacks, then `count`
         picks. A request's first job starts after the leading pages whose draft KV is of
         its own tokens (kernel/speculative/draft_pages.py), later ones after what the
@@ -189,7 +230,7 @@ class ModelDrafter(Drafter):
             start = min(self.pages.trusted(req) if seen is None else seen[1], req.kv_len, total - 1)
         self.pages.written(req, start, total, total + count - 1)
         self._seen[req.rid] = (req.row, total)
-        return DraftJob(req.row, start, tuple(req.token_slice(start, total)), count, others, resume, track)
+        return DraftJob(req.row, start, tuple(req.token_slice(start, total)), count, others, resume, track, draws)
 
     def _restart(self, req: Request, limit: int) -> tuple[int, int]:
         """A hybrid draft's start without its `base`: (tokens, snapshot slot) of the longest

@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from cache.prefix_cache import PrefixCache
+from gpu.sampling import is_greedy
 from kernel import registry
 from kernel.config import SpeculativeConfig
 from kernel.request import Request
@@ -96,6 +97,11 @@ class Speculator:
             tree = legal_tree(tree, req.grammar.legal_prefix)
         self.rows_left -= len(tree.tokens)
         return tree
+
+    def rejects(self, req: Request) -> bool:
+        """Whether `req`'s drafts are verified by the rejection rule (speculative.acceptance
+        rejection, a request that samples at random; gpu/rejection.py)."""
+        return self.config.acceptance == "rejection" and not is_greedy(req.params)
 
     def _first_length(self) -> int:
         return max(1, min(4, self.config.num_draft_tokens))
