@@ -81,6 +81,17 @@ CHATS = (
 class Run(NamedTuple):
     records: list[Record]
     duration: float
+    drafts: tuple[int, int] | None = None  # tierserve's (drafted, accepted) tokens in this run
+
+
+async def spec_counters(session: aiohttp.ClientSession, base_url: str) -> tuple[int, int] | None:
+    """A tierserve server's cumulative (drafted, accepted) tokens; None for others or without speculation."""
+    try:
+        async with session.get(f"{base_url}/server_info") as resp:
+            spec = (await resp.json()).get("speculative") if resp.status == 200 else None
+    except (aiohttp.ClientError, ValueError):
+        return None
+    return (spec["drafted_tokens"], spec["accepted_tokens"]) if spec else None
 
 
 Results = dict[str, dict[tuple[str, int], Run]]  # system label -> (workload, level) -> its run
@@ -160,12 +171,15 @@ async def run_system(system: System, sets: dict[str, list[str]], levels: tuple[i
                     batch = [Prompt(f"Task {level}-{i % len(prompts)}. {prompts[i % len(prompts)]}", OUTPUT_TOKENS)
                              for i in range(count)]
                     progress = Progress(f"{system.label} {name} c={level}", count, not args.no_progress)
+                    before = await spec_counters(session, server.base_url)
                     records, duration = await open_loop(batch, lambda p: send(session, target, p), float("inf"),
                                                         level, progress, random.Random(0))
+                    after = await spec_counters(session, server.base_url)
                     for rec in records:
                         if rec.error:
                             print(f"  {system.label} {name}: {rec.error}")
-                    results[(name, level)] = Run(records, duration)
+                    drafts = (after[0] - before[0], after[1] - before[1]) if before and after else None
+                    results[(name, level)] = Run(records, duration, drafts)
     finally:
         server.stop()
     return results
@@ -207,7 +221,10 @@ def report_exactness(results: dict[str, dict[tuple[str, int], Run]], sets: dict[
             decode = f"decode {db / da:.2f}x" if da and db else "decode -"
             # rejection acceptance keeps the target's distribution, not its tokens: no text to compare
             same = f"same text {equal}/{len(pairs)}" if label != REJECTING else "(distribution-equal)"
-            print(f"  {name:6s} {a:6.1f} ({da or 0:6.1f}) -> {b:6.1f} ({db or 0:6.1f})  {b / a:.2f}x  {decode}  {same}")
+            drafts = results[label][(name, 1)].drafts
+            kept = f"kept {drafts[1] / drafts[0]:.0%} of {drafts[0]}" if drafts and drafts[0] else "kept -"
+            print(f"  {name:6s} {a:6.1f} ({da or 0:6.1f}) -> {b:6.1f} ({db or 0:6.1f})  {b / a:.2f}x  {decode}  "
+                  f"{kept}  {same}")
 
 
 def pair_ratios(rounds: Sequence[Results], key: tuple[str, int]) -> list[tuple[float, float]]:

@@ -29,6 +29,7 @@ def accept_uniform(seed: int, step: int) -> float:
     return (_splitmix64(mix_seed(seed, step) ^ _ACCEPT_SALT) >> 11) * 2.0**-53
 
 
-def draft_key(seed: int, step: int) -> int:
-    """The key of a draft model's draw of the token at step `step` (gpu.sampling.gumbel_noise)."""
-    return _splitmix64(mix_seed(seed, step) ^ _DRAFT_SALT)
+def draft_uniform(seed: int, step: int) -> float:
+    """The uniform in [0, 1) by which a draft model draws the token at step `step`
+    (gpu.sampling.draw_drafts: inverse CDF)."""
+    return (_splitmix64(mix_seed(seed, step) ^ _DRAFT_SALT) >> 11) * 2.0**-53

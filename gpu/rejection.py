@@ -12,7 +12,7 @@ The gain over `exact`: a draft model that samples from q close to p has most of 
 kept, where `exact` keeps a draft only if it equals the target's own draw.
 
 Every random number is a pure function of (seed, step) per row (gpu/draw_keys.py): the
-uniform that decides (`accept_uniform`) and the draft's own draw (`draft_key`) are salted
+uniform that decides (`accept_uniform`) and the draft's own draw (`draft_uniform`) are salted
 apart from the row's Gumbel noise, which draws the residual. NOTE: the three must be
 independent; a draft drawn with the row's own noise would bias the residual draw.
 Greedy rows never test (p is a point mass: `exact` and this rule keep the same tokens).

@@ -364,18 +364,20 @@ def _draw(scores: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def draw_drafts(logits: torch.Tensor, params: Sequence[SamplingSettings],
-                keys: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+                uniforms: list[float]) -> tuple[list[int], list[torch.Tensor]]:
     """A draft model's draws under rejection-sampling acceptance (gpu/rejection.py): each
     row's token drawn from q, its logits over the temperature and truncated as the row's
-    top-k / top-p / min-p say, by its own key (gpu.draw_keys.draft_key); and q, float32 [V].
-    Penalties, bias and grammar are left out: any q keeps the target's distribution, they
-    would only bring q closer to it. Every row must draw at random (not greedy)."""
+    top-k / top-p / min-p say, by inverse CDF at its uniform (gpu.draw_keys.draft_uniform:
+    one number, not a vocabulary of noise, since a draft step is one row's few ms); and q,
+    float32 [V]. Penalties, bias and grammar are left out: any q keeps the target's
+    distribution, they would only bring q closer to it. Every row must draw at random."""
     n, vocab = logits.shape
     batch = SamplingBatch(size=n, vocab_size=vocab)
     batch._set_random(params, [0] * n, [0] * n, logits.device)
-    rows = tempered(logits, batch)
-    tokens = argmax_rows(rows + gumbel_noise(keys, vocab, logits.device))
-    q = torch.softmax(rows, dim=-1)
+    q = torch.softmax(tempered(logits, batch), dim=-1)
+    cdf = q.double().cumsum(dim=-1)
+    at = torch.tensor(uniforms, dtype=torch.float64, device=logits.device).unsqueeze(1) * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, at, right=True).squeeze(1).clamp_(max=vocab - 1)
     return [int(t) for t in tokens.tolist()], list(q.unbind(0))
 
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from gpu import rejection
+from gpu.draw_keys import draft_uniform
 from gpu.forward_batch import SamplingRow
-from gpu.sampling import SamplingBatch, sample
+from gpu.sampling import SamplingBatch, draw_drafts, sample
 
 CPU = torch.device("cpu")
 N = 40_000  # rows (seeds) per check: a token's frequency lands within 5 sigma of p
@@ -92,3 +93,19 @@ def test_planted_bugs_red(monkeypatch: pytest.MonkeyPatch, plant: str) -> None:
     freq, _ = verify(LOGITS, Q)
     with pytest.raises(AssertionError, match="rejection sampling guard"):
         assert_follows(freq, target(LOGITS))
+
+
+def test_draft_draws_follow_their_distribution() -> None:
+    """A draft model's draws (inverse CDF at a salted uniform) follow the q they report,
+    truncated tokens never drawn; verified against the target, the output follows p."""
+    draft_logits = torch.tensor([0.0, 1.5, 1.0, 0.2, 0.1, -2.0])
+    settings = [row(-1, None, temperature=0.9, top_k=4)] * N
+    tokens, dists = draw_drafts(draft_logits.expand(N, -1), settings, [draft_uniform(s, 7) for s in range(N)])
+    q = dists[0].double()
+    assert q[0] == 0 and q[5] == 0 and abs(q.sum().item() - 1) < 1e-6  # top-k 4 keeps tokens 1-4
+    assert_follows(torch.bincount(torch.tensor(tokens), minlength=6).double() / N, q)
+    params = [row(x, dists[i]) for i, x in enumerate(tokens)]
+    batch = SamplingBatch.build(params, list(range(1000, 1000 + N)), [7] * N, [()] * N, [()] * N, 6, CPU,
+                                want_logprobs=[False] * N)
+    out = torch.tensor(sample(LOGITS.expand(N, -1), batch).token_ids)
+    assert_follows(torch.bincount(out, minlength=6).double() / N, target(LOGITS))

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from gpu.draw_keys import draft_key
+from gpu.draw_keys import draft_uniform
 from gpu.forward_batch import ForwardBatch, PrefillChunk, SamplingRow
 from gpu.model_runner import ModelRunner
 from gpu.sampling import argmax_rows, draw_drafts, is_greedy
@@ -153,8 +153,8 @@ class DraftModel:
         rows = [i for i, d in enumerate(draws) if d is not None and not is_greedy(d)]
         if rows:
             settings = [d for d in draws if d is not None and not is_greedy(d)]
-            keys = [draft_key(d.seed, d.step) for d in settings]
-            tokens, probs = draw_drafts(logits.float()[rows], settings, keys)
+            uniforms = [draft_uniform(d.seed, d.step) for d in settings]
+            tokens, probs = draw_drafts(logits.float()[rows], settings, uniforms)
             for k, i in enumerate(rows):
                 picks[i], dists[i] = tokens[k], probs[k]
         if not others:
