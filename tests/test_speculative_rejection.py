@@ -56,14 +56,14 @@ def test_same_weights_keep_nearly_every_draft(rejecting: Engine, tiny_chat_folde
 
 def test_planted_misaligned_distribution_red(rejecting: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each row tests its draft against the next draft's distribution: kept far less often."""
-    real = step_loop.tests
+    real = step_loop.draft_test
 
     def shifted(row: Any, ch: Any, j: int) -> Any:
         if ch.draft_probs is not None and j + 1 < len(ch.draft_probs):
             ch = ch._replace(draft_probs=(*ch.draft_probs[1:], ch.draft_probs[0]))
         return real(row, ch, j)
 
-    monkeypatch.setattr(step_loop, "tests", shifted)
+    monkeypatch.setattr(step_loop, "draft_test", shifted)
     with pytest.raises(AssertionError, match="rejection acceptance guard"):
         assert kept_share(rejecting, range(100, 106)) >= 0.9, "rejection acceptance guard: kept less"
 

@@ -301,7 +301,7 @@ def build_forward_batch(plan: StepPlan, state_copies: tuple[tuple[int, int], ...
         if ch.draft:  # hybrid: one chunk (its recurrent state runs through it), every position sampled
             row = sampling_row(req)
             for j in range(main + 1):
-                sampling.append((len(chunks) - 1, tests(verify_row(row, req, ch.draft[:j]), ch, j)))
+                sampling.append((len(chunks) - 1, draft_test(verify_row(row, req, ch.draft[:j]), ch, j)))
                 back.append(main - j)
             for index, back_of, before in side_rows(req, ch, row, chunks):
                 sampling.append((index, before))
@@ -346,10 +346,11 @@ def verify_rows(req: Request, ch: ScheduledChunk) -> list[tuple[int, int, int, S
     side nodes on their scratch rows, each after the drafts on its path."""
     assert req.row is not None
     row = sampling_row(req)
-    out = [(req.token_slice(ch.start, ch.start + 1)[0], req.row, ch.start, tests(row, ch, 0))]
+    out = [(req.token_slice(ch.start, ch.start + 1)[0], req.row, ch.start, draft_test(row, ch, 0))]
     if ch.tree is None:
         for j, token in enumerate(ch.draft):
-            out.append((token, req.row, ch.start + 1 + j, tests(verify_row(row, req, ch.draft[: j + 1]), ch, j + 1)))
+            testing = draft_test(verify_row(row, req, ch.draft[: j + 1]), ch, j + 1)
+            out.append((token, req.row, ch.start + 1 + j, testing))
         return out
     depth = tree.depths(ch.tree.parents)
     for i, token in enumerate(ch.draft):
@@ -373,10 +374,10 @@ def sampling_row(req: Request) -> SamplingRow:
     return dataclasses.replace(row, prompt_ids=tuple(req.prompt_ids), output_ids=tuple(req.output_ids))
 
 
-def tests(row: SamplingRow, ch: ScheduledChunk, j: int) -> SamplingRow:
-    """Row j of a chain's verify step (the one that samples the token after j drafts): under
-    rejection-sampling acceptance it tests draft j (gpu/rejection.py); the last row, past
-    every draft, draws as usual."""
+def draft_test(row: SamplingRow, ch: ScheduledChunk, j: int) -> SamplingRow:
+    """Row j of a chain's verify step (the one that samples the token after j drafts), with
+    the draft it tests under rejection-sampling acceptance: draft j and the distribution it
+    was drawn from (gpu/rejection.py). The last row, past every draft, draws as usual."""
     if not ch.rejection or j >= len(ch.draft):
         return row
     q = ch.draft_probs[j] if ch.draft_probs is not None else None
