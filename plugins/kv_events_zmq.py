@@ -29,6 +29,9 @@ client recomputes from token ids) leaves the process as vLLM's publisher sends i
   late would otherwise know only blocks stored after it (vllm-router asks the replay
   socket only for a gap in seq, never on its own start). NOTE: every subscriber gets it;
   for one already following, clearing and storing the same blocks leaves its view as it was.
+  A batch queued before the subscription may reach the new subscriber ahead of its snapshot
+  (this socket thread sends it after ZMQ registered the subscription); the snapshot, taken
+  later on the event loop, holds what that batch said, and its AllBlocksCleared supersedes it.
 
 Hybrid trees' StateStored / StateRemoved have no place in vLLM's schema and are not sent.
 The cache calls `publish` on the event loop; encoding happens there (cheap), the sockets
