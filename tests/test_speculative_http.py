@@ -64,3 +64,31 @@ def test_counters(server: ServerProcess) -> None:
     assert float(line.split()[-1]) > 0
     bad = post(server, "/generate", {"text": PROMPT, "sampling_params": {"speculative": "yes"}})
     assert bad.status_code == 400 and "speculative" in bad.text
+
+
+def test_rejection_acceptance_through_the_server(tiny_chat_folder: str) -> None:
+    """`speculative.acceptance=rejection` with a draft model (the target's own weights),
+    through the official client: a seeded, sampled, streamed chat reads the same twice and
+    keeps nearly every draft; greedy reads what the opted-out request reads."""
+    srv = ServerProcess(tiny_chat_folder, "deterministic=true", "speculative.method=draft",
+                        f"speculative.draft_model={tiny_chat_folder}", "speculative.acceptance=rejection",
+                        "cache.prefix=radix")
+    try:
+        c = client(srv)
+        name = c.models.list().data[0].id
+        messages = [{"role": "user", "content": PROMPT}]
+
+        def streamed() -> str:
+            return "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+                model=name, messages=messages, max_tokens=32, temperature=1.0, seed=3, stream=True) if ch.choices)
+
+        first = streamed()
+        assert first and streamed() == first
+        info = srv.info()
+        assert info["config"]["speculative"]["acceptance"] == "rejection"
+        spec = info["speculative"]
+        assert spec["drafted_tokens"] > 0 and spec["accepted_tokens"] >= 0.8 * spec["drafted_tokens"], spec
+        greedy, opted = both(srv, c.completions.create, model=name, prompt=PROMPT, max_tokens=20, temperature=0)
+        assert greedy.choices[0].text == opted.choices[0].text
+    finally:
+        assert srv.stop() == 0
