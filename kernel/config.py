@@ -276,8 +276,9 @@ class SpeculativeConfig:
     method: str = "none"  # none | ngram | draft | pkg.module:Class
     # 10: on a 2-core Zen 5 at batch 1, against 6, decode 1.84x -> 2.24x on the code workload
     # of benchmarks/speculative.py and 1.89x -> 2.16x on quote, json and chat the same (means of
-    # three alternating pairs; c = 4 no worse). Copies run 6/6 accepted for dozens of steps, and a
-    # row costs ~1/6 of a step. A request's draft length starts at 4, doubles, halves on poor acceptance.
+    # three alternating pairs; at c = 4 ahead in 8 of the 12). Copies run 6/6 accepted for dozens
+    # of steps, and a row costs ~1/6 of a step. A request's draft length starts at 4, doubles,
+    # halves on poor acceptance.
     num_draft_tokens: int = 10
     ngram_min: int = 2
     ngram_max: int = 4

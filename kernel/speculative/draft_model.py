@@ -150,13 +150,13 @@ class DraftModel:
         logits = self.runner.forward(batch) if graph is None or graphs is None else graphs.replay(graph, batch)
         picks = [int(t) for t in argmax_rows(logits.float(), self.runner.native_argmax).tolist()]
         dists: list[torch.Tensor | None] = [None] * len(picks)
-        rows = [i for i, d in enumerate(draws) if d is not None and not is_greedy(d)]
-        if rows:
-            settings = [d for d in draws if d is not None and not is_greedy(d)]
+        drawing = [(i, d) for i, d in enumerate(draws) if d is not None and not is_greedy(d)]
+        if drawing:
+            settings = [d for _, d in drawing]
             uniforms = [draft_uniform(d.seed, d.step) for d in settings]
-            tokens, probs = draw_drafts(logits.float()[rows], settings, uniforms)
-            for k, i in enumerate(rows):
-                picks[i], dists[i] = tokens[k], probs[k]
+            tokens, probs = draw_drafts(logits.float()[[i for i, _ in drawing]], settings, uniforms)
+            for (i, _), token, prob in zip(drawing, tokens, probs):
+                picks[i], dists[i] = token, prob
         if not others:
             return picks, [[] for _ in picks], dists
         ranked = torch.topk(logits.float(), others + 1, dim=-1).indices.tolist()
