@@ -41,6 +41,7 @@ TESTS = [
     "tests/test_host_state_pool.py", "tests/test_speculative.py", "tests/test_speculative_tree.py",
     "tests/test_speculative_hybrid.py", "tests/test_speculative_tiers.py", "tests/test_triton_moe.py",
     "tests/test_speculative_hybrid_tiers.py", "tests/test_speculative_hybrid_grammar.py",
+    "tests/test_speculative_rejection.py",  # rejection acceptance: q tensors and the rule on the device
 ]
 # ~0.49B parameters with SmolLM2's 49k vocabulary.
 LLAMA_05B = {"hidden_size": 1280, "intermediate_size": 3584, "num_hidden_layers": 24,
