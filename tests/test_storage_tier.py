@@ -438,8 +438,12 @@ def test_red_missed_writes_forgotten(tiny_chat_folder: str, tmp_path: Path, monk
 
 
 def packaged(storage_dir: Path, deterministic: bool) -> Engine:
-    """The packaged model at its default numerics (bf16 or float32, with int4 linears)."""
+    """The packaged model at its default numerics (bf16 or float32, with int4 linears), its KV
+    in the model's dtype in both modes: so only the numerics name in the storage key tells
+    the two modes' pages apart. NOTE: a float32 machine's default mode keeps float16 KV (a
+    key of its own), where the planted key below would be harmless."""
     return Engine(None, {"model.path": SMOLLM, "cache.prefix": "radix", "cache.num_pages": 64,
+                         "cache.kv_dtype": "model",
                          "hicache.host_pages": 200, "hicache.storage": "file",
                          "hicache.storage_dir": str(storage_dir), "deterministic": deterministic,
                          "debug.check_invariants": True})
