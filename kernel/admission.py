@@ -78,6 +78,9 @@ class Admission:
         bad = [t for t, _ in params.logit_bias if t >= vocab]
         if bad:
             raise SamplingParamsError(f"logit_bias token ids must be in [0, {vocab}), got {bad[0]}", "logit_bias")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:  # a token the model can never produce: a typo or another model's id, not a stop
+            raise SamplingParamsError(f"stop_token_ids must be in [0, {vocab}), got {bad[0]}", "stop_token_ids")
 
     def check_fits(self, ids: list[int], params: SamplingParams) -> None:
         need = len(ids) + params.max_new_tokens

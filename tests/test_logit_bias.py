@@ -111,6 +111,11 @@ async def test_bad_logit_bias_is_a_400_naming_it_and_a_concurrent_request_is_una
         resp = await http.post("/generate", json={"input_ids": PROMPT,
                                                   "sampling_params": {"logit_bias": {str(vocab + 5): 1}}})
         assert resp.status == 400 and "logit_bias" in (await resp.json())["error"]["message"]
+        # The same vocabulary check for stop_token_ids (a stop the model can never produce).
+        resp = await http.post("/generate", json={"input_ids": PROMPT,
+                                                  "sampling_params": {"stop_token_ids": [1, vocab]}})
+        error = (await resp.json())["error"]
+        assert resp.status == 400 and error["param"] == "stop_token_ids" and f"in [0, {vocab})" in error["message"]
         await client.close()
         assert engine.stats()["requests"] == {"waiting": 0, "running": 0}
 
