@@ -8,7 +8,7 @@
 2. A short throughput run, graphs on vs off, for the packaged SmolLM2 and a ~0.5B
    random-weight Llama (SmolLM2's tokenizer), printed as one table; overlap on vs off.
 3. The speculative table (issue 23): `benchmarks/speculative.py --quick --no-llama
-   --no-exactness` — tierserve with and without n-gram drafts, and whether the texts match.
+   --no-exactness --rounds 1` — tierserve with and without n-gram drafts, and whether the texts match.
 4. Tensor parallelism (issue 25), only with two GPUs or more: its tests on the devices
    (NCCL), then the ~0.5B Llama at tp_size 2 against 1 with captured graphs (the
    all-reduce inside each bucket's graph), as a ratio.
@@ -126,7 +126,7 @@ def main() -> int:
     vs = f"{packaged_on / serial:.2f}x" if packaged_on and serial else "n/a"
     print(f"\nSmolLM2, graphs on: overlap on {packaged_on or 'failed'} tok/s, off {serial or 'failed'} tok/s -> {vs}")
     spec_rc, out, secs = run([sys.executable, "benchmarks/speculative.py", "--quick", "--no-llama", "--no-exactness",
-                              "--no-progress"], timeout=4 * args.bench_timeout)
+                              "--rounds", "1", "--no-progress"], timeout=4 * args.bench_timeout)  # one round: device minutes are few
     print(f"\nspeculative table: exit {spec_rc} in {secs:.0f}s\n{out[-3000:]}")
     return max(rc, tensor_parallel(pytest, args))
 
