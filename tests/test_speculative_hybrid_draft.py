@@ -10,8 +10,9 @@ the first turn's jobs read (kernel/speculative/draft_states.py), not from token 
 
 Planted: the next job resuming from the state its drafts left (the rollback of the
 draft's own state forgotten); a snapshot one token before its page boundary — the target
-still verifies every draft, so the output stays exact, and the acceptance guard is what
-goes red.
+still verifies every draft, so the output stays exact, and what goes red is the acceptance
+guard (for the forgotten rollback) or the guard on the logits the draft picks from (for the
+snapshot).
 """
 
 from __future__ import annotations
