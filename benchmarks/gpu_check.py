@@ -125,8 +125,9 @@ def main() -> int:
     packaged_on = rows[0][1]
     vs = f"{packaged_on / serial:.2f}x" if packaged_on and serial else "n/a"
     print(f"\nSmolLM2, graphs on: overlap on {packaged_on or 'failed'} tok/s, off {serial or 'failed'} tok/s -> {vs}")
+    # One round of tierserve's pair (the script's default is three): device minutes are few.
     spec_rc, out, secs = run([sys.executable, "benchmarks/speculative.py", "--quick", "--no-llama", "--no-exactness",
-                              "--rounds", "1", "--no-progress"], timeout=4 * args.bench_timeout)  # one round: device minutes are few
+                              "--rounds", "1", "--no-progress"], timeout=4 * args.bench_timeout)
     print(f"\nspeculative table: exit {spec_rc} in {secs:.0f}s\n{out[-3000:]}")
     return max(rc, tensor_parallel(pytest, args))
 
