@@ -18,6 +18,8 @@ from typing import NamedTuple
 
 import torch
 
+from gpu.ranked_top import ranked_top
+
 SLICE_ROWS = 128  # rows of logits materialized at once (each row is vocab_size floats)
 
 
@@ -76,9 +78,9 @@ def prompt_logprobs(
         values += chosen.squeeze(1).tolist()
         ranks += ((logprobs > chosen).sum(dim=1) + 1).tolist()
         if most:
-            top = logprobs.topk(min(most, logprobs.shape[1]), dim=-1)
-            top_ids += top.indices.tolist()
-            top_values += top.values.tolist()
+            top_value, top_id = ranked_top(logprobs, min(most, logprobs.shape[1]))  # the same lists whatever `most`
+            top_ids += top_id.tolist()
+            top_values += top_value.tolist()
     return _split(spans, values, ranks, top_ids, top_values)
 
 

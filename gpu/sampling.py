@@ -31,6 +31,7 @@ from gpu import rejection
 from gpu.draw_keys import accept_uniform, mix_seed
 from gpu.grammar_mask import TokenMask, TokenMasker, apply_token_mask, build_token_mask
 from gpu.kernels import cpu
+from gpu.ranked_top import ranked_top
 from gpu.readback import HostCopy, Pending
 from gpu.upload import to_device
 
@@ -414,5 +415,5 @@ def _top_logprobs(logprobs: torch.Tensor, batch: SamplingBatch) -> HostCopy | No
     most = max((batch.top_logprobs_nums[r] for r in batch.logprob_row_ids), default=0)
     if most == 0:
         return None
-    values, ids = logprobs.topk(min(most, batch.vocab_size), dim=-1)
+    values, ids = ranked_top(logprobs, min(most, batch.vocab_size))  # NOTE: a row's list whatever `most` is
     return HostCopy(values, ids)
