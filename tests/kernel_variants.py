@@ -29,7 +29,7 @@ import functools, sys
 import pytest
 import gpu.kernels.cpu as cpu
 march = {march!r}
-cpu.cflags = functools.cache(lambda: ("-O3", *march, "-ffp-contract=off", "-fopenmp"))
+cpu.cflags = functools.cache(lambda: cpu.build_flags(march))
 sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", {test!r}, "-k", "not engine and not other_cpus"]))
 """
 

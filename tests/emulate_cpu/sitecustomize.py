@@ -26,8 +26,8 @@ _CLASSES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # class -> (flag prefixes it lacks, -march flags of its kernel build)
     "avx2": (("avx512", "amx", "avx_vnni"), ("-march=haswell",)),
     "skylake": (("avx512_", "avx512ifma", "avx512vbmi", "amx", "avx_vnni"), ("-march=skylake-avx512",)),
-    "avx512-no-bf16": (("avx512_bf16", "amx"),
-                       ("-march=native", "-mno-avx512bf16", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")),
+    "avx512-no-bf16": (("avx512_bf16", "amx"), ("-march=native", "-mno-avx512bf16", "-mno-amx-tile", "-mno-amx-int8",
+                                                 "-mno-amx-bf16")),
 }
 
 
@@ -45,7 +45,7 @@ def _emulate(name: str) -> None:
         return frozenset(f for f in real() if not f.startswith(lacks))
 
     numerics.cpu_flags = cpu_flags
-    kernels.cflags = functools.cache(lambda: ("-O3", *march, "-ffp-contract=off", "-fopenmp"))
+    kernels.cflags = functools.cache(lambda: kernels.build_flags(march))
 
 
 if os.environ.get("TIERSERVE_EMULATE_CPU"):

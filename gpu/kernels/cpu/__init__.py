@@ -62,10 +62,14 @@ def cflags() -> tuple[str, ...]:
     `*_core.h` code, so the native decode step (decode_step.cpp) and the per-op kernels it
     must equal bit for bit rounded differently on AVX-512 (a Xeon, float32 attention),
     though they agreed on AVX2."""
-    flags = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
-    if _compiler_accepts(list(_NO_AMX)):
-        flags += _NO_AMX
-    return tuple(flags)
+    no_amx = _NO_AMX if _compiler_accepts(list(_NO_AMX)) else ()
+    return build_flags(("-march=native",)) + no_amx  # NOTE: this order: the flags key the cache
+
+
+def build_flags(target: tuple[str, ...]) -> tuple[str, ...]:
+    """The kernels' compiler flags for the CPU that `target` (-march and -m switches) names:
+    also how tests build them for another CPU (tests/kernel_variants.py, tests/emulate_cpu)."""
+    return ("-O3", *target, "-ffp-contract=off", "-fopenmp")
 
 
 def _compiler_accepts(flags: list[str]) -> bool:
