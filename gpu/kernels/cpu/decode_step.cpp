@@ -466,8 +466,10 @@ void LlamaDecoder::run(const at::Tensor& ids, const at::Tensor& positions, const
         paged::with_variant<K>(D, [&](auto variant) {
           using V = decltype(variant);
           paged::Attender<typename V::S, V::NV, E, K> attender(ap);
-          part(1, [&](int64_t i, int64_t) {
-            paged::run_item(ap, attender, items[i], splits, partials.data(), merge_tmp.data());
+          const auto [own, own_end] = share(works[1].chunks(), t, threads);
+          part(1, [&](int64_t i, int64_t) {  // then: the next item of this thread's own share
+            const paged::Item* then = i >= own && i + 1 < own_end ? &items[i + 1] : nullptr;
+            paged::run_item(ap, attender, items[i], splits, partials.data(), merge_tmp.data(), then);
           });
         });
       }

@@ -62,6 +62,11 @@ struct State {
   float* l;    // [H] running sum of p
 };
 
+// A work item: keys [t0, t1) (chunk `chunk` of `row`) for kv heads [k0, k1), whose merge counter is splits[split].
+struct Item {
+  int64_t row, chunk, t0, t1, k0, k1, split;
+};
+
 template <class S, int NV, class T, class KV = T>
 class Attender {
   using V = typename S::V;
@@ -87,22 +92,27 @@ class Attender {
     dots_ = scores_ + h * kBlock;
   }
 
-  // Keys [t0, t1) of `row` for kv heads [k0, k1); leaves the unnormalized state of their
-  // query heads in the result (the other heads' entries are not touched).
-  const State& run(int64_t row, int64_t t0, int64_t t1, int64_t k0, int64_t k1) {
-    k0_ = k0, k1_ = k1;
-    start(row);
+  // Item `it`'s keys; leaves the unnormalized state of its query heads in the result (the
+  // other heads' entries are not touched). `then`: the item this thread runs next, if it
+  // knows, whose first block is fetched while this one's last block computes.
+  const State& run(const Item& it, const Item* then = nullptr) {
+    k0_ = it.k0, k1_ = it.k1;
+    start(it.row);
     int cur = 0;
-    slots(row, t0, block_len(t0, t1), slot_off_[cur]);
-    for (int64_t t = t0; t < t1; t += kBlock, cur ^= 1) {
+    slots(it.row, it.t0, block_len(it.t0, it.t1), slot_off_[cur]);
+    for (int64_t t = it.t0; t < it.t1; t += kBlock, cur ^= 1) {
       next_n_ = 0;
-      if (t + kBlock < t1) {  // the next block's rows are fetched while this one computes
-        next_n_ = block_len(t + kBlock, t1);
-        slots(row, t + kBlock, next_n_, slot_off_[cur ^ 1]);
-        prefetch(slot_off_[cur ^ 1], next_n_);
+      far_ = {slot_off_[cur ^ 1], 0, it.k0 * p_.dim, span(it)};
+      if (t + kBlock < it.t1) {  // the next block's rows are fetched while this one computes
+        next_n_ = block_len(t + kBlock, it.t1);
+        slots(it.row, t + kBlock, next_n_, slot_off_[cur ^ 1]);
+        far_.n = next_n_;
+      } else if (then != nullptr) {
+        far_ = {then_off_, block_len(then->t0, then->t1), then->k0 * p_.dim, span(*then)};
+        slots(then->row, then->t0, far_.n, then_off_);
       }
       next_off_ = slot_off_[cur ^ 1];
-      block(block_len(t, t1), slot_off_[cur]);
+      block(block_len(t, it.t1), slot_off_[cur]);
     }
     return st_;
   }
@@ -138,31 +148,43 @@ class Attender {
     }
   }
 
-  // Software prefetch of a block's slots (K and V) into L2: they lie on scattered pages, in
-  // runs too short for the hardware prefetchers to pick up in time. NOTE: into L2, with each
-  // row then pulled into L1 kAhead keys before its use (`near`): the whole next block (up to
-  // 48 KB) into L1 at once overran its fill buffers and evicted the block being computed
-  // (AMX Xeon, 32 decodes of 150-350 keys, 9 heads, bf16, one thread: 41.0 -> 32.1 ms a
-  // step of 30 layers, benchmarks-style alternating runs). The L1 distance kAhead is 8 keys
-  // since `score` keeps the queries in registers (a key costs less time there): on a Zen 5
-  // EPYC (AMD's L2 prefetch hints are reported to be dropped at times, so the L1 ones must
-  // cover the memory latency), 32 decodes of 150-350 keys, 30 layers, pages as served, one
-  // thread: 15.7 ms a step at 16, 14.1 at 8, 14.3 at 4, 14.4 at 12; the same within noise on
-  // two threads (decode_attention.py's child, alternating runs). With the old score loop 16
-  // had been 1.16x faster than 8.
-  void prefetch(const int64_t* slot_off, int n) const {
-    const int64_t bytes = (k1_ - k0_) * p_.dim * static_cast<int64_t>(sizeof(KV));
-    for (int j = 0; j < n; ++j) {
-      const char* k = reinterpret_cast<const char*>(p_.k + slot_off[j] + k0_ * p_.dim);
-      const char* v = reinterpret_cast<const char*>(p_.v + slot_off[j] + k0_ * p_.dim);
-      for (int64_t b = 0; b < bytes; b += 64) {
-        __builtin_prefetch(k + b, 0, 2);
-        __builtin_prefetch(v + b, 0, 2);
-      }
+  // Software prefetch of the K and V rows into L2 one block (kBlock keys) ahead of their use:
+  // they lie on scattered pages, in runs too short for the hardware prefetchers to pick up in
+  // time. A key's rows are fetched as the key a block earlier is scored (`ahead`), so the
+  // prefetches are spread over the block as the loads are; the last block fetches the first
+  // block of the item the thread runs next, where the caller knows it (`run`'s `then`).
+  // NOTE: paced, not the whole next block at once: a burst of a block's prefetches (up to
+  // 96 KB) overran the core's miss buffers, and AMD cores drop the software prefetches they
+  // cannot hold (Zen 4, 2 threads, decode_step.cpp A/B on alternate steps, pages as served:
+  // 32 rows of 200-400 keys, attention 11.9 -> 9.1 ms of a 35.2 -> 32.6 ms step; one row,
+  // attention 0.83x, the step 0.97x). Into L2, each row then pulled into L1 kAhead keys
+  // before its use (`near`): the whole next block into L1 at once evicted the block being
+  // computed (AMX Xeon, 32 decodes of 150-350 keys, one thread: 41.0 -> 32.1 ms a step of 30
+  // layers for L2 against L1). The L1 distance kAhead is 8 keys since `score` keeps the
+  // queries in registers (a key costs less time there): on a Zen 5 EPYC, 32 decodes of
+  // 150-350 keys, 30 layers, pages as served, one thread: 15.7 ms a step at 16, 14.1 at 8,
+  // 14.3 at 4, 14.4 at 12; the same within noise on two threads (decode_attention.py's
+  // child, alternating runs). With the old score loop 16 had been 1.16x faster than 8.
+  struct Far {
+    const int64_t* off;  // slots of the block a block ahead
+    int n;               // how many
+    int64_t head_off;    // its first kv head's offset in a slot
+    int64_t bytes;       // its kv heads' bytes in a slot
+  };
+
+  int64_t span(const Item& it) const { return (it.k1 - it.k0) * p_.dim * static_cast<int64_t>(sizeof(KV)); }
+
+  [[gnu::always_inline]] void far(int j) const {
+    if (j >= far_.n) return;
+    const char* k = reinterpret_cast<const char*>(p_.k + far_.off[j] + far_.head_off);
+    const char* v = reinterpret_cast<const char*>(p_.v + far_.off[j] + far_.head_off);
+    for (int64_t b = 0; b < far_.bytes; b += 64) {
+      __builtin_prefetch(k + b, 0, 2);
+      __builtin_prefetch(v + b, 0, 2);
     }
   }
 
-  // A K or V row a few keys ahead into L1 (the block prefetch above brought it to L2).
+  // A K or V row a few keys ahead into L1 (`far` brought it to L2).
   [[gnu::always_inline]] void near(const KV* row) const { to_l1(row, p_.dim * static_cast<int64_t>(sizeof(KV))); }
 
   // A slot's K and V rows of the run's kv heads into L1, as `near`.
@@ -174,6 +196,7 @@ class Attender {
 
   void block(int n, const int64_t* slot_off) {
     score(n, slot_off);
+    for (int j = n; j < far_.n; ++j) far(j);  // a block ahead longer than this one
     for (int64_t h = k0_; h < k1_; ++h) {
       for (int64_t i = 0; i < p_.group; ++i) softmax(h * p_.group + i, n);
       accumulate(h, n, slot_off);
@@ -291,6 +314,7 @@ class Attender {
 
   // Key j + kAhead's K and V rows of the run's kv heads into L1: in this block, or the next.
   [[gnu::always_inline]] void ahead(int j) const {
+    far(j);
     const int a = j + kAhead;
     if (a < n_) {
       near_slot(slot_off_cur_[a]);
@@ -369,6 +393,8 @@ class Attender {
   const int64_t* slot_off_cur_ = nullptr;
   const int64_t* next_off_ = nullptr;  // the next block's slots, and how many (0: none)
   int next_n_ = 0;
+  Far far_{};                      // the rows `far` fetches, a block ahead
+  int64_t then_off_[kBlock] = {};  // slots of the next item's first block (`run`'s then)
 };
 
 // Where a row's element e lies in a float layout that keeps the pool's order.
@@ -420,11 +446,6 @@ void merge(const Problem<T, KV>& p, const Split& split, int64_t row, const float
   }
   write_out<Layout>(p, row, acc, l, h0, h1);
 }
-
-// A work item: keys [t0, t1) (chunk `chunk` of `row`) for kv heads [k0, k1), whose merge counter is splits[split].
-struct Item {
-  int64_t row, chunk, t0, t1, k0, k1, split;
-};
 
 // The items of a step, longest first (the shared counter then ends on short ones), and in
 // `splits` one Split per row and group of kv heads. With fewer key chunks than 4 per thread
@@ -480,8 +501,8 @@ inline int64_t partial_slots(const std::vector<Split>& splits) {
 // row's last chunk to finish merging them (the others' results are complete by then).
 template <class S, int NV, class T, class KV>
 void run_item(const Problem<T, KV>& p, Attender<S, NV, T, KV>& attender, const Item& it, std::vector<Split>& splits,
-              float* partials, float* tmp) {
-  const State& st = attender.run(it.row, it.t0, it.t1, it.k0, it.k1);
+              float* partials, float* tmp, const Item* then = nullptr) {
+  const State& st = attender.run(it, then);
   const int64_t h0 = it.k0 * p.group, h1 = it.k1 * p.group;
   Split& split = splits[it.split];
   if (split.chunks == 1) {
