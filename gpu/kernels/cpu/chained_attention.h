@@ -187,18 +187,33 @@ class Attender {
   }
 
   // Element offsets of the slots of keys [t, t + n) of the tile's rows (they share pages).
-  void slots(int64_t t, int64_t n) {
+  void slots(int64_t t, int64_t n, int64_t* out) const {
     const int64_t ps = p_.page_size, stride = p_.kv_heads * p_.dim;
     const int64_t* pages = p_.pages + (row0_ + rows_ - 1) * p_.max_pages;
-    for (int64_t j = 0; j < n; ++j) slot_[j] = (pages[(t + j) / ps] * ps + (t + j) % ps) * stride;
+    for (int64_t j = 0; j < n; ++j) out[j] = (pages[(t + j) / ps] * ps + (t + j) % ps) * stride;
+  }
+
+  // A slot's K and V rows of the item's kv heads into L2, a block ahead of their use and at
+  // the pace of the loads (the paged kernel's `far`, whose NOTE has the measurements).
+  [[gnu::always_inline]] void far(int64_t slot) const {
+    const int64_t bytes = (k1_ - k0_) * p_.dim * static_cast<int64_t>(sizeof(KV));
+    const char* k = reinterpret_cast<const char*>(p_.k + slot + k0_ * p_.dim);
+    const char* v = reinterpret_cast<const char*>(p_.v + slot + k0_ * p_.dim);
+    for (int64_t b = 0; b < bytes; b += 64) {
+      __builtin_prefetch(k + b, 0, 2);
+      __builtin_prefetch(v + b, 0, 2);
+    }
   }
 
   void block(int64_t t, int64_t end) {
     const int64_t n = keys(rows_ - 1, t, end), d = p_.dim;  // the longest row's keys
-    slots(t, n);
+    const int64_t next = std::max<int64_t>(0, keys(rows_ - 1, t + kBlock, end));
+    slots(t, n, slot_);
+    slots(t + kBlock, next, next_slot_);
     for (int64_t h = k0_; h < k1_; ++h) {
       // The block's K/V rows of kv head h as float, [j][e]; one row's K also transposed.
       for (int64_t j = 0; j < n; ++j) {
+        if (h == k0_ && j < next) far(next_slot_[j]);
         // Rows kAhead keys ahead into L1, as the paged kernel's `near` (Zen 5, 32 decode rows of
         // 150-350 keys, 30 layers, pages as served, one thread: 30.2-31.6 -> 27.0-28.3 ms a
         // step; prefill tiles, compute-bound, the same within noise).
@@ -209,6 +224,7 @@ class Attender {
         cvec::widen_row(p_.k + slot_[j] + h * d, kr_.data() + j * d, d);
         cvec::widen_row(p_.v + slot_[j] + h * d, v_.data() + j * d, d);
       }
+      for (int64_t j = n; h == k0_ && j < next; ++j) far(next_slot_[j]);
       if (rows_ == 1) {
         cvec::transpose_rows(kr_.data(), n, d, kBlock, k_.data());
         for (int64_t i = 0; i < p_.group; ++i) row_softmax(h, i, n);
@@ -446,7 +462,8 @@ class Attender {
   std::vector<float> part_;
   std::vector<float> local_;  // a whole tile's partial results: [rows, chunks, width]
   const int64_t width_;
-  int64_t slot_[kBlock] = {};
+  int64_t slot_[kBlock] = {};       // the block's slots
+  int64_t next_slot_[kBlock] = {};  // the next block's (fetched into L2 while this one runs)
   int64_t row0_ = 0, rows_ = 0, k0_ = 0, k1_ = 0;
 };
 
