@@ -197,12 +197,8 @@ class Attender {
   // the pace of the loads (the paged kernel's `far`, whose NOTE has the measurements).
   [[gnu::always_inline]] void far(int64_t slot) const {
     const int64_t bytes = (k1_ - k0_) * p_.dim * static_cast<int64_t>(sizeof(KV));
-    const char* k = reinterpret_cast<const char*>(p_.k + slot + k0_ * p_.dim);
-    const char* v = reinterpret_cast<const char*>(p_.v + slot + k0_ * p_.dim);
-    for (int64_t b = 0; b < bytes; b += 64) {
-      __builtin_prefetch(k + b, 0, 2);
-      __builtin_prefetch(v + b, 0, 2);
-    }
+    tierserve_paged::to_l2(p_.k + slot + k0_ * p_.dim, bytes);
+    tierserve_paged::to_l2(p_.v + slot + k0_ * p_.dim, bytes);
   }
 
   void block(int64_t t, int64_t end) {

@@ -40,6 +40,12 @@ constexpr int kAhead = 8;           // keys ahead that a row's K and V lines are
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
 }
 
+// `bytes` from `at` into L2 (as to_l1, with the low-locality hint), always inlined likewise.
+[[gnu::always_inline]] inline void to_l2(const void* at, int64_t bytes) {
+  const char* p = static_cast<const char*>(at);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
+}
+
 // What every work item reads; pointers into contiguous tensors. T: the query's and the
 // output's element type; KV: the pool's (T, or float16 under float32 compute).
 template <class T, class KV = T>
@@ -176,12 +182,8 @@ class Attender {
 
   [[gnu::always_inline]] void far(int j) const {
     if (j >= far_.n) return;
-    const char* k = reinterpret_cast<const char*>(p_.k + far_.off[j] + far_.head_off);
-    const char* v = reinterpret_cast<const char*>(p_.v + far_.off[j] + far_.head_off);
-    for (int64_t b = 0; b < far_.bytes; b += 64) {
-      __builtin_prefetch(k + b, 0, 2);
-      __builtin_prefetch(v + b, 0, 2);
-    }
+    to_l2(p_.k + far_.off[j] + far_.head_off, far_.bytes);
+    to_l2(p_.v + far_.off[j] + far_.head_off, far_.bytes);
   }
 
   // A K or V row a few keys ahead into L1 (`far` brought it to L2).
