@@ -204,10 +204,17 @@ def stream_generate(url: str, seed: int) -> tuple[int, Any]:
 
 
 def start_load(server: Served, seeds: range, ready: Callable[[], bool] | None = None) -> list[Background]:
-    """Streamed requests, returned once `ready()` (default: at least two of them run)."""
+    """Streamed requests, returned once `ready()` (default: every one of them is in the
+    engine, waiting or running; one still on its way when a drain starts is rightly
+    refused with 503, so a drain test must not signal before they all arrived)."""
     workers = [Background(partial(stream_generate, server.url, s)) for s in seeds]
-    wait_for("the load running", ready or (lambda: server.info()["pool"]["running"] >= 2))
+    wait_for("the load running", ready or (lambda: in_engine(server) == len(seeds)))
     return workers
+
+
+def in_engine(server: Served) -> int:
+    pool = server.info()["pool"]
+    return int(pool["running"] + pool["waiting"])
 
 
 def joined(workers: list[Background]) -> list[tuple[int, Any]]:
