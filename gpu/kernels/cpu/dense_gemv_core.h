@@ -24,8 +24,13 @@ namespace tierserve_dense {
 // compute long enough per cache line that the hardware prefetchers fall behind. [40960 x
 // 1024] bf16 on a 2-core Zen 5 EPYC, 8 rows: 7.8-8.5 -> 2.3-2.5 ms (widening kernel),
 // 4.3 -> 2.4 ms (pairs kernel; on an L2-resident weight it computes 4x as fast); float32
-// [20480 x 1024], 8 rows: 4.9-8.3 -> 2.6 ms; 1 row unchanged.
-constexpr int64_t kPrefetchBytes = 16384;
+// [20480 x 1024], 8 rows: 4.9-8.3 -> 2.6 ms; 1 row unchanged. Into L2 (prefetcht1, as the
+// quantized kernels', quant_gemv_core.h), not L1: on a 2-core Zen 4 EPYC, calls alternating
+// in one process, [49152 x 576] and [61440 x 1024] at 1 / 4 / 8 rows took 0.83-0.95 /
+// 0.62-0.78 / 0.60-0.81x the time of into-L1 16 KB ahead (layer-sized weights 0.78-1.0x);
+// the distance alone (8 KB into L1) changed nothing.
+constexpr int64_t kPrefetchBytes = 8192;
+inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }  // prefetcht1
 
 #ifdef TIERSERVE_DENSE_AVX512
 constexpr int64_t kMaxRows = 16;  // rows of x per pass over the weight (16 accumulators of 16 lanes)
@@ -113,8 +118,8 @@ inline void output_rows(const float* x, const W* wr, float* out, int64_t k, int6
   for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 32 <= k; i += 32) {
-    _mm_prefetch(reinterpret_cast<const char*>(wr + i) + kPrefetchBytes, _MM_HINT_T0);  // a line a chunk (bf16: 64 B)
-    if constexpr (sizeof(W) == 4) _mm_prefetch(reinterpret_cast<const char*>(wr + i + 16) + kPrefetchBytes, _MM_HINT_T0);
+    prefetch_l2(reinterpret_cast<const char*>(wr + i) + kPrefetchBytes);  // a line a chunk (bf16: 64 B)
+    if constexpr (sizeof(W) == 4) prefetch_l2(reinterpret_cast<const char*>(wr + i + 16) + kPrefetchBytes);
     const __m512 w0 = load16(wr + i), w1 = load16(wr + i + 16);
     for (int m = 0; m < M; ++m) {
       acc[m][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + m * k + i), acc[m][0]);
@@ -180,7 +185,7 @@ inline void pair_block(const c10::BFloat16* x, const c10::BFloat16* w, float* ou
   for (; i + 32 <= k; i += 32) {
     __m512bh wv[R];
     for (int r = 0; r < R; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + r * k + i) + kPrefetchBytes, _MM_HINT_T0);
+      prefetch_l2(reinterpret_cast<const char*>(w + r * k + i) + kPrefetchBytes);
       wv[r] = (__m512bh)_mm512_loadu_si512(w + r * k + i);
     }
     for (int m = 0; m < M; ++m) {
