@@ -204,17 +204,18 @@ def stream_generate(url: str, seed: int) -> tuple[int, Any]:
 
 
 def start_load(server: Served, seeds: range, ready: Callable[[], bool] | None = None) -> list[Background]:
-    """Streamed requests, returned once `ready()` (default: every one of them is in the
-    engine, waiting or running; one still on its way when a drain starts is rightly
-    refused with 503, so a drain test must not signal before they all arrived)."""
+    """Streamed requests, returned once `ready()` (default: every one of them has reached
+    the engine: it waits, runs or has finished; one still on its way when a drain starts
+    is rightly refused with 503, so a drain test must not signal before they all arrived)."""
     workers = [Background(partial(stream_generate, server.url, s)) for s in seeds]
-    wait_for("the load running", ready or (lambda: in_engine(server) == len(seeds)))
+    wait_for("the load running", ready or (lambda: arrived(server, workers) == len(seeds)))
     return workers
 
 
-def in_engine(server: Served) -> int:
+def arrived(server: Served, workers: list[Background]) -> int:
+    """Requests of the load waiting or running in the engine, plus those already answered."""
     pool = server.info()["pool"]
-    return int(pool["running"] + pool["waiting"])
+    return int(pool["running"] + pool["waiting"]) + sum(not w.is_alive() for w in workers)
 
 
 def joined(workers: list[Background]) -> list[tuple[int, Any]]:
