@@ -11,15 +11,15 @@ from cache.kv_pool import KVPool
 from cache.state_pool import StatePool
 from gpu.attention.base import AttentionBackend
 from gpu.forward_batch import ForwardBatch, SampledToken
+from gpu.graphs.cpu_step import CpuStepRunner
 from gpu.models.hybrid_step import HybridStep
 from gpu.prompt_logprobs import PromptLogprobs, prompt_logprobs
 from gpu.readback import Pending
-from gpu.sampling import DeviceSample, SamplingBatch, native_argmax_ready, sample_on_device
+from gpu.sampling import DeviceSample, SamplingBatch, native_argmax_ready, picked_sample, sample_on_device
 from gpu.step_inputs import StepInputs
 
 if TYPE_CHECKING:
-    from gpu.graphs.cpu_step import CpuStepRunner
-    from gpu.graphs.runner import GraphRunner
+    from gpu.graphs.runner import Graph, GraphRunner
 
 
 class StepFatal(RuntimeError):
@@ -93,6 +93,8 @@ class ModelRunner:
             if self.states is not None:
                 self.check_states(batch)
                 self.run_state_copies(batch.state_copies)
+            if batch.sampling and isinstance(self.graphs, CpuStepRunner):
+                return self.native_sampling(self.graphs, graph, batch)
             logits = self.graphs.replay(graph, batch)
         if not batch.sampling:
             return None
@@ -175,8 +177,20 @@ class ModelRunner:
     def sample(self, logits: torch.Tensor, batch: ForwardBatch) -> DeviceSample | None:
         """The batch's sampling rows' tokens (None: this runner does not sample — a
         tensor-parallel worker rank, kernel/parallel/worker.py)."""
+        return self.record_next(batch, sample_on_device(logits, self.sampling_batch(batch)))
+
+    def native_sampling(self, steps: CpuStepRunner, graph: Graph, batch: ForwardBatch) -> DeviceSample:
+        """A decode batch on the native CPU step (graphs.mode cpu), sampled: a plain-greedy
+        batch's tokens are picked by the step itself (its head's threads take each row's
+        argmax while the logits are in their caches), any other's from the logits."""
+        sb = self.sampling_batch(batch)
+        if sb.plain_greedy:
+            return self.record_next(batch, picked_sample(steps.replay_argmax(graph, batch), sb))
+        return self.record_next(batch, sample_on_device(steps.replay(graph, batch), sb))
+
+    def sampling_batch(self, batch: ForwardBatch) -> SamplingBatch:
         rows = batch.sampling
-        sb = SamplingBatch.build(
+        return SamplingBatch.build(
             params=rows,
             seeds=[r.seed for r in rows],
             steps=[r.step for r in rows],
@@ -188,7 +202,8 @@ class ModelRunner:
             want_logprobs=[r.logprobs for r in rows],
             native_argmax=self.native_argmax,
         )
-        sampled = sample_on_device(logits, sb)
+
+    def record_next(self, batch: ForwardBatch, sampled: DeviceSample) -> DeviceSample:
         next_tokens = self.inputs.next_tokens
         if next_tokens is not None:
             # Overlap scheduling: the next step may already be queued with placeholders.

@@ -137,6 +137,8 @@ class SamplingBatch:
     native_argmax: bool = False
     # Speculative verify rows that test a drafted token by rejection sampling (gpu/rejection.py).
     tests: rejection.Tests | None = None
+    # Every row plain greedy (`_plain_greedy`, no grammar): its token is its logits' argmax.
+    plain_greedy: bool = False
 
     @property
     def all_greedy(self) -> bool:
@@ -162,7 +164,8 @@ class SamplingBatch:
         if not maskers and all(_plain_greedy(p, want_logprobs is not None and not want_logprobs[i])
                                for i, p in enumerate(params)):
             # The common case, built without a tensor: every field the helpers below set stays unset.
-            return cls(size=n, vocab_size=vocab_size, top_logprobs_nums=(0,) * n, native_argmax=native_argmax)
+            return cls(size=n, vocab_size=vocab_size, top_logprobs_nums=(0,) * n, native_argmax=native_argmax,
+                       plain_greedy=True)
         batch = cls(size=n, vocab_size=vocab_size,
                     top_logprobs_nums=tuple(p.top_logprobs_num for p in params), native_argmax=native_argmax)
         batch._set_logprob_rows(params, want_logprobs, device)
@@ -271,6 +274,14 @@ def sample_on_device(logits: torch.Tensor, batch: SamplingBatch) -> DeviceSample
     # One device->host copy for both lists (float64 holds any token id exactly).
     both = HostCopy(torch.cat([tokens.double(), chosen.double()]))
     return DeviceSample(batch, tokens, both, _top_logprobs(logprobs, batch))
+
+
+def picked_sample(tokens: torch.Tensor, batch: SamplingBatch) -> DeviceSample:
+    """`sample_on_device`'s result for a plain-greedy batch whose argmax was already taken
+    (tokens [B] int64: the native CPU decode step picks it inside the step)."""
+    if not batch.plain_greedy or tokens.shape != (batch.size,):
+        raise ValueError("picked tokens stand for a plain-greedy batch's sampling, one per row")
+    return DeviceSample(batch, tokens, HostCopy(tokens))
 
 
 class DeviceSample(Pending):

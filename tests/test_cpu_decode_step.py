@@ -211,3 +211,73 @@ def test_qkv_bias_model_is_bit_identical(tmp_path: Path) -> None:
         assert run() != reference, "dropping the QKV bias went unnoticed"
     finally:
         engine.shutdown()
+
+
+PLAIN = {"temperature": 0, "ignore_eos": True}  # greedy, no logprobs: the step picks the tokens itself
+
+
+def _run_plain(engine: Engine) -> list[list[int]]:
+    outs = engine.generate(_prompts(), [{**PLAIN, "max_new_tokens": n} for n in NEW_TOKENS])
+    assert isinstance(outs, list)
+    return [o["output_ids"] for o in outs]
+
+
+def test_picked_greedy_tokens_match_the_torch_path(native_engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain-greedy batch's tokens come from the argmax the step takes inside its head phase."""
+    runner = _runner(native_engine)
+    graphs, runner.graphs = runner.graphs, None
+    try:
+        reference = _run_plain(native_engine)
+    finally:
+        runner.graphs = graphs
+    decoder, picked = graphs.decoder, []
+    step_argmax = decoder.step_argmax
+
+    def counted(*args: torch.Tensor) -> torch.Tensor:
+        picked.append(len(args[0]))
+        return step_argmax(*args)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(decoder, "step_argmax", counted)
+    assert _run_plain(native_engine) == reference
+    assert len(picked) >= max(NEW_TOKENS) - 1 and {1, 5} <= set(picked), f"picked steps by batch size: {picked}"
+
+    def second_best(*args: torch.Tensor) -> torch.Tensor:  # planted: a wrong pick
+        return decoder.step(*args).topk(2, dim=-1).indices[:, 1]  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(decoder, "step_argmax", second_best)
+    assert _run_plain(native_engine) != reference, "a wrong in-step pick went unnoticed"
+
+
+def _step_on_free_pages(native: Any, pool: Any, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of `rows` one-token rows, each on its own page at the pool's end (free: the
+    engine is idle and keeps no prefix) -> (logits, picks)."""
+    pages = pool.k[0].shape[0] // pool.page_size
+    page_ids = torch.arange(pages - rows, pages, dtype=torch.int64)
+    ids = torch.tensor([7, 1234, 40000][:rows], dtype=torch.int64)
+    zero = torch.zeros(rows, dtype=torch.int64)
+    return native.step_argmax(ids, zero, page_ids * pool.page_size, page_ids.unsqueeze(1), zero + 1,
+                              torch.arange(rows, dtype=torch.int64))  # type: ignore[no-any-return]
+
+
+def test_in_step_pick_is_argmax_on_ties_and_nan(native_engine: Engine) -> None:
+    """The threads' per-tile picks merge to `argmax(dim=-1)`: the first of tied maxima (every
+    tile of the head made the same, so each tile's maximum ties with the first's) and the
+    first NaN (two tiles' scales NaN, far apart: in different threads' shares)."""
+    runner = _runner(native_engine)
+    head = llama_cpu_step._kernel_weight(runner.model.lm_head)
+    assert head is not None and head.kind == llama_cpu_step.INT8, "the packaged model's head is int8 per channel"
+    tiles, tile = head.weight.shape[0], gemv.TILE
+    decoder = llama_cpu_step.build(runner.model, runner.pool).native
+    decoder.set_head(head.kind, head.weight[:1].expand(tiles, -1).contiguous(), head.scales[:tile].repeat(tiles))
+    logits, picks = _step_on_free_pages(decoder, runner.pool, 3)
+    assert torch.equal(picks, logits.argmax(dim=-1)) and bool((picks < tile).all()), picks
+    last_of_ties = logits.shape[1] - 1 - logits.flip(-1).argmax(dim=-1)  # planted: the last tied maximum
+    assert not torch.equal(last_of_ties, picks), "the tie check cannot tell first from last"
+
+    scales = head.scales.clone()
+    early, late = tiles // 3, tiles - 2
+    for t in (late, early):
+        scales[t * tile : (t + 1) * tile] = float("nan")
+    decoder.set_head(head.kind, head.weight, scales)
+    logits, picks = _step_on_free_pages(decoder, runner.pool, 2)
+    assert picks.tolist() == [early * tile] * 2 and torch.equal(picks, logits.argmax(dim=-1))

@@ -83,6 +83,14 @@ class CpuStepRunner:
 
     def replay(self, graph: Graph, batch: ForwardBatch) -> torch.Tensor:
         """Logits of the batch's sampling rows from one native decode step."""
+        return self.decoder.step(*self.step_inputs(graph, batch))
+
+    def replay_argmax(self, graph: Graph, batch: ForwardBatch) -> torch.Tensor:
+        """The argmax of each sampling row's logits (int64 [R]) from one native decode step."""
+        return self.decoder.step_argmax(*self.step_inputs(graph, batch))
+
+    def step_inputs(self, graph: Graph, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
+        """The native step's arguments for the batch (counted as a replay of its bucket)."""
         # NOTE: one host tensor for all four index lists, the attention metadata in one
         # native call: a batch-1 step's Python is paid with cold caches (the step streamed
         # every weight through them), where each small op costs ~3x its warm time.
@@ -96,4 +104,4 @@ class CpuStepRunner:
             raise RuntimeError("the attention backend prepared no paged decode metadata for a decode batch")
         out_loc, paged = decodes
         self.replays[graph.bucket] += 1
-        return self.decoder.step(input_ids, positions, out_loc, paged.page_table, paged.seq_lens, last)
+        return input_ids, positions, out_loc, paged.page_table, paged.seq_lens, last

@@ -56,10 +56,17 @@ class CpuDecoder:
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         """float32 logits of the `logits_indices` rows; writes every row's K/V at `out_loc`."""
-        return self.native.step(  # type: ignore[no-any-return]
-            input_ids.contiguous(), positions.contiguous(), out_loc.contiguous(),
-            page_table.contiguous(), seq_lens.contiguous(), logits_indices.contiguous(),
-        )
+        return self.native.step(*_contiguous(input_ids, positions, out_loc, page_table, seq_lens, logits_indices))  # type: ignore[no-any-return]
+
+    def step_argmax(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """`step` (the same six inputs), but only the argmax of each row's logits (int64 [R],
+        as `argmax(dim=-1)` gives it: the first of ties, the first NaN), taken inside the step."""
+        _, picks = self.native.step_argmax(*_contiguous(*inputs))
+        return picks  # type: ignore[no-any-return]
+
+
+def _contiguous(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(t.contiguous() for t in tensors)
 
 
 def unsupported(model: LlamaModel, pool: KVPool) -> str | None:

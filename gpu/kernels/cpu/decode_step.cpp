@@ -36,6 +36,7 @@
 #include <utility>
 #include <vector>
 
+#include "argmax_core.h"
 #include "chained_attention.h"
 #include "llama_glue_core.h"
 #include "paged_attention_core.h"
@@ -47,6 +48,7 @@ namespace gemv = tierserve_gemv;
 namespace paged = tierserve_paged;
 namespace chain = tierserve_chained;
 namespace glue = tierserve_glue;
+namespace argmax = tierserve_argmax;
 
 enum Kind : int64_t { kInt8 = 1, kQ4 = 2 };  // the weight formats of quant_gemv_core.h
 
@@ -148,6 +150,22 @@ class LlamaDecoder : public torch::CustomClassHolder {
   // (rows of the batch whose logits are returned) -> float32 logits [R, vocab].
   at::Tensor step(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& out_loc,
                   const at::Tensor& page_table, const at::Tensor& seq_lens, const at::Tensor& logit_rows) {
+    return std::get<0>(forward(ids, positions, out_loc, page_table, seq_lens, logit_rows, false));
+  }
+
+  // `step`, and each logit row's argmax (int64 [R]: what `argmax(dim=-1)` of the logits
+  // gives), found by the head's threads over the tiles each computed, while the logits are
+  // still in their caches (a greedy pick after the step reads them back cold).
+  std::tuple<at::Tensor, at::Tensor> step_argmax(const at::Tensor& ids, const at::Tensor& positions,
+                                                 const at::Tensor& out_loc, const at::Tensor& page_table,
+                                                 const at::Tensor& seq_lens, const at::Tensor& logit_rows) {
+    return forward(ids, positions, out_loc, page_table, seq_lens, logit_rows, true);
+  }
+
+ private:
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& ids, const at::Tensor& positions,
+                                             const at::Tensor& out_loc, const at::Tensor& page_table,
+                                             const at::Tensor& seq_lens, const at::Tensor& logit_rows, bool pick) {
     TORCH_CHECK(static_cast<int64_t>(layers_.size()) == num_layers_ && head_.kind != 0, "LlamaDecoder: not fully built");
     const int64_t batch = ids.size(0);
     for (const at::Tensor* t : {&ids, &positions, &out_loc, &seq_lens, &logit_rows}) {
@@ -162,18 +180,19 @@ class LlamaDecoder : public torch::CustomClassHolder {
     paged::check_pages(page_table.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), batch, page_table.size(1),
                        page_size_, layers_[0].k_pool.size(0) / page_size_);
     at::Tensor logits = at::empty({logit_rows.size(0), vocab_}, embed_.options().dtype(at::kFloat));
-    if (batch == 0) return logits;
+    at::Tensor picks = at::empty({pick ? logit_rows.size(0) : 0}, ids.options());
+    if (batch == 0) return {logits, picks};
+    int64_t* out = pick ? picks.data_ptr<int64_t>() : nullptr;
     if (dtype_ == at::kFloat && kv_dtype_ == at::kHalf) {
-      run<F32HalfKVTypes>(ids, positions, out_loc, page_table, seq_lens, logit_rows, logits);
+      run<F32HalfKVTypes>(ids, positions, out_loc, page_table, seq_lens, logit_rows, logits, out);
     } else if (dtype_ == at::kFloat) {
-      run<F32Types>(ids, positions, out_loc, page_table, seq_lens, logit_rows, logits);
+      run<F32Types>(ids, positions, out_loc, page_table, seq_lens, logit_rows, logits, out);
     } else {
-      run<BF16Types>(ids, positions, out_loc, page_table, seq_lens, logit_rows, logits);
+      run<BF16Types>(ids, positions, out_loc, page_table, seq_lens, logit_rows, logits, out);
     }
-    return logits;
+    return {logits, picks};
   }
 
- private:
   void check_vector(const at::Tensor& t, int64_t numel, const char* name) const {
     TORCH_CHECK(t.is_contiguous() && t.numel() == numel && t.scalar_type() == dtype_, "LlamaDecoder: ", name,
                 " must be contiguous with ", numel, " elements in the compute dtype");
@@ -219,7 +238,7 @@ class LlamaDecoder : public torch::CustomClassHolder {
 
   template <class Types>
   void run(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& out_loc, const at::Tensor& page_table,
-           const at::Tensor& seq_lens, const at::Tensor& logit_rows, at::Tensor& logits);
+           const at::Tensor& seq_lens, const at::Tensor& logit_rows, at::Tensor& logits, int64_t* picks);
 
   float eps_, scale_;
   bool chained_ = false;
@@ -342,7 +361,7 @@ constexpr int kPhases = 5;  // per layer: qkv (+ RoPE, KV write), attention, o, 
 template <class Types>
 void LlamaDecoder::run(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& out_loc,
                        const at::Tensor& page_table, const at::Tensor& seq_lens, const at::Tensor& logit_rows,
-                       at::Tensor& logits) {
+                       at::Tensor& logits, int64_t* picks) {
   using G = typename Types::glue_t;
   using S = typename G::scalar;  // storage bits
   using E = typename Types::elem;
@@ -396,6 +415,7 @@ void LlamaDecoder::run(const at::Tensor& ids, const at::Tensor& positions, const
   auto sv = [](const at::Tensor& t) { return reinterpret_cast<const S*>(t.data_ptr()); };
   auto st = [](std::vector<E>& v) { return reinterpret_cast<S*>(v.data()); };
   E* out_logits = std::is_same_v<E, float> ? reinterpret_cast<E*>(logits.data_ptr<float>()) : head_out.data();
+  std::vector<argmax::Pick> picked(picks ? threads * R : 0);  // each thread's pick of each row, over its tiles
 
 #pragma omp parallel num_threads(threads)
   {
@@ -496,16 +516,30 @@ void LlamaDecoder::run(const at::Tensor& ids, const at::Tensor& positions, const
 #pragma omp barrier
       layer_shares += kPhases * threads;
     }
-    // logits of the picked rows: final_norm(h) @ Whead^T
+    // logits of the picked rows: final_norm(h) @ Whead^T, and (picks) each row's argmax
+    // over the columns this thread computed, read while they are in its cache.
     in.normed<G>(st(h), sv(final_norm_), R, H, eps_, pick);
+    std::vector<argmax::Pick> mine(picks ? R : 0);
+    float* lp = logits.data_ptr<float>();
     matmul(head_, R, out_logits, kPhases, [&](int64_t n0, int64_t n1) {
-      if constexpr (!std::is_same_v<E, float>) {
-        float* lp = logits.data_ptr<float>();
-        for (int64_t r = 0; r < R; ++r) {
+      for (int64_t r = 0; r < R; ++r) {
+        if constexpr (!std::is_same_v<E, float>) {
           for (int64_t n = n0; n < n1; ++n) lp[r * vocab_ + n] = static_cast<float>(head_out[r * vocab_ + n]);
         }
+        if (picks) argmax::merge_part(mine[r], lp + r * vocab_ + n0, n1 - n0, n0);
       }
     });
+    if (picks) std::copy(mine.begin(), mine.end(), picked.begin() + t * R);
+  }
+  // NOTE: a row's parts merge into the same pick whichever thread computed which tiles
+  // (argmax_core.h's `better` is order-free), so the pick is the logits' argmax.
+  for (int64_t r = 0; picks && r < R; ++r) {
+    argmax::Pick best;
+    for (int t = 0; t < threads; ++t) {
+      const argmax::Pick& p = picked[t * R + r];
+      if (p.index >= 0 && argmax::better(p, best)) best = p;
+    }
+    picks[r] = best.index;
   }
 }
 
@@ -517,5 +551,6 @@ TORCH_LIBRARY_FRAGMENT(tierserve_cpu, m) {
       .def("add_layer", &LlamaDecoder::add_layer)
       .def("set_head", &LlamaDecoder::set_head)
       .def("set_chained", &LlamaDecoder::set_chained)
-      .def("step", &LlamaDecoder::step);
+      .def("step", &LlamaDecoder::step)
+      .def("step_argmax", &LlamaDecoder::step_argmax);
 }
