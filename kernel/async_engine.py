@@ -423,5 +423,7 @@ class AsyncEngine:
         self.halt_reason = f"{type(exc).__name__}: {exc}"
         log.error("engine_halted", reason=self.halt_reason)
         self.output.fail_all(exc)
-        # Tensor-parallel workers left in a failed step are stopped (or killed) and reaped.
-        asyncio.get_running_loop().run_in_executor(None, self.parts.runner.close)
+        # Tensor-parallel workers left in a failed step are stopped (or killed) and reaped,
+        # on the device thread: after any step still queued there, never beside one (a stop's
+        # collectives and a step's on one group from two threads would hang both).
+        self.device_thread.post(self.parts.runner.close)

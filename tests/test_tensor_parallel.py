@@ -7,6 +7,7 @@ error to every request and leaves no process behind; what does not split is refu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -201,6 +202,42 @@ def test_killed_worker_halts_the_engine_and_leaves_no_process(tmp_path: Path) ->
         time.sleep(0.1)
     assert all(not _alive(p.pid) for p in procs), "a worker outlived the halted engine (or is a zombie)"
     e.shutdown()
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["one stop at a time", "planted: stops at once"])
+def test_two_stops_at_once_stop_the_workers_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 planted: bool) -> None:
+    """An engine that halts starts stopping its workers, and its shutdown stops them again,
+    each from its own thread: the second waits for the first, and the workers stop cleanly.
+    Planted: without the lock both stops send "stop" and meet at different collectives, which
+    fail (the suite once waited out `parallel.timeout_s` there) and the workers are killed."""
+    e = engine(str(build_tiny_llama(tmp_path, 6, 2)), 2, **{"parallel.timeout_s": 3})
+    workers = e.engine.parts.runner.workers  # type: ignore[attr-defined]
+    if planted:
+        monkeypatch.setattr(workers, "_stopping", contextlib.nullcontext())
+    kills: list[int] = []
+    kill = workers.kill
+    monkeypatch.setattr(workers, "kill", lambda: (kills.append(1), kill()))
+    meet, send = threading.Barrier(2), workers_mod.group.send
+
+    def together(message: object) -> None:  # both stops reach their send at once, where they can
+        with contextlib.suppress(threading.BrokenBarrierError):
+            meet.wait(timeout=1)
+        send(message)
+
+    monkeypatch.setattr(workers_mod.group, "send", together)
+    stops = [threading.Thread(target=workers.stop) for _ in range(2)]
+    for t in stops:
+        t.start()
+    for t in stops:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in stops)
+    codes = [p.wait(timeout=30) for p in workers.procs]
+    e.shutdown()
+    if planted:
+        assert kills, "two stops at once went through cleanly: the guard cannot tell"
+    else:
+        assert not kills and codes == [0], (kills, codes)
 
 
 def test_refused_at_start_without_leftover_workers(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -72,6 +73,10 @@ class Workers:
         self.size = size
         self.cpus = cpus  # each rank's cores, rank 0's first
         self.stopped = False
+        # NOTE: one stop at a time. An engine that halts starts a stop, and its shutdown then
+        # starts another; two at once would each send "stop" and meet at different
+        # collectives, and the ranks would hang there until `parallel.timeout_s`.
+        self._stopping = threading.Lock()
 
     @classmethod
     def start(cls, config: Config, cpus: list[tuple[int, ...]]) -> Workers:
@@ -114,7 +119,12 @@ class Workers:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Tell the workers to exit, wait for them, kill what is left; leave the group. With
-        a worker already dead the others cannot finish a collective: they are killed."""
+        a worker already dead the others cannot finish a collective: they are killed. Any
+        thread may call it, any number of times: a later call waits for the first."""
+        with self._stopping:
+            self._stop(timeout)
+
+    def _stop(self, timeout: float) -> None:
         if self.stopped:
             return
         try:
