@@ -185,17 +185,27 @@ def _no_leaks_after_test() -> Iterator[None]:
     assert not errors, "engine accounting broken after the test:\n" + "\n".join(errors)
 
 
-# The slowest files on a 2-core machine (`--durations`), longest first. NOTE: `--dist
-# loadfile --no-loadscope-reorder` (Makefile) hands files to workers in collection order; a
-# long file handed out last keeps one worker busy after the other is done, so these go
-# first. A file missing here only runs later; the list is a schedule, not a selection.
+# The slowest files on a 2-core machine, longest first (each file's setup, call and teardown
+# times summed from `--durations=0`; files of 5 s or more). NOTE: `--dist loadfile
+# --no-loadscope-reorder` (Makefile) hands files to workers in collection order; a long file
+# handed out last keeps one worker busy after the other is done, so these go first. A file
+# missing here only runs later; the list is a schedule, not a selection.
 SLOW_FIRST = (
-    "test_bit_exact_hybrid.py", "test_quantized.py", "test_bf16.py", "test_triton_graphs.py",
-    "test_bit_exact.py", "test_loader.py", "test_fuzz_openapi.py", "test_storage_e2e.py",
-    "test_host_tier_hybrid.py", "test_faults_e2e.py", "test_graph_runner.py", "test_bit_exact_numerics.py",
-    "test_parity_transformers.py", "test_leak_check.py", "test_graph_capture.py", "test_http_errors.py",
-    "test_optional_deps.py", "test_soak.py", "test_batch_invariance.py", "test_hybrid_models.py",
-    "test_hybrid_moe_engine.py", "test_hybrid_moe.py", "test_moe_gguf.py",
+    "test_tensor_parallel.py", "test_hybrid_gguf.py", "test_tensor_parallel_tiers.py", "test_routers_e2e.py",
+    "test_storage_tier.py", "test_cluster_e2e.py", "test_bit_exact_hybrid.py",
+    "test_speculative_hybrid_grammar.py", "test_tensor_parallel_speculative.py", "test_quantized.py",
+    "test_soak.py", "test_moe_gguf.py", "test_speculative_hybrid.py", "test_triton_graphs.py",
+    "test_speculative.py", "test_tensor_parallel_graphs.py", "test_storage_e2e.py",
+    "test_deterministic_engine.py", "test_bit_exact.py", "test_faults_e2e.py", "test_cpu_decode_step.py",
+    "test_loader.py", "test_inspector_browser.py", "test_parity_transformers.py", "test_host_tier_hybrid.py",
+    "test_leak_check.py", "test_bf16.py", "test_speculative_tree.py", "test_graph_capture.py",
+    "test_fuzz_openapi.py", "test_http_errors.py", "test_optional_deps.py", "test_speculative_tiers.py",
+    "test_overlap.py", "test_batch_invariance.py", "test_qwen3_next_seed.py", "test_triton_attention.py",
+    "test_host_tier.py", "test_prompt_logprobs_http.py", "test_kv_float16.py", "test_speculative_draft.py",
+    "test_speculative_http.py", "test_graph_runner.py", "test_cpu_quant_gemv.py",
+    "test_speculative_hybrid_draft.py", "test_rejection_sampling.py", "test_tools_e2e.py",
+    "test_hybrid_moe_engine.py", "test_structured_http.py", "test_speculative_aborts.py",
+    "test_radix_tree_stateful.py", "test_triton_moe.py",
 )
 
 
