@@ -23,7 +23,6 @@
 
 namespace tierserve_argmax {
 
-
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline int64_t first_nan(const float* x, int64_t n) {
