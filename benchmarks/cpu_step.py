@@ -1,12 +1,13 @@
-"""Decode with the native CPU step (`graphs.mode: cpu`) against the torch path, in one process.
+"""Decode with the native CPU step (`graphs.mode: cpu`), one step a call and in decode runs
+(`scheduler.decode_steps`), against the torch path, in one process.
 
     .venv/bin/python benchmarks/cpu_step.py                 # batches 1, 4 and 8, 3 rounds
     .venv/bin/python benchmarks/cpu_step.py --batch 1 --rounds 5 --set model.num_threads=1
 
 One Engine with config/default.yaml (on CPU `auto` picks the native step for it); each
-measurement runs the same greedy requests twice, with the step runner detached (the torch
-path over the C++ kernels) and attached, alternating within every round so both see the
-same machine. A decode step's time is (time of B requests generating `--tokens` tokens -
+measurement runs the same greedy requests with the step runner detached (the torch path
+over the C++ kernels), attached with decode runs off, and attached with them on (where the
+config has them), alternating within every round so all see the same machine. A decode step's time is (time of B requests generating `--tokens` tokens -
 time of the same B requests generating 1) / (tokens - 1): prefill and request overhead
 cancel. Printed: ms per decode step and tokens/s per path, medians over rounds, and the
 ratio. Prompts are distinct (no prefix hits: `cache.prefix: none`).
@@ -54,26 +55,31 @@ def main() -> None:
     overrides.update(dict(o.split("=", 1) for o in args.set))
     engine = Engine(str(REPO / "config" / "default.yaml"), overrides)
     runner = engine.engine.parts.runner  # type: ignore[attr-defined]
-    native = runner.graphs
+    scheduler = engine.engine.scheduler  # type: ignore[attr-defined]
+    native, runs = runner.graphs, scheduler.runs
+    # (label, step runner, decode runs): the torch path, one native step a call, then runs.
+    paths = [("torch path", None, None), ("native step", native, None)]
+    paths += [(f"runs of {runs.steps}", native, runs)] if runs is not None else []
     times: dict[tuple[int, str], list[float]] = {}
     try:
-        with tqdm(total=args.rounds * len(batches) * 2, desc="decode steps timed", unit="run") as bar:
+        with tqdm(total=args.rounds * len(batches) * len(paths), desc="decode steps timed", unit="run") as bar:
             for _ in range(args.rounds):
                 for batch in batches:
-                    for label, graphs in (("torch path", None), ("native step", native)):
-                        runner.graphs = graphs
+                    for label, graphs, planned in paths:
+                        runner.graphs, scheduler.runs = graphs, planned
                         times.setdefault((batch, label), []).append(step_ms(engine, batch, args.tokens))
                         bar.update()
     finally:
-        runner.graphs = native
+        runner.graphs, scheduler.runs = native, runs
         engine.shutdown()
-    print(f"ms per decode step (median of {args.rounds} rounds; native step up to {native.max_rows} rows)")
-    print(f"{'batch':>5} | {'torch path':>10} | {'native step':>11} | {'ratio':>5} | {'native tok/s':>12}")
+    print(f"ms per decode step (median of {args.rounds} rounds; native step up to {native.max_rows} rows); "
+          "ratio: against the torch path")
+    print(f"{'batch':>5} | " + " | ".join(f"{label:>11} | {'ratio':>5}" for label, _, _ in paths)
+          + f" | {'best tok/s':>10}")
     for batch in batches:
-        torch_ms = statistics.median(times[(batch, "torch path")])
-        native_ms = statistics.median(times[(batch, "native step")])
-        print(f"{batch:>5} | {torch_ms:>10.2f} | {native_ms:>11.2f} | {torch_ms / native_ms:>5.2f} | "
-              f"{batch * 1e3 / native_ms:>12.1f}")
+        ms = [statistics.median(times[(batch, label)]) for label, _, _ in paths]
+        cells = " | ".join(f"{m:>11.2f} | {ms[0] / m:>5.2f}" for m in ms)
+        print(f"{batch:>5} | {cells} | {batch * 1e3 / min(ms):>10.1f}")
 
 
 if __name__ == "__main__":

@@ -134,6 +134,10 @@ class ForwardBatch:
     # hybrid model's verify step samples every position of one chunk); () : all 0. A
     # batch with any runs eagerly.
     sample_back: tuple[int, ...] = ()
+    # A decode run (scheduler.decode_steps): this many greedy decode steps back to back,
+    # each row's token the input of its next; every row samples, and `steps` tokens a row
+    # come back (kernel/scheduling/decode_runs.py). 1: a plain step.
+    steps: int = 1
 
     @classmethod
     def build(
@@ -141,6 +145,7 @@ class ForwardBatch:
         state_copies: tuple[tuple[int, int], ...] = (),
         prompt_logprobs: tuple[PromptLogprobSpan, ...] = (),
         sample_back: tuple[int, ...] = (),
+        steps: int = 1,
     ) -> ForwardBatch:
         """chunks in batch order; sampling: (chunk index, how that chunk's request samples);
         sample_back: per sampling row, tokens before its chunk's last one (or ())."""
@@ -159,6 +164,10 @@ class ForwardBatch:
         if sample_back and (len(sample_back) != len(sampling) or any(
                 not 0 <= back < len(chunks[i].token_ids) for (i, _), back in zip(sampling, sample_back))):
             raise ValueError("sample_back: one offset per sampling row, inside its chunk")
+        if steps < 1 or steps > 1 and (
+                prompt_logprobs or any(sample_back) or placeholders or any(len(c.token_ids) != 1 for c in chunks)
+                or [i for i, _ in sampling] != list(range(len(chunks)))):
+            raise ValueError(f"a decode run of {steps} steps: one token a chunk, every chunk sampled, nothing else")
         for span in prompt_logprobs:
             if not 0 <= span.chunk < len(chunks):
                 raise ValueError(f"prompt logprobs for chunk {span.chunk} of {len(chunks)}")
@@ -176,4 +185,5 @@ class ForwardBatch:
             prompt_logprobs=tuple(prompt_logprobs),
             placeholders=placeholders,
             sample_back=tuple(sample_back) if any(sample_back) else (),
+            steps=steps,
         )

@@ -86,6 +86,9 @@ class ModelRunner:
 
     def run_sampling(self, batch: ForwardBatch) -> DeviceSample | None:
         graph = self.graphs.bucket_for(batch) if self.graphs is not None else None
+        if batch.steps > 1 and (graph is None or not isinstance(self.graphs, CpuStepRunner)):
+            # NOTE: the scheduler plans runs only where the native step takes the batch.
+            raise ValueError(f"a decode run of {len(batch.rows)} rows needs the native CPU decode step")
         if graph is None:
             logits = self.forward(batch)
         else:
@@ -184,6 +187,10 @@ class ModelRunner:
         batch's tokens are picked by the step itself (its head's threads take each row's
         argmax while the logits are in their caches), any other's from the logits."""
         sb = self.sampling_batch(batch)
+        if batch.steps > 1:  # a decode run: every row's `steps` tokens at once
+            if not sb.plain_greedy:
+                raise ValueError("a decode run is for plain-greedy rows only")
+            return picked_sample(steps.replay_run(graph, batch), sb)
         if sb.plain_greedy:
             return self.record_next(batch, picked_sample(steps.replay_argmax(graph, batch), sb))
         return self.record_next(batch, sample_on_device(steps.replay(graph, batch), sb))

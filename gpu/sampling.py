@@ -20,6 +20,7 @@ noise bits), and a request recomputed after retraction repeats its draws exactly
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -137,7 +138,7 @@ class SamplingBatch:
     native_argmax: bool = False
     # Speculative verify rows that test a drafted token by rejection sampling (gpu/rejection.py).
     tests: rejection.Tests | None = None
-    # Every row plain greedy (`_plain_greedy`, no grammar): its token is its logits' argmax.
+    # Every row plain greedy (`plain_greedy`, no grammar): its token is its logits' argmax.
     plain_greedy: bool = False
 
     @property
@@ -161,7 +162,7 @@ class SamplingBatch:
             raise ValueError("SamplingBatch.build: per-row lists differ in length")
         if want_logprobs is not None and len(want_logprobs) != n:
             raise ValueError("SamplingBatch.build: per-row lists differ in length")
-        if not maskers and all(_plain_greedy(p, want_logprobs is not None and not want_logprobs[i])
+        if not maskers and all(plain_greedy(p, want_logprobs is not None and not want_logprobs[i])
                                for i, p in enumerate(params)):
             # The common case, built without a tensor: every field the helpers below set stays unset.
             return cls(size=n, vocab_size=vocab_size, top_logprobs_nums=(0,) * n, native_argmax=native_argmax,
@@ -242,7 +243,7 @@ def is_greedy(p: SamplingSettings) -> bool:
     return p.temperature < _MIN_TEMPERATURE or p.top_k == 1
 
 
-def _plain_greedy(p: SamplingSettings, no_logprobs: bool) -> bool:
+def plain_greedy(p: SamplingSettings, no_logprobs: bool) -> bool:
     """A greedy row that reports no logprobs and has no penalty or bias: its token is the argmax."""
     return (is_greedy(p) and no_logprobs and not p.top_logprobs_num and not p.logit_bias
             and p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty)
@@ -278,9 +279,13 @@ def sample_on_device(logits: torch.Tensor, batch: SamplingBatch) -> DeviceSample
 
 def picked_sample(tokens: torch.Tensor, batch: SamplingBatch) -> DeviceSample:
     """`sample_on_device`'s result for a plain-greedy batch whose argmax was already taken
-    (tokens [B] int64: the native CPU decode step picks it inside the step)."""
-    if not batch.plain_greedy or tokens.shape != (batch.size,):
-        raise ValueError("picked tokens stand for a plain-greedy batch's sampling, one per row")
+    (tokens [B] int64: the native CPU decode step picks it inside the step), or whose
+    decode run picked [B, k] (k tokens a row, each row's in order: gpu/graphs/cpu_step.py)."""
+    if not batch.plain_greedy or tokens.dim() not in (1, 2) or tokens.shape[0] != batch.size:
+        raise ValueError("picked tokens stand for a plain-greedy batch's sampling, one (or one run) per row")
+    if tokens.dim() == 2:  # a run: row b's k tokens are sampling rows b * k .. b * k + k - 1
+        tokens = tokens.reshape(-1)
+        batch = dataclasses.replace(batch, size=tokens.numel(), top_logprobs_nums=(0,) * tokens.numel())
     return DeviceSample(batch, tokens, HostCopy(tokens))
 
 

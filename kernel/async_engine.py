@@ -284,6 +284,7 @@ class AsyncEngine:
             "cache": cache,
             "num_retractions": sched.num_retractions,
             "speculative": sched.speculator.stats() if sched.speculator is not None else None,
+            "decode_runs": sched.runs.stats() if sched.runs is not None else None,
             "audit": self.auditor.stats() if self.auditor is not None else None,
             # Mixture-of-experts models: tokens routed to each expert, per sparse layer.
             "moe": self.loop.runner.model.expert_tokens() if hasattr(self.loop.runner.model, "expert_tokens") else None,

@@ -36,6 +36,7 @@ from kernel.model_build import build_model
 from kernel.numerics_choice import resolve_kv_dtype
 from kernel.parallel.host_shards import RankCopies, RankStateBytes, SharedHost, share_host_pool
 from kernel.parallel.workers import Setup, TensorParallelRunner, Workers
+from kernel.scheduling import decode_runs
 from kernel.scheduling.overlap import resolve_overlap
 from kernel.scheduling.prefix_reuse import PrefixReuse
 from kernel.scheduling.scheduler import Scheduler
@@ -204,6 +205,7 @@ def _build_components(
             prefix=prefix,
             hybrid=hybrid,
             speculator=speculator,
+            runs=decode_runs.resolve(config.scheduler.decode_steps, runner.graphs, overlap, speculator is not None),
         ),
         tokenizer=tokenizer,
         num_pages=num_pages,

@@ -132,9 +132,17 @@ class SchedulerConfig:
     # step N's tokens are back, its decode rows reading N's tokens on the device.
     # auto: on for CUDA, off on CPU (measured: benchmarks/overlap.py) and for hybrid models.
     overlap: str = "auto"
+    # Decode runs (kernel/scheduling/decode_runs.py): greedy decode steps run back to back in
+    # one native call while every running request decodes plain-greedily and none waits.
+    # auto: 4 where the native CPU decode step runs (without overlap or speculation), else 1.
+    decode_steps: int | str = "auto"
 
     def validate(self) -> None:
         _choice("scheduler.overlap", self.overlap, ("auto", "on", "off"))
+        if isinstance(self.decode_steps, str):
+            _choice("scheduler.decode_steps", self.decode_steps, ("auto",))
+        else:
+            _positive("scheduler.decode_steps", self.decode_steps)
         _positive("scheduler.lpm_fallback_queue", self.lpm_fallback_queue)
         if self.share_prefix_min_tokens < 0:
             raise ConfigError("scheduler.share_prefix_min_tokens must be >= 0")

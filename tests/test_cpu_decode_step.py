@@ -45,8 +45,10 @@ def _prompts() -> list[list[int]]:
 
 
 def _quantized(dtype: str, kv_dtype: str = "auto") -> dict[str, Any]:
+    # One native step a call (decode runs: tests/test_decode_runs.py), so the torch path can stand in.
     return {"model.dtype": dtype, "model.quantization": "int4", "graphs.mode": "cpu", "cache.prefix": "none",
-            "cache.num_pages": 256, "debug.check_invariants": True, "cache.kv_dtype": kv_dtype}
+            "cache.num_pages": 256, "debug.check_invariants": True, "cache.kv_dtype": kv_dtype,
+            "scheduler.decode_steps": 1}
 
 
 # float32 with the default (auto) KV pool stores float16 K/V; with `model` float32 ones.

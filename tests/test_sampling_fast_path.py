@@ -137,7 +137,7 @@ def test_plain_greedy_batches_build_no_tensors_and_pick_the_same(extra: dict[str
         x[0] = 0.0  # a flat row: the draw is almost surely not its argmax (token 0)
     fast = built()
     with monkeypatch.context() as m:
-        m.setattr(sampling, "_plain_greedy", lambda *_: False)  # the full build, always
+        m.setattr(sampling, "plain_greedy", lambda *_: False)  # the full build, always
         full = built()
     assert outcome(sample(x, fast)) == outcome(sample(x, full))
     with monkeypatch.context() as m:
@@ -146,5 +146,5 @@ def test_plain_greedy_batches_build_no_tensors_and_pick_the_same(extra: dict[str
         built()
     assert (tensors == []) == (not extra), "only a plain greedy batch is built without tensors"
     if extra:  # planted: a fast path that ignored the setting samples what the full build does not
-        monkeypatch.setattr(sampling, "_plain_greedy", lambda *_: True)
+        monkeypatch.setattr(sampling, "plain_greedy", lambda *_: True)
         assert outcome(sample(x, built())) != outcome(sample(x, full))

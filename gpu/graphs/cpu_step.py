@@ -24,6 +24,7 @@ import torch
 
 from gpu.attention.base import AttentionBackend
 from gpu.attention.deterministic_paged import PagedDeterministicAttention
+from gpu.attention.paged_decode import PagedDecode
 from gpu.attention.torch_backend import TorchAttention
 from gpu.forward_batch import ForwardBatch
 from gpu.graphs.runner import Bucket, Graph
@@ -89,8 +90,25 @@ class CpuStepRunner:
         """The argmax of each sampling row's logits (int64 [R]) from one native decode step."""
         return self.decoder.step_argmax(*self.step_inputs(graph, batch))
 
+    def replay_run(self, graph: Graph, batch: ForwardBatch) -> torch.Tensor:
+        """A decode run (batch.steps > 1, every row plain greedy and sampled): `steps` native
+        decode steps back to back, each row's token the input of its next -> the tokens,
+        int64 [B, steps]."""
+        if batch.sample_rows != tuple(range(len(batch.rows))):
+            raise ValueError("a decode run samples every row of its batch")
+        input_ids, positions, _, paged, _ = self._decode_inputs(graph, batch, reach=batch.steps - 1)
+        return self.decoder.steps_argmax(input_ids, positions, paged.page_table, batch.steps)
+
     def step_inputs(self, graph: Graph, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
         """The native step's arguments for the batch (counted as a replay of its bucket)."""
+        input_ids, positions, out_loc, paged, last = self._decode_inputs(graph, batch)
+        return input_ids, positions, out_loc, paged.page_table, paged.seq_lens, last
+
+    def _decode_inputs(self, graph: Graph, batch: ForwardBatch, reach: int = 0) -> tuple[
+            torch.Tensor, torch.Tensor, torch.Tensor, PagedDecode, torch.Tensor]:
+        """ids, positions, KV slots, paged metadata and sampling rows of the batch's decodes;
+        reach: the page tables cover that many positions past each row's (its KV slot and
+        key count then are for that position). Counted as replays of the bucket."""
         # NOTE: one host tensor for all four index lists, the attention metadata in one
         # native call: a batch-1 step's Python is paid with cold caches (the step streamed
         # every weight through them), where each small op costs ~3x its warm time.
@@ -98,10 +116,10 @@ class CpuStepRunner:
         flat = torch.tensor((*batch.input_ids, *batch.prefix_lens, *batch.rows, *batch.sample_rows), dtype=torch.int64)
         input_ids, positions, rows, last = flat.split((n, n, n, len(batch.sample_rows)))
         input_ids = self.inputs.resolve(input_ids, batch)
-        self.attention.prepare_decodes(rows, positions)
+        self.attention.prepare_decodes(rows, positions + reach if reach else positions)
         decodes = self.attention.paged_decodes()
         if decodes is None:  # NOTE: bucket_for admitted only decode batches; the backend must agree
             raise RuntimeError("the attention backend prepared no paged decode metadata for a decode batch")
         out_loc, paged = decodes
-        self.replays[graph.bucket] += 1
-        return input_ids, positions, out_loc, paged.page_table, paged.seq_lens, last
+        self.replays[graph.bucket] += 1 + reach
+        return input_ids, positions, out_loc, paged, last

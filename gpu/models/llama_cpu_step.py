@@ -64,6 +64,13 @@ class CpuDecoder:
         _, picks = self.native.step_argmax(*_contiguous(*inputs))
         return picks  # type: ignore[no-any-return]
 
+    def steps_argmax(self, input_ids: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor,
+                     steps: int) -> torch.Tensor:
+        """`steps` greedy decode steps back to back (a decode run), each row's pick the input of
+        its next step -> the picks, int64 [B, steps]. page_table reaches the last step's key;
+        each step writes its K/V where that table places its position."""
+        return self.native.steps_argmax(*_contiguous(input_ids, positions, page_table), steps)  # type: ignore[no-any-return]
+
 
 def _contiguous(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.contiguous() for t in tensors)

@@ -19,6 +19,7 @@ from gpu.forward_batch import SampledToken
 from kernel.config import SchedulerConfig
 from kernel.request import Request, Status
 from kernel.scheduling.chunk_planner import plan_chunk
+from kernel.scheduling.decode_runs import DecodeRuns
 from kernel.scheduling.policy import SchedulePolicy
 from kernel.scheduling.prefix_reuse import PrefixReuse
 from kernel.scheduling.step_plan import ScheduledChunk, StepPlan
@@ -60,6 +61,7 @@ class Scheduler:
         prefix: PrefixReuse,
         hybrid: HybridState | None = None,
         speculator: Speculator | None = None,
+        runs: DecodeRuns | None = None,
     ) -> None:
         self.config = config
         self.page_size = page_size
@@ -71,6 +73,7 @@ class Scheduler:
         self.prefix = prefix
         self.hybrid = hybrid
         self.speculator = speculator  # speculative decoding (kernel/speculative/)
+        self.runs = runs  # decode runs (kernel/scheduling/decode_runs.py); None: one step a call
         # Where non-final prefill chunks may end (invariant 1): pages, and for hybrid
         # models that checkpoint also the state grid (a multiple of the page size).
         self.grid = hybrid.interval if hybrid is not None and hybrid.checkpoints else page_size
@@ -113,6 +116,7 @@ class Scheduler:
                 # newest one's pages back so the older ones can move.
                 victim = self._newest(exclude=())
             if victim is None:
+                chunks = self._decode_run(chunks)
                 for chunk in chunks:
                     chunk.req.inflight += 1
                 return StepPlan(chunks, retracted)
@@ -167,6 +171,22 @@ class Scheduler:
             chunks.append(self._chunk(req, length))
             budget -= length
         return chunks
+
+    def _decode_run(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+        """The plan as one decode run of several steps, where it may be one
+        (kernel/scheduling/decode_runs.py): its pages are taken here, free ones only."""
+        runs = self.runs
+        if runs is None:
+            return chunks
+        steps = runs.length(chunks, self.running, len(self.waiting), self.allocator.num_free, self.page_size,
+                            self.max_context)
+        if steps == 1:
+            return chunks
+        for chunk in chunks:
+            reserved = self._reserve(chunk.req, chunk.req.kv_len + steps, evict=False)
+            assert reserved, "free pages promised for the run"
+        runs.runs += 1
+        return [c._replace(steps=steps) for c in chunks]
 
     def _chunk(self, req: Request, length: int, draft: tuple[int, ...] = (),
                tree: VerifyTree | None = None) -> ScheduledChunk:
@@ -360,6 +380,10 @@ class Scheduler:
                 if self._verify(req, chunk, verified):
                     produced.append(req)
                 continue
+            if chunk.steps > 1:
+                if self._land_run(req, chunk, [next(tokens) for _ in range(chunk.steps)]):
+                    produced.append(req)
+                continue
             req.kv_len = self._computed_len(req, chunk)
             token = next(tokens) if chunk.samples else None
             if req.finished:  # aborted or stopped by text while this step ran
@@ -385,19 +409,11 @@ class Scheduler:
         `req` got tokens. NOTE: invariant 9: `kv_len` covers the input token and the
         accepted drafts only; the rejected drafts' KV lies past it (never cached), and
         pages holding nothing but theirs go back."""
-        if req.finished:  # aborted or stopped by text while this step ran
-            req.kv_len = min(chunk.start + 1, req.total_len)
-            self._release_landed(req)
+        if self._finished_in_flight(req, chunk):
             return False
         parents = chunk.tree.parents if chunk.tree is not None else tuple(range(-1, len(chunk.draft) - 1))
         rows = walk(chunk.draft, parents, [t.token_id for t in sampled])
-        appended = 0
-        for row in rows:
-            self._append(req, sampled[row])
-            appended += 1
-            if req.finished:
-                break
-        req.kv_len = chunk.start + appended
+        appended = self._append_run(req, chunk, [sampled[row] for row in rows])
         assert self.speculator is not None
         main = chunk.tree.main if chunk.tree is not None else len(chunk.draft)
         side = (len(chunk.draft) - main, sum(1 for r in rows[1:appended] if r - 1 >= main))
@@ -406,11 +422,48 @@ class Scheduler:
         if self.hybrid is not None:  # resume from the state after the last accepted token
             self.hybrid.land_verify(req, lambda slot, length: self.prefix.cache_checkpoint(req, slot, length),
                                     side_states(chunk.tree, chunk.start, rows[1:appended]))
+        self._end_run(req)
+        return True
+
+    def _land_run(self, req: Request, chunk: ScheduledChunk, tokens: list[SampledToken]) -> bool:
+        """Apply a decode run (kernel/scheduling/decode_runs.py): its tokens in order, up to
+        the first that finishes `req`. Whether `req` got tokens."""
+        if self._finished_in_flight(req, chunk):
+            return False
+        assert self.runs is not None
+        self.runs.tokens += self._append_run(req, chunk, tokens)
+        self._end_run(req)
+        return True
+
+    def _finished_in_flight(self, req: Request, chunk: ScheduledChunk) -> bool:
+        """Whether `req` was aborted or stopped by text while its verify step or run ran:
+        then only its input token's KV counts, and it is released (once nothing carries it)."""
+        if not req.finished:
+            return False
+        req.kv_len = min(chunk.start + 1, req.total_len)
+        self._release_landed(req)
+        return True
+
+    def _append_run(self, req: Request, chunk: ScheduledChunk, tokens: Sequence[SampledToken]) -> int:
+        """Append a verify step's accepted tokens or a run's, in order, up to the first that
+        finishes `req`; how many. NOTE: invariant 9: `kv_len` then covers the input token
+        and the appended ones but the last; KV the step wrote past that is never cached."""
+        appended = 0
+        for token in tokens:
+            self._append(req, token)
+            appended += 1
+            if req.finished:
+                break
+        req.kv_len = chunk.start + appended
+        return appended
+
+    def _end_run(self, req: Request) -> None:
+        """After a verify step or a run: release a finished request, else free the pages
+        past what its next decode writes."""
         if req.finished:
             self._release_landed(req)
         else:
             self._trim_pages(req)
-        return True
 
     def _trim_pages(self, req: Request) -> None:
         """Free the pages past what the next decode writes (rejected drafts' only)."""

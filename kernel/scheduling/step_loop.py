@@ -312,7 +312,10 @@ def build_forward_batch(plan: StepPlan, state_copies: tuple[tuple[int, int], ...
     spans = prompt_logprobs.plan_spans(plan)
     if moved:
         spans = tuple(s._replace(chunk=moved.get(s.chunk, s.chunk)) for s in spans)
-    return ForwardBatch.build(chunks, sampling, state_copies, spans, tuple(back))
+    steps = {ch.steps for ch in plan.chunks} or {1}
+    if len(steps) > 1:
+        raise ValueError(f"a step's chunks disagree on its decode run: {sorted(steps)} steps")
+    return ForwardBatch.build(chunks, sampling, state_copies, spans, tuple(back), steps=steps.pop())
 
 
 def side_rows(req: Request, ch: ScheduledChunk, row: SamplingRow,

@@ -35,6 +35,9 @@ class ScheduledChunk(NamedTuple):
     # draft_probs: the distributions a draft model drew them from (None: guesses, point masses).
     rejection: bool = False
     draft_probs: tuple[torch.Tensor, ...] | None = None
+    # A decode run (kernel/scheduling/decode_runs.py): this many greedy decode steps in one
+    # device call, each producing a token (every chunk of a run has the same count).
+    steps: int = 1
 
 
 class StepPlan(NamedTuple):

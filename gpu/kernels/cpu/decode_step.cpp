@@ -162,6 +162,43 @@ class LlamaDecoder : public torch::CustomClassHolder {
     return forward(ids, positions, out_loc, page_table, seq_lens, logit_rows, true);
   }
 
+  // `steps` greedy decode steps of B rows back to back, each row's pick the input of its
+  // next step: ids and positions [B] are the first step's, page_table [B, pages] reaches
+  // the last step's key (position + steps - 1). Each step's KV slot is its position's
+  // place in the row's pages (where the paged attention reads that key back) -> the
+  // picks, int64 [B, steps]. Every step is `step_argmax` of its own inputs: a run's
+  // tokens are the ones B single steps would pick.
+  at::Tensor steps_argmax(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& page_table,
+                          int64_t steps) {
+    const int64_t batch = ids.size(0), width = page_table.size(1);
+    TORCH_CHECK(steps >= 1, "LlamaDecoder.steps_argmax: steps must be >= 1, got ", steps);
+    TORCH_CHECK(ids.dim() == 1 && positions.dim() == 1 && positions.size(0) == batch && ids.scalar_type() == at::kLong &&
+                    positions.scalar_type() == at::kLong && page_table.dim() == 2 && page_table.size(0) == batch &&
+                    page_table.scalar_type() == at::kLong && page_table.is_contiguous(),
+                "LlamaDecoder.steps_argmax: ids and positions int64 [B], page_table contiguous int64 [B, pages]");
+    at::Tensor input = ids.contiguous().clone(), pos = positions.contiguous().clone();
+    at::Tensor loc = at::empty_like(pos), lens = at::empty_like(pos), rows = at::arange(batch, pos.options());
+    at::Tensor picks = at::empty({batch, steps}, pos.options());
+    int64_t* in = input.data_ptr<int64_t>();
+    int64_t* p = pos.data_ptr<int64_t>();
+    const int64_t* table = page_table.data_ptr<int64_t>();
+    for (int64_t s = 0; s < steps; ++s) {
+      for (int64_t b = 0; b < batch; ++b) {
+        TORCH_CHECK(p[b] >= 0 && p[b] / page_size_ < width, "LlamaDecoder.steps_argmax: position ", p[b],
+                    " outside the row's ", width, " pages");
+        loc.data_ptr<int64_t>()[b] = table[b * width + p[b] / page_size_] * page_size_ + p[b] % page_size_;
+        lens.data_ptr<int64_t>()[b] = p[b] + 1;
+      }
+      const at::Tensor picked = std::get<1>(forward(input, pos, loc, page_table, lens, rows, true));
+      for (int64_t b = 0; b < batch; ++b) {
+        in[b] = picked.data_ptr<int64_t>()[b];
+        picks.data_ptr<int64_t>()[b * steps + s] = in[b];
+        ++p[b];
+      }
+    }
+    return picks;
+  }
+
  private:
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& ids, const at::Tensor& positions,
                                              const at::Tensor& out_loc, const at::Tensor& page_table,
@@ -552,5 +589,6 @@ TORCH_LIBRARY_FRAGMENT(tierserve_cpu, m) {
       .def("set_head", &LlamaDecoder::set_head)
       .def("set_chained", &LlamaDecoder::set_chained)
       .def("step", &LlamaDecoder::step)
-      .def("step_argmax", &LlamaDecoder::step_argmax);
+      .def("step_argmax", &LlamaDecoder::step_argmax)
+      .def("steps_argmax", &LlamaDecoder::steps_argmax);
 }

@@ -1,0 +1,100 @@
+"""Decode runs (`scheduler.decode_steps`): several greedy decode steps in one device call.
+
+At batch 1 on CPU a decode step's own work is reading the weights once (~4 ms for the
+default model), and what surrounds it costs ~0.5 ms more a token: the loop applying and
+streaming the token and planning the next step, the device thread building the step's
+inputs, all paid with the caches the step just flushed. So when every running request is
+decoding with a plain-greedy row (its token is its logits' argmax: no sampling, logprobs,
+penalty, bias or grammar) and nothing waits to be admitted, the scheduler plans a run of
+k steps: the native CPU decode step runs them back to back, each row's token the input of
+its next step (gpu/graphs/cpu_step.py `replay_run`), and the loop applies k tokens a
+request at once. Like SGLang's `--num-continuous-decode-steps`, with no Python between
+the steps.
+
+NOTE: exact by construction: each step of a run is the step plain decoding would run, on
+the same inputs, so a run's tokens are the tokens k steps give (tests/test_decode_runs.py).
+A request that stops inside a run (a stop token or string, an abort) keeps the tokens up
+to its stop; the KV the run wrote past that lies beyond its `kv_len`, is never cached, and
+pages holding only that go back, as a rejected draft's do (invariant 9).
+
+The costs: a request that arrives during a run waits for it (up to k - 1 steps more than
+it would), and a run's tokens stream together. A run never passes a request's
+`max_tokens` or the context, and takes only free pages (it never evicts a cached prefix).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cache.allocator import pages_for
+from gpu.graphs.cpu_step import CpuStepRunner
+from gpu.sampling import plain_greedy
+from kernel.config import ConfigError
+from kernel.request import Request
+from kernel.scheduling.step_plan import ScheduledChunk
+
+AUTO_STEPS = 4  # `auto`'s run length (README: scheduler.decode_steps)
+
+
+@dataclass
+class DecodeRuns:
+    """`scheduler.decode_steps` resolved (> 1), for a runner whose native step takes up to
+    `max_rows` decode rows."""
+
+    steps: int
+    max_rows: int
+    runs: int = 0  # runs planned
+    tokens: int = 0  # tokens they produced (landed)
+
+    def length(self, chunks: Sequence[ScheduledChunk], running: Sequence[Request], waiting: int,
+               free_pages: int, page_size: int, max_context: int) -> int:
+        """How many steps the plan `chunks` may run as one (1: a plain step). Every running
+        request must be in it, decoding plainly, and none waiting."""
+        if waiting or not 0 < len(chunks) == len(running) <= self.max_rows:
+            return 1
+        if not all(c.length == 1 and c.samples and not c.draft and runs_greedy(c.req) for c in chunks):
+            return 1
+        steps = min(self.steps, *(room(c.req, max_context) for c in chunks))
+        while steps > 1 and pages_wanted(chunks, steps, page_size) > free_pages:
+            steps -= 1
+        return steps
+
+    def stats(self) -> dict[str, int]:
+        return {"steps": self.steps, "runs": self.runs, "tokens": self.tokens}
+
+
+def runs_greedy(req: Request) -> bool:
+    """Whether `req`'s next token is its logits' argmax and nothing else is read from them."""
+    p = req.params
+    return req.grammar is None and plain_greedy(p, not (p.return_logprob or req.audit_logprobs))
+
+
+def room(req: Request, max_context: int) -> int:
+    """Tokens `req` may still produce: its max_tokens, then the context, finish it."""
+    return min(req.params.max_new_tokens - len(req.output_ids), max_context - req.total_len)
+
+
+def pages_wanted(chunks: Sequence[ScheduledChunk], steps: int, page_size: int) -> int:
+    """Pages the requests need beyond their own for a run of `steps` (KV at kv_len .. kv_len + steps - 1)."""
+    return sum(max(0, pages_for(c.req.kv_len + steps, page_size) - len(c.req.pages)) for c in chunks)
+
+
+def resolve(setting: int | str, graphs: Any, overlap: bool, speculative: bool) -> DecodeRuns | None:
+    """`scheduler.decode_steps` for this engine: its runs, or None (one step a device call).
+    Runs need the native CPU decode step (gpu/graphs/cpu_step.py), and neither overlap
+    scheduling (its next step is planned before this one's tokens are back) nor speculation
+    (its verify steps are runs of their own)."""
+    native = isinstance(graphs, CpuStepRunner) and graphs.decode_rows > 0
+    if setting == "auto":
+        return DecodeRuns(AUTO_STEPS, graphs.decode_rows) if native and not overlap and not speculative else None
+    assert isinstance(setting, int)
+    if setting == 1:
+        return None
+    if not native or overlap or speculative:
+        raise ConfigError(
+            f"scheduler.decode_steps: {setting} needs the native CPU decode step (graphs.mode cpu, or auto on "
+            "CPU for a dense Llama-family model) with scheduler.overlap and speculative decoding off"
+        )
+    return DecodeRuns(setting, graphs.decode_rows)

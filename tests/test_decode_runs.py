@@ -1,0 +1,221 @@
+"""Decode runs (scheduler.decode_steps): k greedy decode steps in one native call give the
+tokens k single steps give, stop where a single step would, and keep nothing past the stop.
+
+The reference is the same engine with its runs detached (`scheduler.runs = None`: one
+native step a call), so every comparison is `==` on one machine's arithmetic. Page size 4
+with runs of 3 and 4, so runs cross page boundaries; the integrity check runs after every
+step. Planted bugs — a token past a stop kept, a run's KV written and read one position
+off — go red.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from gpu.graphs.cpu_step import CpuStepRunner
+from gpu.kernels import cpu
+from kernel import Engine
+from kernel.async_engine import AsyncEngine
+from kernel.config import ConfigError
+from kernel.scheduling import decode_runs
+from kernel.scheduling.scheduler import Scheduler
+from tests.conftest import CONFIG, TINY_OVERRIDES
+
+if not all(cpu.load(name) for name in ("decode_step", "quant_gemv", "paged_attention", "llama_glue")):
+    pytest.skip("the C++ CPU kernels are off or do not build here", allow_module_level=True)
+
+# The packaged model (its text varies, so stops land inside runs) on its native step;
+# radix, so a finished request's pages are cached.
+NATIVE = {"graphs.mode": "cpu", "cache.prefix": "radix", "cache.page_size": 4, "cache.num_pages": 2048,
+          "debug.check_invariants": True}
+PLAIN = {"temperature": 0, "ignore_eos": True}
+NEW_TOKENS = (1, 2, 5, 13, 30, 21)
+PROMPTS = ("The capital of France is", "Write a short poem about the sea.", "1, 2, 3,",
+           "Explain what a hash table is.", "Once upon a time, in a small village,", "List some fruits:")
+
+
+def _prompts() -> list[list[int]]:
+    return [list(range(1000 + 7 * i, 1000 + 7 * i + 3)) + TOKENS[text] for i, text in enumerate(PROMPTS)]
+
+
+TOKENS: dict[str, list[int]] = {}  # each prompt's ids (the engine fixture fills it)
+
+
+# Runs of 4, and of 3 in deterministic mode (its chained attention; a cache hit == a cold run there).
+@pytest.fixture(scope="module", params=[(4, False), (3, True)], ids=["4-steps", "3-steps-deterministic"])
+def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
+    steps, deterministic = request.param
+    engine = Engine(CONFIG, {**NATIVE, "scheduler.decode_steps": steps, "deterministic": deterministic})
+    TOKENS.update((text, engine.engine.tokenizer.encode(text)) for text in PROMPTS)  # type: ignore[attr-defined]
+    assert isinstance(_scheduler(engine).runs, decode_runs.DecodeRuns)
+    yield engine
+    engine.shutdown()
+
+
+def _scheduler(engine: Engine) -> Scheduler:
+    return engine.engine.scheduler  # type: ignore[attr-defined, no-any-return]
+
+
+def _generate(engine: Engine, params: list[dict[str, Any]], runs: bool = True) -> list[Any]:
+    sched = _scheduler(engine)
+    kept, before = sched.runs, (sched.runs.runs if sched.runs is not None else 0)
+    if not runs:
+        sched.runs = None
+    try:
+        engine.flush_cache()  # every call from a cold cache, runs or not
+        outs = engine.generate(_prompts(), params)
+    finally:
+        sched.runs = kept
+    assert isinstance(outs, list) and kept is not None
+    if runs:
+        assert kept.runs > before, "no decode run was planned"
+    else:
+        assert kept.runs == before
+    return [(o["output_ids"], o["meta_info"]["finish_reason"], o["meta_info"]["matched_stop"], o["text"]) for o in outs]
+
+
+def _stops(reference: list[Any]) -> list[dict[str, Any]]:
+    """Each request stopped by its own token at an index inside a run (and one by text)."""
+    params = []
+    for (ids, *_), n in zip(reference, NEW_TOKENS):
+        p: dict[str, Any] = {**PLAIN, "max_new_tokens": n}
+        firsts = [j for j in range(6, n - 1) if ids[j] not in ids[:j]]
+        if firsts:  # a token's first appearance, past the first run
+            p["stop_token_ids"] = [ids[firsts[0]]]
+        params.append(p)
+    text = reference[3][3]
+    params[3] = {**params[3], "stop_token_ids": [], "stop": [text[len(text) // 2 : len(text) // 2 + 3]]}
+    return params
+
+
+@pytest.fixture(scope="module")
+def reference(engine: Engine) -> list[Any]:
+    return _generate(engine, [{**PLAIN, "max_new_tokens": n} for n in NEW_TOKENS], runs=False)
+
+
+def test_runs_give_the_tokens_of_single_steps(engine: Engine, reference: list[Any]) -> None:
+    assert _generate(engine, [{**PLAIN, "max_new_tokens": n} for n in NEW_TOKENS]) == reference
+    runs = _scheduler(engine).runs
+    assert runs is not None and runs.tokens > runs.runs
+
+
+def test_stops_inside_runs_match_single_steps(engine: Engine, reference: list[Any]) -> None:
+    params = _stops(reference)
+    single = _generate(engine, params, runs=False)
+    assert [s[1] for s in single].count("stop") >= 3, f"the stops did not land: {single}"
+    assert _generate(engine, params) == single
+
+
+def test_planted_token_past_a_stop_goes_red(engine: Engine, reference: list[Any],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    params = _stops(reference)
+    single = _generate(engine, params, runs=False)
+
+    def no_break(self: Scheduler, req: Any, chunk: Any, tokens: Any) -> int:  # planted: the whole run kept
+        for token in tokens:
+            self._append(req, token)
+        req.kv_len = chunk.start + len(tokens)
+        return len(tokens)
+
+    monkeypatch.setattr(Scheduler, "_append_run", no_break)
+    assert _generate(engine, params) != single, "a token past a stop inside a run went unnoticed"
+
+
+def test_planted_run_one_position_off_goes_red(engine: Engine, reference: list[Any],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = engine.engine.parts.runner  # type: ignore[attr-defined]
+    assert isinstance(runner.graphs, CpuStepRunner)
+    decoder = runner.graphs.decoder
+    steps_argmax = decoder.steps_argmax
+
+    def shifted(ids: torch.Tensor, positions: torch.Tensor, pages: torch.Tensor, steps: int) -> torch.Tensor:
+        return steps_argmax(ids, positions + 1, pages, steps)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(decoder, "steps_argmax", shifted)
+    try:
+        planted = _generate(engine, [{**PLAIN, "max_new_tokens": n} for n in NEW_TOKENS])
+    except RuntimeError as exc:  # or a run reached past a row's pages: refused, the step failed
+        assert "outside the row's" in str(exc)
+        return
+    assert planted != reference, "a run writing and reading one position off went unnoticed"
+
+
+def test_a_stop_inside_a_run_caches_only_what_it_kept(engine: Engine, reference: list[Any]) -> None:
+    """A request stopped inside a run leaves its prompt and kept tokens cached, nothing more:
+    a follow-up that extends its text hits that prefix and equals its cold run."""
+    if not engine.config.deterministic:
+        pytest.skip("a hit equals a cold run bit for bit in deterministic mode")
+    params = _stops(reference)
+    sched = _scheduler(engine)
+    stopped = _generate(engine, params)  # its pages now cached (no flush after)
+    i = next(i for i, (ids, reason, *_) in enumerate(stopped) if reason == "stop" and len(ids) > 6)
+    prompt = _prompts()[i] + stopped[i][0]
+    follow = {**PLAIN, "max_new_tokens": 12, "return_logprob": True}
+    hit = engine.generate(prompt, follow)
+    assert hit["meta_info"]["cached_tokens"] >= len(prompt) // 4 * 4 - 4, hit["meta_info"]
+    engine.flush_cache()
+    cold = engine.generate(prompt, follow)
+    assert cold["meta_info"]["cached_tokens"] == 0
+    assert (hit["output_ids"], hit["meta_info"]["output_token_logprobs"]) == (
+        cold["output_ids"], cold["meta_info"]["output_token_logprobs"])
+    sched.check_integrity()
+
+
+def test_requests_that_cannot_run_step_singly(engine: Engine) -> None:
+    """Logprobs or sampling on any row: no run (the step picks only plain-greedy tokens)."""
+    sched = _scheduler(engine)
+    assert sched.runs is not None
+    before = sched.runs.runs
+    engine.generate(_prompts()[:2], [{**PLAIN, "max_new_tokens": 9},
+                                     {**PLAIN, "max_new_tokens": 9, "return_logprob": True}])
+    engine.generate(_prompts()[:1], {"temperature": 0.7, "seed": 3, "max_new_tokens": 9})
+    assert sched.runs.runs == before
+
+
+async def test_aborts_while_runs_go_on(engine: Engine) -> None:
+    params = {**PLAIN, "max_new_tokens": 40}
+    engine = await AsyncEngine.create(CONFIG, {**NATIVE, "scheduler.decode_steps": 4})
+    try:
+        prompts = _prompts()[:3]
+        refs = [await engine.collect(engine.add_request(p, params)) for p in prompts]
+        engine.flush_cache()
+        keep = engine.add_request(prompts[0], params)
+        cut, outside = (engine.add_request(p, params) for p in prompts[1:])
+        consumer = asyncio.create_task(engine.collect(outside))
+        seen = 0
+        async for chunk in engine.stream(cut):
+            seen += len(chunk.token_ids)
+            if seen >= 6:
+                break  # leaving the stream aborts the request
+        engine.abort(outside)
+        assert (await asyncio.wait_for(consumer, timeout=30))["meta_info"]["finish_reason"] == "abort"
+        assert (await engine.collect(keep))["output_ids"] == refs[0]["output_ids"]
+        assert engine.scheduler.runs is not None and engine.scheduler.runs.runs > 0
+        for _ in range(500):
+            if engine.is_idle():
+                break
+            await asyncio.sleep(0.01)
+        sched = engine.scheduler
+        assert sched.allocator.num_free + sched.prefix.cache.total_pages == sched.allocator.num_usable
+    finally:
+        await engine.shutdown()
+
+
+def test_settings(tiny_chat_folder: str) -> None:
+    for bad in (0, -2, "many"):
+        with pytest.raises(ConfigError, match="scheduler.decode_steps"):
+            Engine(None, {**TINY_OVERRIDES, "model.path": tiny_chat_folder, "scheduler.decode_steps": bad})
+    with pytest.raises(ConfigError, match="decode_steps: 4 needs the native CPU decode step"):
+        Engine(None, {**TINY_OVERRIDES, "model.path": tiny_chat_folder, "scheduler.decode_steps": 4})
+    auto = Engine(None, {**TINY_OVERRIDES, "model.path": tiny_chat_folder})  # no native step: no runs
+    try:
+        assert _scheduler(auto).runs is None
+    finally:
+        auto.shutdown()
+    assert decode_runs.resolve("auto", None, overlap=False, speculative=False) is None
+    assert decode_runs.resolve(1, None, overlap=False, speculative=False) is None
