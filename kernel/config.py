@@ -134,7 +134,8 @@ class SchedulerConfig:
     overlap: str = "auto"
     # Decode runs (kernel/scheduling/decode_runs.py): greedy decode steps run back to back in
     # one native call while every running request decodes plain-greedily and none waits.
-    # auto: 4 where the native CPU decode step runs (without overlap or speculation), else 1.
+    # auto: up to 8 steps (and 32 row-steps) a run where the native CPU decode step runs
+    # (without overlap or speculation), else 1.
     decode_steps: int | str = "auto"
 
     def validate(self) -> None:

@@ -97,6 +97,12 @@ def counters(stats: dict[str, Any]) -> Iterable[Metric]:
         "tierserve_retractions", "Running requests sent back to the queue for lack of pages.",
         stats["num_retractions"],
     )
+    runs = stats.get("decode_runs")
+    if runs is not None:  # scheduler.decode_steps: several greedy decode steps in one device call
+        yield CounterMetricFamily("tierserve_decode_runs", "Decode runs: steps run back to back in one call.",
+                                  runs["runs"])
+        yield CounterMetricFamily("tierserve_decode_run_tokens", "Tokens that decode runs produced.",
+                                  runs["tokens"])
     if stats.get("parallel"):
         yield from parallel_metrics(stats["parallel"])
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -22,8 +23,10 @@ from gpu.kernels import cpu
 from kernel import Engine
 from kernel.async_engine import AsyncEngine
 from kernel.config import ConfigError
+from kernel.sampling_params import SamplingParams
 from kernel.scheduling import decode_runs
 from kernel.scheduling.scheduler import Scheduler
+from plugins.metrics import EngineCollector
 from tests.conftest import CONFIG, TINY_OVERRIDES
 
 if not all(cpu.load(name) for name in ("decode_step", "quant_gemv", "paged_attention", "llama_glue")):
@@ -195,7 +198,10 @@ async def test_aborts_while_runs_go_on(engine: Engine) -> None:
         engine.abort(outside)
         assert (await asyncio.wait_for(consumer, timeout=30))["meta_info"]["finish_reason"] == "abort"
         assert (await engine.collect(keep))["output_ids"] == refs[0]["output_ids"]
-        assert engine.scheduler.runs is not None and engine.scheduler.runs.runs > 0
+        runs = engine.scheduler.runs
+        assert runs is not None and runs.runs > 0
+        scraped = {m.name: m.samples[0].value for m in EngineCollector(engine).collect() if "decode_run" in m.name}
+        assert scraped == {"tierserve_decode_runs": runs.runs, "tierserve_decode_run_tokens": runs.tokens}
         for _ in range(500):
             if engine.is_idle():
                 break
@@ -219,3 +225,31 @@ def test_settings(tiny_chat_folder: str) -> None:
         auto.shutdown()
     assert decode_runs.resolve("auto", None, overlap=False, speculative=False) is None
     assert decode_runs.resolve(1, None, overlap=False, speculative=False) is None
+
+
+def test_auto_runs_shorten_as_the_batch_grows(engine: Engine) -> None:
+    """auto: 8 steps, at most 32 row-steps a run (8 rows: 4 steps; beyond 16 rows: none);
+    a run also stops at max_tokens, the context and the free pages."""
+    graphs = engine.engine.parts.runner.graphs  # type: ignore[attr-defined]
+    runs = decode_runs.resolve("auto", graphs, overlap=False, speculative=False)
+    assert runs is not None and (runs.steps, runs.row_steps) == (8, 32)
+    assert decode_runs.resolve("auto", graphs, overlap=True, speculative=False) is None
+    assert decode_runs.resolve("auto", graphs, overlap=False, speculative=True) is None
+    params = SamplingParams(temperature=0, max_new_tokens=100)
+
+    def chunks(rows: int, made: int = 0) -> list[Any]:
+        reqs = [SimpleNamespace(params=params, grammar=None, audit_logprobs=False, output_ids=[0] * made,
+                                total_len=40, kv_len=39, pages=[0] * 10) for _ in range(rows)]
+        return [SimpleNamespace(req=r, length=1, samples=True, draft=()) for r in reqs]
+
+    def length(rows: int, made: int = 0, free: int = 100, context: int = 1000) -> int:
+        c = chunks(rows, made)
+        return runs.length(c, [x.req for x in c], 0, free, 4, context)  # type: ignore[arg-type]
+
+    assert [length(n) for n in (1, 4, 8, 16, 17)] == [8, 8, 4, 2, 1]
+    assert length(1, made=97) == 3  # max_tokens
+    assert length(1, context=43) == 3  # the context
+    # pages: 10 own hold 40 keys (KV at 39 .. 39 + steps - 1); a page more each holds up to 44
+    assert (length(2, free=2), length(2, free=1)) == (5, 1)
+    c = chunks(2)
+    assert runs.length(c, [x.req for x in c], 1, 100, 4, 1000) == 1  # one waiting: no run  # type: ignore[arg-type]

@@ -35,16 +35,20 @@ from kernel.config import ConfigError
 from kernel.request import Request
 from kernel.scheduling.step_plan import ScheduledChunk
 
-AUTO_STEPS = 4  # `auto`'s run length (README: scheduler.decode_steps)
+# `auto`: runs of up to 8 steps, and of at most 32 row-steps, so a bigger batch runs shorter
+# ones (8 rows: 4 steps; 32: none) and a request arriving during a run waits about as long
+# as during a batch-1 run (README: scheduler.decode_steps).
+AUTO_STEPS, AUTO_ROW_STEPS = 8, 32
 
 
 @dataclass
 class DecodeRuns:
     """`scheduler.decode_steps` resolved (> 1), for a runner whose native step takes up to
-    `max_rows` decode rows."""
+    `max_rows` decode rows (a bigger batch steps singly)."""
 
     steps: int
     max_rows: int
+    row_steps: int | None = None  # rows x steps a run may have at most (None: any)
     runs: int = 0  # runs planned
     tokens: int = 0  # tokens they produced (landed)
 
@@ -56,10 +60,11 @@ class DecodeRuns:
             return 1
         if not all(c.length == 1 and c.samples and not c.draft and runs_greedy(c.req) for c in chunks):
             return 1
-        steps = min(self.steps, *(room(c.req, max_context) for c in chunks))
+        cap = self.row_steps // len(chunks) if self.row_steps is not None else self.steps
+        steps = min(self.steps, cap, *(room(c.req, max_context) for c in chunks))
         while steps > 1 and pages_wanted(chunks, steps, page_size) > free_pages:
             steps -= 1
-        return steps
+        return max(1, steps)
 
     def stats(self) -> dict[str, int]:
         return {"steps": self.steps, "runs": self.runs, "tokens": self.tokens}
@@ -88,7 +93,9 @@ def resolve(setting: int | str, graphs: Any, overlap: bool, speculative: bool) -
     (its verify steps are runs of their own)."""
     native = isinstance(graphs, CpuStepRunner) and graphs.decode_rows > 0
     if setting == "auto":
-        return DecodeRuns(AUTO_STEPS, graphs.decode_rows) if native and not overlap and not speculative else None
+        if not native or overlap or speculative:
+            return None
+        return DecodeRuns(AUTO_STEPS, min(graphs.decode_rows, AUTO_ROW_STEPS // 2), AUTO_ROW_STEPS)
     assert isinstance(setting, int)
     if setting == 1:
         return None
