@@ -10,7 +10,6 @@ off — go red.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -27,6 +26,7 @@ from kernel.sampling_params import SamplingParams
 from kernel.scheduling import decode_runs
 from kernel.scheduling.scheduler import Scheduler
 from plugins.metrics import EngineCollector
+from tests.aborts import leave_and_abort, wait_idle
 from tests.conftest import CONFIG, TINY_OVERRIDES
 
 if not all(cpu.load(name) for name in ("decode_step", "quant_gemv", "paged_attention", "llama_glue")):
@@ -189,23 +189,13 @@ async def test_aborts_while_runs_go_on(engine: Engine) -> None:
         engine.flush_cache()
         keep = engine.add_request(prompts[0], params)
         cut, outside = (engine.add_request(p, params) for p in prompts[1:])
-        consumer = asyncio.create_task(engine.collect(outside))
-        seen = 0
-        async for chunk in engine.stream(cut):
-            seen += len(chunk.token_ids)
-            if seen >= 6:
-                break  # leaving the stream aborts the request
-        engine.abort(outside)
-        assert (await asyncio.wait_for(consumer, timeout=30))["meta_info"]["finish_reason"] == "abort"
+        assert (await leave_and_abort(engine, cut, outside))["meta_info"]["finish_reason"] == "abort"
         assert (await engine.collect(keep))["output_ids"] == refs[0]["output_ids"]
         runs = engine.scheduler.runs
         assert runs is not None and runs.runs > 0
         scraped = {m.name: m.samples[0].value for m in EngineCollector(engine).collect() if "decode_run" in m.name}
         assert scraped == {"tierserve_decode_runs": runs.runs, "tierserve_decode_run_tokens": runs.tokens}
-        for _ in range(500):
-            if engine.is_idle():
-                break
-            await asyncio.sleep(0.01)
+        await wait_idle(engine)
         sched = engine.scheduler
         assert sched.allocator.num_free + sched.prefix.cache.total_pages == sched.allocator.num_usable
     finally:

@@ -7,13 +7,13 @@ deterministic mode.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import pytest
 
 from kernel.async_engine import AsyncEngine
 from kernel.sampling_params import SamplingParams
+from tests.aborts import leave_and_abort, wait_idle
 from tests.conftest import HYBRID_OVERRIDES, TINY_OVERRIDES
 from tests.spec_drafters import Oracle
 from tests.test_speculative import ORACLE, same
@@ -35,14 +35,6 @@ def folders(tiny_chat_folder: str, hybrid_folders: dict[str, str]) -> dict[str, 
     return {"dense": tiny_chat_folder, **hybrid_folders}
 
 
-async def wait_idle(engine: AsyncEngine) -> None:
-    for _ in range(500):
-        if engine.is_idle():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("the engine never went idle after the aborts")
-
-
 @pytest.mark.parametrize("drafter", sorted(DRAFTERS))
 @pytest.mark.parametrize("model", MODELS)
 async def test_aborts_while_speculating(folders: dict[str, str], model: str, drafter: str) -> None:
@@ -59,14 +51,7 @@ async def test_aborts_while_speculating(folders: dict[str, str], model: str, dra
         keep = [engine.add_request(p, PARAMS) for p in prompts[:2]]
         cut = engine.add_request(prompts[2], PARAMS)
         outside = engine.add_request(prompts[3], SamplingParams(**PARAMS))
-        consumer = asyncio.create_task(engine.collect(outside))
-        seen = 0
-        async for chunk in engine.stream(cut):
-            seen += len(chunk.token_ids)
-            if seen >= 6:
-                break  # leaving the stream aborts the request
-        engine.abort(outside)
-        aborted = await asyncio.wait_for(consumer, timeout=30)
+        aborted = await leave_and_abort(engine, cut, outside)
         assert aborted["meta_info"]["finish_reason"] == "abort"
         for rid, ref in zip(keep, refs):
             out = await engine.collect(rid)

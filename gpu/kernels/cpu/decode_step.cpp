@@ -19,7 +19,8 @@
 //
 // One LlamaDecoder per model and KV pool (torch.classes.tierserve_cpu.LlamaDecoder), built
 // once from the very weight and pool tensors the torch path uses (no copies); `step` runs
-// one decode step (its scratch allocated per step). NOTE: one thread (the device thread)
+// one decode step (its scratch allocated per step), `steps_argmax` a decode run of k greedy
+// steps, each one `step_argmax` of its own inputs (kernel/scheduling/decode_runs.py). NOTE: one thread (the device thread)
 // calls a decoder at a time: a step writes the KV pool, as the torch path's steps do.
 
 #include <ATen/Parallel.h>
