@@ -10,6 +10,7 @@ off — go red.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -136,8 +137,9 @@ def test_planted_run_one_position_off_goes_red(engine: Engine, reference: list[A
     decoder = runner.graphs.decoder
     steps_argmax = decoder.steps_argmax
 
-    def shifted(ids: torch.Tensor, positions: torch.Tensor, pages: torch.Tensor, steps: int) -> torch.Tensor:
-        return steps_argmax(ids, positions + 1, pages, steps)  # type: ignore[no-any-return]
+    def shifted(ids: torch.Tensor, positions: torch.Tensor, pages: torch.Tensor, steps: int,
+                interrupts: torch.Tensor) -> torch.Tensor:
+        return steps_argmax(ids, positions + 1, pages, steps, interrupts)  # type: ignore[no-any-return]
 
     monkeypatch.setattr(decoder, "steps_argmax", shifted)
     try:
@@ -198,6 +200,38 @@ async def test_aborts_while_runs_go_on(engine: Engine) -> None:
         await wait_idle(engine)
         sched = engine.scheduler
         assert sched.allocator.num_free + sched.prefix.cache.total_pages == sched.allocator.num_usable
+    finally:
+        await engine.shutdown()
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["arrival cuts the run", "planted: no interrupt"])
+async def test_an_arrival_cuts_a_run_short(engine: Engine, planted: bool) -> None:
+    """A request that arrives while a run of 64 steps is under way is admitted after the step
+    under way, not after the run; both requests still get the tokens single steps give."""
+    if engine.config.deterministic:
+        pytest.skip("shown once: the cut is the scheduler's and the step runner's, in either mode")
+    params = [{**PLAIN, "max_new_tokens": 150}, {**PLAIN, "max_new_tokens": 20}]
+    engine = await AsyncEngine.create(CONFIG, {**NATIVE, "scheduler.decode_steps": 64})
+    try:
+        runs = engine.scheduler.runs
+        assert runs is not None
+        if planted:
+            runs.interrupt = lambda: None
+        long, short = _prompts()[4], _prompts()[1]
+        refs = []
+        for prompt, p in zip((long, short), params):
+            refs.append((await engine.collect(engine.add_request(prompt, p)))["output_ids"])
+        engine.flush_cache()
+        first = engine.add_request(long, params[0])
+        stream = engine.stream(first)
+        await anext(stream)  # its prefill's token: runs of 64 steps (~0.2 s or more) follow
+        await asyncio.sleep(0.05)  # inside the first run
+        late = engine.add_request(short, params[1])
+        got = [list(c.token_ids) async for c in stream]
+        assert [t for g in got for t in g] == refs[0][1:]
+        assert (await engine.collect(late))["output_ids"] == refs[1]
+        cut = len(got[0]) < 64 and runs.cut > 0  # the first run landed before its 64 steps
+        assert cut != planted, f"first run {len(got[0])} tokens, {runs.cut} runs cut short"
     finally:
         await engine.shutdown()
 

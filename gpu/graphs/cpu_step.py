@@ -65,6 +65,10 @@ class CpuStepRunner:
         self._graphs = [Graph(Bucket("decode", n, n), {}) for n in range(1, self.max_rows + 1)]
         self.device: torch.device = model.device
         self.replays: Counter[Bucket] = Counter()  # per decode batch size: how many steps ran natively
+        # Bumped by the loop thread when a request arrives, read by a decode run between its
+        # steps (`replay_run`). NOTE: the one value the device reads while the loop may write
+        # it: a plain int64, read atomically; a bump it reads late costs one step more.
+        self.interrupts = torch.zeros(1, dtype=torch.int64)
         # How placeholder ids resolve: the model runner's, shared by the builder (overlap scheduling).
         self.inputs = StepInputs(self.device)
         log.info("cpu_step_ready", max_rows=self.max_rows, kernel_rows=self.decoder.max_rows)
@@ -91,13 +95,18 @@ class CpuStepRunner:
         return self.decoder.step_argmax(*self.step_inputs(graph, batch))
 
     def replay_run(self, graph: Graph, batch: ForwardBatch) -> torch.Tensor:
-        """A decode run (batch.steps > 1, every row plain greedy and sampled): `steps` native
-        decode steps back to back, each row's token the input of its next -> the tokens,
-        int64 [B, steps]."""
+        """A decode run (batch.steps > 1, every row plain greedy and sampled): up to `steps`
+        native decode steps back to back, each row's token the input of its next -> the
+        tokens, int64 [B, done]; done < steps where `interrupt_runs` cut it short."""
         if batch.sample_rows != tuple(range(len(batch.rows))):
             raise ValueError("a decode run samples every row of its batch")
         input_ids, positions, _, paged, _ = self._decode_inputs(graph, batch, reach=batch.steps - 1)
-        return self.decoder.steps_argmax(input_ids, positions, paged.page_table, batch.steps)
+        return self.decoder.steps_argmax(input_ids, positions, paged.page_table, batch.steps, self.interrupts)
+
+    def interrupt_runs(self) -> None:
+        """From the loop thread: a request arrived, so a run under way ends after its current
+        step (the next plan admits the request instead of making it wait for the run)."""
+        self.interrupts += 1
 
     def step_inputs(self, graph: Graph, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
         """The native step's arguments for the batch (counted as a replay of its bucket)."""

@@ -65,11 +65,13 @@ class CpuDecoder:
         return picks  # type: ignore[no-any-return]
 
     def steps_argmax(self, input_ids: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor,
-                     steps: int) -> torch.Tensor:
+                     steps: int, interrupts: torch.Tensor) -> torch.Tensor:
         """`steps` greedy decode steps back to back (a decode run), each row's pick the input of
-        its next step -> the picks, int64 [B, steps]. page_table reaches the last step's key;
-        each step writes its K/V where that table places its position."""
-        return self.native.steps_argmax(*_contiguous(input_ids, positions, page_table), steps)  # type: ignore[no-any-return]
+        its next step -> the picks, int64 [B, done]. page_table reaches the last step's key;
+        each step writes its K/V where that table places its position. Once `interrupts`
+        (int64 [1]) moves, the run ends after the step under way (done <= steps)."""
+        return self.native.steps_argmax(*_contiguous(input_ids, positions, page_table), steps,  # type: ignore[no-any-return]
+                                        interrupts)
 
 
 def _contiguous(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

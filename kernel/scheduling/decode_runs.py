@@ -17,14 +17,16 @@ A request that stops inside a run (a stop token or string, an abort) keeps the t
 to its stop; the KV the run wrote past that lies beyond its `kv_len`, is never cached, and
 pages holding only that go back, as a rejected draft's do (invariant 9).
 
-The costs: a request that arrives during a run waits for it (up to k - 1 steps more than
-it would), and a run's tokens stream together. A run never passes a request's
-`max_tokens` or the context, and takes only free pages (it never evicts a cached prefix).
+A request that arrives during a run does not wait for it: the scheduler's `add` bumps the
+step runner's interrupt counter, the run ends after the step under way, and the loop
+applies the steps it ran (the pages reserved for the rest go back). What a run costs is
+that its tokens stream together. A run never passes a request's `max_tokens` or the
+context, and takes only free pages (it never evicts a cached prefix).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,8 +38,9 @@ from kernel.request import Request
 from kernel.scheduling.step_plan import ScheduledChunk
 
 # `auto`: runs of up to 8 steps, and of at most 32 row-steps, so a bigger batch runs shorter
-# ones (8 rows: 4 steps; 32: none) and a request arriving during a run waits about as long
-# as during a batch-1 run (README: scheduler.decode_steps).
+# ones (8 rows: 4 steps; past 16 rows: none): its steps cost more against the Python around
+# them, so a run saves it less, and rows that stop inside a run are computed to the run's end
+# (README: scheduler.decode_steps).
 AUTO_STEPS, AUTO_ROW_STEPS = 8, 32
 
 
@@ -49,8 +52,11 @@ class DecodeRuns:
     steps: int
     max_rows: int
     row_steps: int | None = None  # rows x steps a run may have at most (None: any)
+    # Ends a run under way after its current step (CpuStepRunner.interrupt_runs): a request arrived.
+    interrupt: Callable[[], None] = lambda: None
     runs: int = 0  # runs planned
     tokens: int = 0  # tokens they produced (landed)
+    cut: int = 0  # runs that an arrival ended early
 
     def length(self, chunks: Sequence[ScheduledChunk], running: Sequence[Request], waiting: int,
                free_pages: int, page_size: int, max_context: int) -> int:
@@ -67,7 +73,7 @@ class DecodeRuns:
         return max(1, steps)
 
     def stats(self) -> dict[str, int]:
-        return {"steps": self.steps, "runs": self.runs, "tokens": self.tokens}
+        return {"steps": self.steps, "runs": self.runs, "tokens": self.tokens, "cut": self.cut}
 
 
 def runs_greedy(req: Request) -> bool:
@@ -95,7 +101,8 @@ def resolve(setting: int | str, graphs: Any, overlap: bool, speculative: bool) -
     if setting == "auto":
         if not native or overlap or speculative:
             return None
-        return DecodeRuns(AUTO_STEPS, min(graphs.decode_rows, AUTO_ROW_STEPS // 2), AUTO_ROW_STEPS)
+        return DecodeRuns(AUTO_STEPS, min(graphs.decode_rows, AUTO_ROW_STEPS // 2), AUTO_ROW_STEPS,
+                          graphs.interrupt_runs)
     assert isinstance(setting, int)
     if setting == 1:
         return None
@@ -104,4 +111,4 @@ def resolve(setting: int | str, graphs: Any, overlap: bool, speculative: bool) -
             f"scheduler.decode_steps: {setting} needs the native CPU decode step (graphs.mode cpu, or auto on "
             "CPU for a dense Llama-family model) with scheduler.overlap and speculative decoding off"
         )
-    return DecodeRuns(setting, graphs.decode_rows)
+    return DecodeRuns(setting, graphs.decode_rows, interrupt=graphs.interrupt_runs)

@@ -85,6 +85,8 @@ class Scheduler:
     # ---- queue ------------------------------------------------------------------
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+        if self.runs is not None:
+            self.runs.interrupt()  # a decode run under way ends after its step: admit `req` next
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -371,6 +373,11 @@ class Scheduler:
         produced: list[Request] = []
         self.prefix.free_deferred()  # deferred while this step ran (overlap)
         tokens = iter(sampled)
+        # A decode run's steps done (every chunk of a run samples each of them; fewer than
+        # planned where an arrival cut it short: DecodeRuns.interrupt).
+        done = len(sampled) // len(plan.chunks) if plan.chunks and plan.chunks[0].steps > 1 else 0
+        if done and done < plan.chunks[0].steps and self.runs is not None:
+            self.runs.cut += 1
         for chunk in plan.chunks:
             req = chunk.req
             req.inflight -= 1
@@ -381,7 +388,7 @@ class Scheduler:
                     produced.append(req)
                 continue
             if chunk.steps > 1:
-                if self._land_run(req, chunk, [next(tokens) for _ in range(chunk.steps)]):
+                if self._land_run(req, chunk, [next(tokens) for _ in range(done)]):
                     produced.append(req)
                 continue
             req.kv_len = self._computed_len(req, chunk)
@@ -430,7 +437,7 @@ class Scheduler:
         the first that finishes `req`. Whether `req` got tokens."""
         if self._finished_in_flight(req, chunk):
             return False
-        assert self.runs is not None
+        assert self.runs is not None and 0 < len(tokens) <= chunk.steps
         self.runs.tokens += self._append_run(req, chunk, tokens)
         self._end_run(req)
         return True

@@ -167,23 +167,30 @@ class LlamaDecoder : public torch::CustomClassHolder {
   // next step: ids and positions [B] are the first step's, page_table [B, pages] reaches
   // the last step's key (position + steps - 1). Each step's KV slot is its position's
   // place in the row's pages (where the paged attention reads that key back) -> the
-  // picks, int64 [B, steps]. Every step is `step_argmax` of its own inputs: a run's
-  // tokens are the ones B single steps would pick.
+  // picks, int64 [B, done]. Every step is `step_argmax` of its own inputs: a run's
+  // tokens are the ones B single steps would pick. interrupts (int64 [1]): a counter
+  // another thread may bump while the run goes on (a request arrived); once it has moved,
+  // the run ends after the step under way (done < steps; the first step always runs).
   at::Tensor steps_argmax(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& page_table,
-                          int64_t steps) {
+                          int64_t steps, const at::Tensor& interrupts) {
     const int64_t batch = ids.size(0), width = page_table.size(1);
     TORCH_CHECK(steps >= 1, "LlamaDecoder.steps_argmax: steps must be >= 1, got ", steps);
     TORCH_CHECK(ids.dim() == 1 && positions.dim() == 1 && positions.size(0) == batch && ids.scalar_type() == at::kLong &&
                     positions.scalar_type() == at::kLong && page_table.dim() == 2 && page_table.size(0) == batch &&
                     page_table.scalar_type() == at::kLong && page_table.is_contiguous(),
                 "LlamaDecoder.steps_argmax: ids and positions int64 [B], page_table contiguous int64 [B, pages]");
+    TORCH_CHECK(interrupts.numel() == 1 && interrupts.scalar_type() == at::kLong && interrupts.is_contiguous(),
+                "LlamaDecoder.steps_argmax: interrupts must be one int64");
     at::Tensor input = ids.contiguous().clone(), pos = positions.contiguous().clone();
     at::Tensor loc = at::empty_like(pos), lens = at::empty_like(pos), rows = at::arange(batch, pos.options());
     at::Tensor picks = at::empty({batch, steps}, pos.options());
     int64_t* in = input.data_ptr<int64_t>();
     int64_t* p = pos.data_ptr<int64_t>();
     const int64_t* table = page_table.data_ptr<int64_t>();
-    for (int64_t s = 0; s < steps; ++s) {
+    const int64_t* bumps = interrupts.data_ptr<int64_t>();
+    const int64_t seen = __atomic_load_n(bumps, __ATOMIC_ACQUIRE);
+    int64_t done = 0;
+    for (; done < steps && (done == 0 || __atomic_load_n(bumps, __ATOMIC_ACQUIRE) == seen); ++done) {
       for (int64_t b = 0; b < batch; ++b) {
         TORCH_CHECK(p[b] >= 0 && p[b] / page_size_ < width, "LlamaDecoder.steps_argmax: position ", p[b],
                     " outside the row's ", width, " pages");
@@ -193,11 +200,11 @@ class LlamaDecoder : public torch::CustomClassHolder {
       const at::Tensor picked = std::get<1>(forward(input, pos, loc, page_table, lens, rows, true));
       for (int64_t b = 0; b < batch; ++b) {
         in[b] = picked.data_ptr<int64_t>()[b];
-        picks.data_ptr<int64_t>()[b * steps + s] = in[b];
+        picks.data_ptr<int64_t>()[b * steps + done] = in[b];
         ++p[b];
       }
     }
-    return picks;
+    return picks.narrow(1, 0, done).contiguous();
   }
 
  private:
