@@ -236,6 +236,22 @@ async def test_an_arrival_cuts_a_run_short(engine: Engine, planted: bool) -> Non
         await engine.shutdown()
 
 
+def test_a_bump_before_the_run_starts_still_cuts_it(engine: Engine) -> None:
+    """The run compares the counter with its value when the run was planned, so an arrival
+    between planning and the device starting the run ends it after its first step."""
+    engine.flush_cache()  # the engine is idle: every page is free, the run below writes two rows' own
+    runner = engine.engine.parts.runner  # type: ignore[attr-defined]
+    pool, decoder = runner.pool, runner.graphs.decoder
+    last = pool.k[0].shape[0] // pool.page_size
+    table = torch.arange(last - 6, last, dtype=torch.int64).reshape(2, 3)  # 3 pages of 4 keys a row
+    ids, positions = torch.tensor([7, 1234]), torch.zeros(2, dtype=torch.int64)
+    full = decoder.steps_argmax(ids, positions, table, 8, torch.tensor([5, 5]))
+    cut = decoder.steps_argmax(ids, positions, table, 8, torch.tensor([6, 5]))  # bumped after planning
+    assert full.shape == (2, 8) and torch.equal(cut, full[:, :1])
+    with pytest.raises(RuntimeError, match="outside the row's 3 pages"):
+        decoder.steps_argmax(ids, positions, table, 13, torch.tensor([5, 5]))
+
+
 def test_settings(tiny_chat_folder: str) -> None:
     for bad in (0, -2, "many"):
         with pytest.raises(ConfigError, match="scheduler.decode_steps"):

@@ -65,10 +65,11 @@ class CpuStepRunner:
         self._graphs = [Graph(Bucket("decode", n, n), {}) for n in range(1, self.max_rows + 1)]
         self.device: torch.device = model.device
         self.replays: Counter[Bucket] = Counter()  # per decode batch size: how many steps ran natively
-        # Bumped by the loop thread when a request arrives, read by a decode run between its
-        # steps (`replay_run`). NOTE: the one value the device reads while the loop may write
-        # it: a plain int64, read atomically; a bump it reads late costs one step more.
-        self.interrupts = torch.zeros(1, dtype=torch.int64)
+        # [0]: bumped by the loop thread when a request arrives; [1]: its value when the loop
+        # planned the run now queued or under way. A run reads both between its steps
+        # (`replay_run`) and ends once they differ. NOTE: the one value the device reads while
+        # the loop may write it: plain int64s, read atomically; a bump read late costs a step.
+        self.interrupts = torch.zeros(2, dtype=torch.int64)
         # How placeholder ids resolve: the model runner's, shared by the builder (overlap scheduling).
         self.inputs = StepInputs(self.device)
         log.info("cpu_step_ready", max_rows=self.max_rows, kernel_rows=self.decoder.max_rows)
@@ -104,9 +105,14 @@ class CpuStepRunner:
         return self.decoder.steps_argmax(input_ids, positions, paged.page_table, batch.steps, self.interrupts)
 
     def interrupt_runs(self) -> None:
-        """From the loop thread: a request arrived, so a run under way ends after its current
-        step (the next plan admits the request instead of making it wait for the run)."""
-        self.interrupts += 1
+        """From the loop thread: a request arrived, so the run planned last ends after its
+        current step (the next plan admits the request instead of making it wait for the run),
+        or after its first if it has not started yet."""
+        self.interrupts[0] += 1
+
+    def plan_run(self) -> None:
+        """From the loop thread, planning a run: only arrivals from now on cut it short."""
+        self.interrupts[1] = self.interrupts[0]
 
     def step_inputs(self, graph: Graph, batch: ForwardBatch) -> tuple[torch.Tensor, ...]:
         """The native step's arguments for the batch (counted as a replay of its bucket)."""

@@ -18,8 +18,9 @@ to its stop; the KV the run wrote past that lies beyond its `kv_len`, is never c
 pages holding only that go back, as a rejected draft's do (invariant 9).
 
 A request that arrives during a run does not wait for it: the scheduler's `add` bumps the
-step runner's interrupt counter, the run ends after the step under way, and the loop
-applies the steps it ran (the pages reserved for the rest go back). What a run costs is
+step runner's interrupt counter, the run ends after the step under way (after its first,
+where the bump came between planning and the device starting it), and the loop applies
+the steps it ran (the pages reserved for the rest go back). What a run costs is
 that its tokens stream together. A run never passes a request's `max_tokens` or the
 context, and takes only free pages (it never evicts a cached prefix).
 """
@@ -52,8 +53,10 @@ class DecodeRuns:
     steps: int
     max_rows: int
     row_steps: int | None = None  # rows x steps a run may have at most (None: any)
-    # Ends a run under way after its current step (CpuStepRunner.interrupt_runs): a request arrived.
+    # Ends the run planned last after its current step (CpuStepRunner.interrupt_runs): a
+    # request arrived; `planned` marks a new run's start (arrivals before it do not count).
     interrupt: Callable[[], None] = lambda: None
+    planned: Callable[[], None] = lambda: None
     runs: int = 0  # runs planned
     tokens: int = 0  # tokens they produced (landed)
     cut: int = 0  # runs that an arrival ended early
@@ -102,7 +105,7 @@ def resolve(setting: int | str, graphs: Any, overlap: bool, speculative: bool) -
         if not native or overlap or speculative:
             return None
         return DecodeRuns(AUTO_STEPS, min(graphs.decode_rows, AUTO_ROW_STEPS // 2), AUTO_ROW_STEPS,
-                          graphs.interrupt_runs)
+                          graphs.interrupt_runs, graphs.plan_run)
     assert isinstance(setting, int)
     if setting == 1:
         return None
@@ -111,4 +114,4 @@ def resolve(setting: int | str, graphs: Any, overlap: bool, speculative: bool) -
             f"scheduler.decode_steps: {setting} needs the native CPU decode step (graphs.mode cpu, or auto on "
             "CPU for a dense Llama-family model) with scheduler.overlap and speculative decoding off"
         )
-    return DecodeRuns(setting, graphs.decode_rows, interrupt=graphs.interrupt_runs)
+    return DecodeRuns(setting, graphs.decode_rows, interrupt=graphs.interrupt_runs, planned=graphs.plan_run)

@@ -188,6 +188,7 @@ class Scheduler:
             reserved = self._reserve(chunk.req, chunk.req.kv_len + steps, evict=False)
             assert reserved, "free pages promised for the run"
         runs.runs += 1
+        runs.planned()
         return [c._replace(steps=steps) for c in chunks]
 
     def _chunk(self, req: Request, length: int, draft: tuple[int, ...] = (),

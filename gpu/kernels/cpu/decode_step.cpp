@@ -168,9 +168,10 @@ class LlamaDecoder : public torch::CustomClassHolder {
   // the last step's key (position + steps - 1). Each step's KV slot is its position's
   // place in the row's pages (where the paged attention reads that key back) -> the
   // picks, int64 [B, done]. Every step is `step_argmax` of its own inputs: a run's
-  // tokens are the ones B single steps would pick. interrupts (int64 [1]): a counter
-  // another thread may bump while the run goes on (a request arrived); once it has moved,
-  // the run ends after the step under way (done < steps; the first step always runs).
+  // tokens are the ones B single steps would pick. interrupts (int64 [2]): a counter
+  // another thread may bump while the run goes on (a request arrived), and its value when
+  // the run was planned; once they differ, the run ends after the step under way (done <
+  // steps; the first step always runs), even for a bump made before the run started.
   at::Tensor steps_argmax(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& page_table,
                           int64_t steps, const at::Tensor& interrupts) {
     const int64_t batch = ids.size(0), width = page_table.size(1);
@@ -179,8 +180,8 @@ class LlamaDecoder : public torch::CustomClassHolder {
                     positions.scalar_type() == at::kLong && page_table.dim() == 2 && page_table.size(0) == batch &&
                     page_table.scalar_type() == at::kLong && page_table.is_contiguous(),
                 "LlamaDecoder.steps_argmax: ids and positions int64 [B], page_table contiguous int64 [B, pages]");
-    TORCH_CHECK(interrupts.numel() == 1 && interrupts.scalar_type() == at::kLong && interrupts.is_contiguous(),
-                "LlamaDecoder.steps_argmax: interrupts must be one int64");
+    TORCH_CHECK(interrupts.numel() == 2 && interrupts.scalar_type() == at::kLong && interrupts.is_contiguous(),
+                "LlamaDecoder.steps_argmax: interrupts must be two int64s (the counter, its value at planning)");
     at::Tensor input = ids.contiguous().clone(), pos = positions.contiguous().clone();
     at::Tensor loc = at::empty_like(pos), lens = at::empty_like(pos), rows = at::arange(batch, pos.options());
     at::Tensor picks = at::empty({batch, steps}, pos.options());
@@ -188,7 +189,7 @@ class LlamaDecoder : public torch::CustomClassHolder {
     int64_t* p = pos.data_ptr<int64_t>();
     const int64_t* table = page_table.data_ptr<int64_t>();
     const int64_t* bumps = interrupts.data_ptr<int64_t>();
-    const int64_t seen = __atomic_load_n(bumps, __ATOMIC_ACQUIRE);
+    const int64_t seen = __atomic_load_n(bumps + 1, __ATOMIC_ACQUIRE);
     int64_t done = 0;
     for (; done < steps && (done == 0 || __atomic_load_n(bumps, __ATOMIC_ACQUIRE) == seen); ++done) {
       for (int64_t b = 0; b < batch; ++b) {
