@@ -138,6 +138,9 @@ class ForwardBatch:
     # each row's token the input of its next; every row samples, and `steps` tokens a row
     # come back (kernel/scheduling/decode_runs.py). 1: a plain step.
     steps: int = 1
+    # A run's rows' stop tokens (per row: the ids that end its request); the run ends after
+    # a step where a row picks one, so the request's end is reported without delay.
+    run_stops: tuple[tuple[int, ...], ...] = ()
 
     @classmethod
     def build(
@@ -146,6 +149,7 @@ class ForwardBatch:
         prompt_logprobs: tuple[PromptLogprobSpan, ...] = (),
         sample_back: tuple[int, ...] = (),
         steps: int = 1,
+        run_stops: tuple[tuple[int, ...], ...] = (),
     ) -> ForwardBatch:
         """chunks in batch order; sampling: (chunk index, how that chunk's request samples);
         sample_back: per sampling row, tokens before its chunk's last one (or ())."""
@@ -168,6 +172,8 @@ class ForwardBatch:
                 prompt_logprobs or any(sample_back) or placeholders or any(len(c.token_ids) != 1 for c in chunks)
                 or [i for i, _ in sampling] != list(range(len(chunks)))):
             raise ValueError(f"a decode run of {steps} steps: one token a chunk, every chunk sampled, nothing else")
+        if run_stops and (steps == 1 or len(run_stops) != len(chunks)):
+            raise ValueError("run_stops: a decode run's, one tuple of stop ids per chunk")
         for span in prompt_logprobs:
             if not 0 <= span.chunk < len(chunks):
                 raise ValueError(f"prompt logprobs for chunk {span.chunk} of {len(chunks)}")
@@ -186,4 +192,5 @@ class ForwardBatch:
             placeholders=placeholders,
             sample_back=tuple(sample_back) if any(sample_back) else (),
             steps=steps,
+            run_stops=run_stops,
         )

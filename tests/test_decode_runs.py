@@ -126,6 +126,9 @@ def test_planted_token_past_a_stop_goes_red(engine: Engine, reference: list[Any]
         req.kv_len = chunk.start + len(tokens)
         return len(tokens)
 
+    # The run's own stop check off, so the tokens past a stop reach the scheduler, whose cut is tested.
+    monkeypatch.setattr(Scheduler, "_stop_ids", lambda self, req: ())
+    assert _generate(engine, params) == single
     monkeypatch.setattr(Scheduler, "_append_run", no_break)
     assert _generate(engine, params) != single, "a token past a stop inside a run went unnoticed"
 
@@ -138,8 +141,8 @@ def test_planted_run_one_position_off_goes_red(engine: Engine, reference: list[A
     steps_argmax = decoder.steps_argmax
 
     def shifted(ids: torch.Tensor, positions: torch.Tensor, pages: torch.Tensor, steps: int,
-                interrupts: torch.Tensor) -> torch.Tensor:
-        return steps_argmax(ids, positions + 1, pages, steps, interrupts)  # type: ignore[no-any-return]
+                interrupts: torch.Tensor, stops: torch.Tensor) -> torch.Tensor:
+        return steps_argmax(ids, positions + 1, pages, steps, interrupts, stops)  # type: ignore[no-any-return]
 
     monkeypatch.setattr(decoder, "steps_argmax", shifted)
     try:
@@ -245,11 +248,37 @@ def test_a_bump_before_the_run_starts_still_cuts_it(engine: Engine) -> None:
     last = pool.k[0].shape[0] // pool.page_size
     table = torch.arange(last - 6, last, dtype=torch.int64).reshape(2, 3)  # 3 pages of 4 keys a row
     ids, positions = torch.tensor([7, 1234]), torch.zeros(2, dtype=torch.int64)
-    full = decoder.steps_argmax(ids, positions, table, 8, torch.tensor([5, 5]))
-    cut = decoder.steps_argmax(ids, positions, table, 8, torch.tensor([6, 5]))  # bumped after planning
+    none = torch.empty(2, 0, dtype=torch.int64)
+    full = decoder.steps_argmax(ids, positions, table, 8, torch.tensor([5, 5]), none)
+    cut = decoder.steps_argmax(ids, positions, table, 8, torch.tensor([6, 5]), none)  # bumped after planning
     assert full.shape == (2, 8) and torch.equal(cut, full[:, :1])
+    # A row's stop token ends the run after the step that picked it (row 1's token at step 4).
+    stops = torch.tensor([[-1], [int(full[1, 4])]])
+    first = next(s for s in range(8) if full[1, s] == full[1, 4])
+    assert torch.equal(decoder.steps_argmax(ids, positions, table, 8, torch.tensor([5, 5]), stops),
+                       full[:, : first + 1])
     with pytest.raises(RuntimeError, match="outside the row's 3 pages"):
-        decoder.steps_argmax(ids, positions, table, 13, torch.tensor([5, 5]))
+        decoder.steps_argmax(ids, positions, table, 13, torch.tensor([5, 5]), none)
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["stop ends the run", "planted: no stops"])
+def test_a_stop_token_ends_the_run(engine: Engine, reference: list[Any], monkeypatch: pytest.MonkeyPatch,
+                                   planted: bool) -> None:
+    """A request whose stop token lands inside a run ends the run there: its end is reported
+    at once, and no step runs past it."""
+    sched = _scheduler(engine)
+    assert sched.runs is not None
+    if planted:
+        monkeypatch.setattr(Scheduler, "_stop_ids", lambda self, req: ())
+    ids, k = reference[4][0], sched.runs.steps  # 30 tokens: the prefill's, then runs of k from index 1
+    inside = [j for j in range(2, len(ids) - k) if ids[j] not in ids[:j] and j % k != 0]  # not a run's last
+    assert inside, "no token first appears inside a run"
+    params = {**PLAIN, "max_new_tokens": len(ids), "stop_token_ids": [ids[inside[0]]]}
+    before = sched.runs.cut
+    engine.flush_cache()
+    out = engine.generate(_prompts()[4], params)
+    assert out["output_ids"] == ids[: inside[0] + 1] and out["meta_info"]["finish_reason"] == "stop"
+    assert (sched.runs.cut > before) != planted, f"{sched.runs.cut - before} runs ended early"
 
 
 def test_settings(tiny_chat_folder: str) -> None:

@@ -98,11 +98,15 @@ class CpuStepRunner:
     def replay_run(self, graph: Graph, batch: ForwardBatch) -> torch.Tensor:
         """A decode run (batch.steps > 1, every row plain greedy and sampled): up to `steps`
         native decode steps back to back, each row's token the input of its next -> the
-        tokens, int64 [B, done]; done < steps where `interrupt_runs` cut it short."""
+        tokens, int64 [B, done]; done < steps where `interrupt_runs` cut it short or a row
+        picked one of its `batch.run_stops`."""
         if batch.sample_rows != tuple(range(len(batch.rows))):
             raise ValueError("a decode run samples every row of its batch")
         input_ids, positions, _, paged, _ = self._decode_inputs(graph, batch, reach=batch.steps - 1)
-        return self.decoder.steps_argmax(input_ids, positions, paged.page_table, batch.steps, self.interrupts)
+        width = max((len(s) for s in batch.run_stops), default=0)
+        stops = torch.tensor([(*s, *(-1,) * (width - len(s))) for s in batch.run_stops] or [()] * len(batch.rows),
+                             dtype=torch.int64).reshape(len(batch.rows), width)
+        return self.decoder.steps_argmax(input_ids, positions, paged.page_table, batch.steps, self.interrupts, stops)
 
     def interrupt_runs(self) -> None:
         """From the loop thread: a request arrived, so the run planned last ends after its

@@ -67,7 +67,7 @@ HYBRID_ONLY = frozenset({"state_src", "state_dst", "state_track"})
 # Fields used outside the graph: sampling reads the graph's logits, copies run before it.
 # Batches with prompt logprobs run eagerly (ModelRunner.run), never in a graph; decode runs
 # (steps > 1) only on the native CPU step (ModelRunner.run_sampling refuses them elsewhere).
-HOST_SIDE = frozenset({"sampling", "state_copies", "prompt_logprobs", "steps"})
+HOST_SIDE = frozenset({"sampling", "state_copies", "prompt_logprobs", "steps", "run_stops"})
 
 _MODEL_INPUTS = {
     "input_ids": BufferSpec("tokens", (), torch.int64, 0),  # token 0

@@ -65,13 +65,14 @@ class CpuDecoder:
         return picks  # type: ignore[no-any-return]
 
     def steps_argmax(self, input_ids: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor,
-                     steps: int, interrupts: torch.Tensor) -> torch.Tensor:
+                     steps: int, interrupts: torch.Tensor, stops: torch.Tensor) -> torch.Tensor:
         """`steps` greedy decode steps back to back (a decode run), each row's pick the input of
         its next step -> the picks, int64 [B, done]. page_table reaches the last step's key;
         each step writes its K/V where that table places its position. Once `interrupts`
-        (int64 [1]) moves, the run ends after the step under way (done <= steps)."""
+        (int64 [2]: a counter, its value when the run was planned) moves, or a row picks one
+        of its `stops` (int64 [B, S], -1 padded), the run ends after that step (done <= steps)."""
         return self.native.steps_argmax(*_contiguous(input_ids, positions, page_table), steps,  # type: ignore[no-any-return]
-                                        interrupts)
+                                        interrupts, stops.contiguous())
 
 
 def _contiguous(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -20,7 +20,9 @@ pages holding only that go back, as a rejected draft's do (invariant 9).
 A request that arrives during a run does not wait for it: the scheduler's `add` bumps the
 step runner's interrupt counter, the run ends after the step under way (after its first,
 where the bump came between planning and the device starting it), and the loop applies
-the steps it ran (the pages reserved for the rest go back). What a run costs is
+the steps it ran (the pages reserved for the rest go back). A run also ends after a step
+where a row picks one of its stop tokens (EOS unless ignored, `stop_token_ids`), so that
+request's end is reported at once, not a run later. What a run costs is
 that its tokens stream together. A run never passes a request's `max_tokens` or the
 context, and takes only free pages (it never evicts a cached prefix).
 """
@@ -59,7 +61,7 @@ class DecodeRuns:
     planned: Callable[[], None] = lambda: None
     runs: int = 0  # runs planned
     tokens: int = 0  # tokens they produced (landed)
-    cut: int = 0  # runs that an arrival ended early
+    cut: int = 0  # runs that ended early: an arrival, or a row's stop token
 
     def length(self, chunks: Sequence[ScheduledChunk], running: Sequence[Request], waiting: int,
                free_pages: int, page_size: int, max_context: int) -> int:

@@ -189,7 +189,12 @@ class Scheduler:
             assert reserved, "free pages promised for the run"
         runs.runs += 1
         runs.planned()
-        return [c._replace(steps=steps) for c in chunks]
+        return [c._replace(steps=steps, run_stops=self._stop_ids(c.req)) for c in chunks]
+
+    def _stop_ids(self, req: Request) -> tuple[int, ...]:
+        """The token ids that end `req` (as `_append` decides): its stop ids, and EOS unless ignored."""
+        eos = () if req.params.ignore_eos else tuple(sorted(self.eos_ids))
+        return eos + tuple(req.params.stop_token_ids)
 
     def _chunk(self, req: Request, length: int, draft: tuple[int, ...] = (),
                tree: VerifyTree | None = None) -> ScheduledChunk:
@@ -375,7 +380,7 @@ class Scheduler:
         self.prefix.free_deferred()  # deferred while this step ran (overlap)
         tokens = iter(sampled)
         # A decode run's steps done (every chunk of a run samples each of them; fewer than
-        # planned where an arrival cut it short: DecodeRuns.interrupt).
+        # planned where an arrival or a row's stop token ended it early).
         done = len(sampled) // len(plan.chunks) if plan.chunks and plan.chunks[0].steps > 1 else 0
         if done and done < plan.chunks[0].steps and self.runs is not None:
             self.runs.cut += 1

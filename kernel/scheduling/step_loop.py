@@ -315,7 +315,9 @@ def build_forward_batch(plan: StepPlan, state_copies: tuple[tuple[int, int], ...
     steps = {ch.steps for ch in plan.chunks} or {1}
     if len(steps) > 1:
         raise ValueError(f"a step's chunks disagree on its decode run: {sorted(steps)} steps")
-    return ForwardBatch.build(chunks, sampling, state_copies, spans, tuple(back), steps=steps.pop())
+    run = steps.pop()
+    return ForwardBatch.build(chunks, sampling, state_copies, spans, tuple(back), steps=run,
+                              run_stops=tuple(ch.run_stops for ch in plan.chunks) if run > 1 else ())
 
 
 def side_rows(req: Request, ch: ScheduledChunk, row: SamplingRow,

@@ -38,6 +38,7 @@ class ScheduledChunk(NamedTuple):
     # A decode run (kernel/scheduling/decode_runs.py): this many greedy decode steps in one
     # device call, each producing a token (every chunk of a run has the same count).
     steps: int = 1
+    run_stops: tuple[int, ...] = ()  # a run's: the ids that end the request (its run ends there too)
 
 
 class StepPlan(NamedTuple):

@@ -172,8 +172,10 @@ class LlamaDecoder : public torch::CustomClassHolder {
   // another thread may bump while the run goes on (a request arrived), and its value when
   // the run was planned; once they differ, the run ends after the step under way (done <
   // steps; the first step always runs), even for a bump made before the run started.
+  // stops (int64 [B, S], -1 padded): each row's tokens that end its request; the run also
+  // ends after a step where a row picks one (its request is done: report it now).
   at::Tensor steps_argmax(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& page_table,
-                          int64_t steps, const at::Tensor& interrupts) {
+                          int64_t steps, const at::Tensor& interrupts, const at::Tensor& stops) {
     const int64_t batch = ids.size(0), width = page_table.size(1);
     TORCH_CHECK(steps >= 1, "LlamaDecoder.steps_argmax: steps must be >= 1, got ", steps);
     TORCH_CHECK(ids.dim() == 1 && positions.dim() == 1 && positions.size(0) == batch && ids.scalar_type() == at::kLong &&
@@ -182,6 +184,10 @@ class LlamaDecoder : public torch::CustomClassHolder {
                 "LlamaDecoder.steps_argmax: ids and positions int64 [B], page_table contiguous int64 [B, pages]");
     TORCH_CHECK(interrupts.numel() == 2 && interrupts.scalar_type() == at::kLong && interrupts.is_contiguous(),
                 "LlamaDecoder.steps_argmax: interrupts must be two int64s (the counter, its value at planning)");
+    TORCH_CHECK(stops.dim() == 2 && stops.size(0) == batch && stops.scalar_type() == at::kLong && stops.is_contiguous(),
+                "LlamaDecoder.steps_argmax: stops must be contiguous int64 [B, S]");
+    const int64_t* stop = stops.data_ptr<int64_t>();
+    const int64_t per_row = stops.size(1);
     at::Tensor input = ids.contiguous().clone(), pos = positions.contiguous().clone();
     at::Tensor loc = at::empty_like(pos), lens = at::empty_like(pos), rows = at::arange(batch, pos.options());
     at::Tensor picks = at::empty({batch, steps}, pos.options());
@@ -191,7 +197,8 @@ class LlamaDecoder : public torch::CustomClassHolder {
     const int64_t* bumps = interrupts.data_ptr<int64_t>();
     const int64_t seen = __atomic_load_n(bumps + 1, __ATOMIC_ACQUIRE);
     int64_t done = 0;
-    for (; done < steps && (done == 0 || __atomic_load_n(bumps, __ATOMIC_ACQUIRE) == seen); ++done) {
+    bool stopped = false;  // a row picked one of its stop tokens
+    for (; done < steps && !stopped && (done == 0 || __atomic_load_n(bumps, __ATOMIC_ACQUIRE) == seen); ++done) {
       for (int64_t b = 0; b < batch; ++b) {
         TORCH_CHECK(p[b] >= 0 && p[b] / page_size_ < width, "LlamaDecoder.steps_argmax: position ", p[b],
                     " outside the row's ", width, " pages");
@@ -203,6 +210,7 @@ class LlamaDecoder : public torch::CustomClassHolder {
         in[b] = picked.data_ptr<int64_t>()[b];
         picks.data_ptr<int64_t>()[b * steps + done] = in[b];
         ++p[b];
+        for (int64_t j = 0; j < per_row; ++j) stopped = stopped || stop[b * per_row + j] == in[b];
       }
     }
     return picks.narrow(1, 0, done).contiguous();
