@@ -192,7 +192,7 @@ def _no_leaks_after_test() -> Iterator[None]:
 # missing here only runs later; the list is a schedule, not a selection.
 SLOW_FIRST = (
     "test_tensor_parallel.py", "test_hybrid_gguf.py", "test_tensor_parallel_tiers.py", "test_routers_e2e.py",
-    "test_storage_tier.py", "test_cluster_e2e.py", "test_bit_exact_hybrid.py",
+    "test_storage_tier.py", "test_cluster_e2e.py", "test_decode_runs.py", "test_bit_exact_hybrid.py",
     "test_speculative_hybrid_grammar.py", "test_tensor_parallel_speculative.py", "test_quantized.py",
     "test_soak.py", "test_moe_gguf.py", "test_speculative_hybrid.py", "test_triton_graphs.py",
     "test_speculative.py", "test_tensor_parallel_graphs.py", "test_storage_e2e.py",
