@@ -17,13 +17,16 @@ server); it returns None with the reason where the CPU does not grant AMX.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import subprocess
 import sys
 import tarfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from benchmarks.serving import Progress
 
@@ -88,13 +91,42 @@ def fetch_source(cache: Path, only: tuple[str, ...] = ("",)) -> LlamaCpp:
 CONVERTER = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
 
 
+# One Python process runs the converter once per job: its imports (torch, transformers:
+# ~4 s on a 2-core machine) are paid once, not per file. `prelude` runs first (a caller's
+# fix-up of a library the converter uses). Each run is the script as `__main__` with its
+# own argv; a SystemExit of 0 or None is a finished run.
+CONVERT_MANY = """
+import json, os, runpy, sys
+script, jobs = sys.argv[1], json.loads(sys.argv[2])
+sys.path.insert(0, os.path.dirname(script))
+for argv in jobs:
+    sys.argv = [script, *argv]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as done:
+        if done.code not in (None, 0):
+            raise
+"""
+
+
+class Conversion(NamedTuple):
+    folder: Path
+    out: Path
+    args: tuple[str, ...] = ("--outtype", "f32")  # the converter's other flags
+
+
 def convert_hf(folder: Path, out: Path, outtype: str = "f32", cache: Path | None = None) -> Path:
     """A Hugging Face checkpoint folder converted to GGUF by the pinned llama.cpp's
     `convert_hf_to_gguf.py` (its tokenizer must be one the converter knows)."""
-    tree = fetch_source(cache or cache_root(), CONVERTER)
-    run_checked([sys.executable, str(tree.source / CONVERTER[0]), str(folder), "--outfile", str(out),
-                 "--outtype", outtype])
+    convert_many([Conversion(folder, out, ("--outtype", outtype))], cache=cache)
     return out
+
+
+def convert_many(jobs: Sequence[Conversion], prelude: str = "", cache: Path | None = None) -> None:
+    """Every job's folder converted to its `out` file, in order, in one converter process."""
+    tree = fetch_source(cache or cache_root(), CONVERTER)
+    argv = [[str(job.folder), "--outfile", str(job.out), *job.args] for job in jobs]
+    run_checked([sys.executable, "-c", prelude + CONVERT_MANY, str(tree.source / CONVERTER[0]), json.dumps(argv)])
 
 
 def run_checked(cmd: list[str], **kwargs: object) -> str:

@@ -15,8 +15,6 @@ routed scale of 1 (llama.cpp's lfm2moe reads none).
 from __future__ import annotations
 
 import importlib.util
-import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +50,9 @@ SHAPES: dict[str, dict[str, Any]] = {
 # tokenizer_config.json names (MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS), which re-splits
 # SmolLM2's vocabulary with Qwen's pre-tokenizer; the converter then recognizes no tokenizer.
 # The converter runs unchanged, with that override lifted for the folder's own class.
-CONVERTER_SHIM = (
-    "import os, runpy, sys; from transformers.models.auto import tokenization_auto as t; "
-    "t.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS.discard('qwen3_5_moe_text'); "
-    "sys.argv = sys.argv[1:]; sys.path.insert(0, os.path.dirname(sys.argv[0])); "
-    "runpy.run_path(sys.argv[0], run_name='__main__')"
+CONVERTER_PRELUDE = (
+    "from transformers.models.auto import tokenization_auto as t; "
+    "t.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS.discard('qwen3_5_moe_text')"
 )
 PROMPTS = [[(i * 977 + j * 131) % 49000 + 50 for j in range(n)] for i, n in enumerate((21, 6))]
 CHUNKS = [[8, 13], [6]]
@@ -78,17 +74,13 @@ def build_files(root: Path) -> None:
         builder: Any = BUILDERS[arch]
         folder = builder(root / arch, 0, shape={"vocab_size": tok.vocab_size, **SHAPES.get(arch, {})})
         save_tokenizer(tok, folder)
-    tree = llamacpp_build.fetch_source(llamacpp_build.cache_root(), llamacpp_build.CONVERTER)  # once
-    with ThreadPoolExecutor(2) as pool:  # one converter process per core
-        list(pool.map(lambda arch: convert(tree.source, root / arch, root / f"{arch}.gguf", arch), ARCHS))
-
-
-def convert(source: Path, folder: Path, out: Path, arch: str) -> None:
-    """The folder to F32 GGUF; the Qwen classes with --no-mtp (the folders have no
-    multi-token-prediction layer, and _QwenMtpMixin asserts one without the flag)."""
-    no_mtp = ["--no-mtp"] if arch in QWEN else []
-    llamacpp_build.run_checked([sys.executable, "-c", CONVERTER_SHIM, str(source / "convert_hf_to_gguf.py"),
-                                str(folder), "--outfile", str(out), "--outtype", "f32", *no_mtp])
+    # One converter process for every folder (its imports paid once); the Qwen classes with
+    # --no-mtp (the folders have no multi-token-prediction layer, and _QwenMtpMixin asserts one
+    # without the flag).
+    jobs = [llamacpp_build.Conversion(root / arch, root / f"{arch}.gguf",
+                                      ("--outtype", "f32", *(["--no-mtp"] if arch in QWEN else [])))
+            for arch in ARCHS]
+    llamacpp_build.convert_many(jobs, prelude=CONVERTER_PRELUDE)
 
 
 def zero_centred(arch: str, name: str) -> bool:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -57,9 +56,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def build_files(root: Path) -> None:
     folders = {arch: build_tiny_moe_for_gguf(arch, root / arch) for arch in ARCHS}
-    llamacpp_build.fetch_source(llamacpp_build.cache_root(), llamacpp_build.CONVERTER)  # once, before the pool
-    with ThreadPoolExecutor(len(ARCHS)) as pool:  # one converter process each
-        list(pool.map(lambda a: llamacpp_build.convert_hf(folders[a], root / f"{a}.gguf"), ARCHS))
+    llamacpp_build.convert_many([llamacpp_build.Conversion(folders[a], root / f"{a}.gguf") for a in ARCHS])
     requantize(root / "qwen3_moe.gguf", root / "qwen3_moe.q4_0.gguf")
 
 
