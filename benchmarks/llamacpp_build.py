@@ -42,6 +42,7 @@ NINJA_STEP = re.compile(r"^\[(\d+)/(\d+)\]")
 class LlamaCpp:
     root: Path  # the extracted sdist
     amx: bool = False  # built with AMX (build-amx/), else with the AMX flags switched off
+    avx2: bool = False  # built for AVX2-only CPUs (build-avx2/): GGML_NATIVE off, ggml's x86-64 AVX2 set
 
     @property
     def source(self) -> Path:
@@ -49,7 +50,7 @@ class LlamaCpp:
 
     @property
     def build_dir(self) -> Path:
-        return self.root / ("build-amx" if self.amx else "build")
+        return self.root / ("build-amx" if self.amx else "build-avx2" if self.avx2 else "build")
 
     def binary(self, name: str) -> Path:
         return self.build_dir / "bin" / name
@@ -146,7 +147,8 @@ def cmake_args(tree: LlamaCpp) -> list[str]:
     no_amx = " ".join(NO_AMX) if compiler_accepts(NO_AMX) and not tree.amx else ""
     return [
         "cmake", "-S", str(tree.source), "-B", str(tree.build_dir), "-G", "Ninja",
-        "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON",
+        # Without GGML_NATIVE, ggml enables SSE4.2, AVX, AVX2, BMI2, FMA and F16C: a Haswell-class CPU.
+        "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", f"-DGGML_NATIVE={'OFF' if tree.avx2 else 'ON'}",
         # The GGML_AMX_* switches only matter without GGML_NATIVE; the ISA flags stop -march=native.
         *(f"-DGGML_AMX_{part}={'ON' if tree.amx else 'OFF'}" for part in ("TILE", "INT8", "BF16")),
         f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}",
@@ -193,10 +195,14 @@ def check_no_amx(binary: Path) -> None:
     stamp.touch()
 
 
-def build(cache: Path, jobs: int, show_progress: bool, targets: tuple[str, ...] = TARGETS, amx: bool = False) -> LlamaCpp:
+def build(
+    cache: Path, jobs: int, show_progress: bool, targets: tuple[str, ...] = TARGETS, amx: bool = False,
+    avx2: bool = False,
+) -> LlamaCpp:
     """The pinned tree with `targets` built (only those: one configure serves every caller);
-    the first target is the one smoke-checked with `--version`."""
-    tree = LlamaCpp(fetch_source(cache).root, amx)
+    the first target is the one smoke-checked with `--version`. `avx2`: for AVX2-only CPUs,
+    the peer of tierserve run as one (tests/emulate_cpu, TIERSERVE_EMULATE_CPU=avx2)."""
+    tree = LlamaCpp(fetch_source(cache).root, amx, avx2)
     if not (tree.build_dir / "build.ninja").exists():
         print(f"configuring llama.cpp (llama-cpp-python {LLAMA_CPP_PYTHON}) in {tree.build_dir}")
         run_checked(cmake_args(tree))

@@ -313,6 +313,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="also write every number here")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-amx", action="store_true", help="no AMX llama.cpp build, even where the CPU runs AMX")
+    p.add_argument("--llama-avx2", action="store_true",
+                   help="llama.cpp built for AVX2-only CPUs (no AMX build): the peer of tierserve run as one "
+                        "on a bigger CPU (TIERSERVE_EMULATE_CPU=avx2 PYTHONPATH=tests/emulate_cpu, README)")
     args = p.parse_args(argv)
     if args.quick:
         args.requests, args.batch1_repeats = 8, 1
@@ -344,8 +347,9 @@ def systems(args: argparse.Namespace, tree: llamacpp_build.LlamaCpp, packaged: P
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    tree = llamacpp_build.build(args.cache, args.jobs, not args.no_progress)
-    amx_tree = None if args.no_amx else llamacpp_build.build_amx(args.cache, args.jobs, not args.no_progress)
+    tree = llamacpp_build.build(args.cache, args.jobs, not args.no_progress, avx2=args.llama_avx2)
+    no_amx = args.no_amx or args.llama_avx2
+    amx_tree = None if no_amx else llamacpp_build.build_amx(args.cache, args.jobs, not args.no_progress)
     packaged = args.model.resolve() if args.model else model_file()
     all_systems = systems(args, tree, packaged, amx_tree)
     args.log_dir = args.cache / "logs"

@@ -133,6 +133,15 @@ def test_the_amx_build_is_a_tree_of_its_own_with_amx_on() -> None:
     assert not any("-mno-amx" in a for a in amx_args)
 
 
+def test_the_avx2_build_is_a_tree_of_its_own_without_native_flags() -> None:
+    plain, avx2 = llamacpp_build.LlamaCpp(Path("/x")), llamacpp_build.LlamaCpp(Path("/x"), avx2=True)
+    assert len({plain.build_dir, avx2.build_dir, llamacpp_build.LlamaCpp(Path("/x"), amx=True).build_dir}) == 3
+    assert "-DGGML_NATIVE=ON" in llamacpp_build.cmake_args(plain)
+    avx2_args = llamacpp_build.cmake_args(avx2)
+    assert "-DGGML_NATIVE=OFF" in avx2_args and "-DGGML_AMX_INT8=OFF" in avx2_args
+    assert bench.parse_args(["--llama-avx2"]).llama_avx2 and not bench.parse_args([]).llama_avx2
+
+
 def test_no_amx_where_the_cpu_does_not_advertise_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from gpu import numerics
 
