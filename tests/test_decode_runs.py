@@ -11,6 +11,8 @@ off — go red.
 from __future__ import annotations
 
 import asyncio
+import random
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -172,6 +174,53 @@ def test_a_stop_inside_a_run_caches_only_what_it_kept(engine: Engine, reference:
     assert (hit["output_ids"], hit["meta_info"]["output_token_logprobs"]) == (
         cold["output_ids"], cold["meta_info"]["output_token_logprobs"])
     sched.check_integrity()
+
+
+def _settle(engine: Engine) -> None:
+    """Until the tier copies in flight have landed (a node is locked while it is copied, so
+    the pool's next fill would evict another victim)."""
+    deadline = time.monotonic() + 60
+    while not engine.engine.is_idle():  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, "tier copies still in flight"
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["runs", "planted: runs one position early"])
+def test_a_turn_written_by_runs_is_a_host_hit_equal_to_its_cold_run(planted: bool,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The KV that runs wrote (a first turn's output) goes to the host tier when the device
+    pool fills, comes back on the next turn's hit, and that turn `==` its cold run. Planted:
+    the runs write and read their KV one position early (red: the hit differs)."""
+    engine = Engine(CONFIG, {**NATIVE, "cache.num_pages": 41, "hicache.host_pages": 200,
+                             "scheduler.decode_steps": 3, "deterministic": True})
+    sched = _scheduler(engine)
+    if planted:
+        decoder = engine.engine.parts.runner.graphs.decoder  # type: ignore[attr-defined]
+        steps_argmax = decoder.steps_argmax
+        monkeypatch.setattr(decoder, "steps_argmax", lambda ids, positions, *rest: steps_argmax(ids, positions - 1, *rest))
+    rng = random.Random(3)
+    first, pushes = [rng.randint(50, 40000) for _ in range(30)], [[rng.randint(50, 40000) for _ in range(60)]
+                                                                   for _ in range(4)]
+    try:
+        before = sched.runs.runs if sched.runs is not None else 0
+        turn1 = engine.generate(first, {**PLAIN, "max_new_tokens": 24})
+        assert sched.runs is not None and sched.runs.runs > before, "the first turn ran no decode run"
+        turn2 = first + turn1["output_ids"] + [5, 6, 7]  # type: ignore[index]
+        for push in pushes:  # the device pool fills: the first turn goes to host
+            engine.generate(push, {**PLAIN, "max_new_tokens": 8})
+            _settle(engine)
+        follow = {**PLAIN, "max_new_tokens": 8, "return_logprob": True}
+        warm = engine.generate(turn2, follow)
+        tiers = warm["meta_info"]["cached_tokens_by_tier"]  # type: ignore[index]
+        assert tiers["host"] > 0 and tiers["device"] + tiers["host"] > len(first), tiers
+        assert engine.flush_cache()
+        cold = engine.generate(turn2, follow)
+        same = (warm["output_ids"], warm["meta_info"]["output_token_logprobs"]) == (  # type: ignore[index]
+            cold["output_ids"], cold["meta_info"]["output_token_logprobs"])  # type: ignore[index]
+        assert same != planted, "the hit differs from its cold run" if not planted else "the planted shift went unnoticed"
+        sched.check_integrity()
+    finally:
+        engine.shutdown()
 
 
 def test_requests_that_cannot_run_step_singly(engine: Engine) -> None:
