@@ -96,6 +96,9 @@ def test_ratios_compare_with_the_best_peer_of_each_metric() -> None:
     assert short["met"] == {"throughput": False, "ttft": False, "decode": False, "bandwidth": False,
                             "compute": False}
     assert any("49% of the read bandwidth bound" in line for line in report.ratio_lines([short]))
+    assert not any("past the float bound" in line for line in report.ratio_lines([short, r]))
+    beyond = report.ratios(row("ts", "tierserve", 180, 4.0, 170.0, 0.62, 2.47), peers)
+    assert any("247% of the compute bound (past the float bound" in line for line in report.ratio_lines([beyond]))
 
 
 def test_rounds_reduce_to_medians_and_bounds_are_added() -> None:
