@@ -133,7 +133,8 @@ def convert_many(jobs: Sequence[Conversion], prelude: str = "", cache: Path | No
 def run_checked(cmd: list[str], **kwargs: object) -> str:
     done = subprocess.run(cmd, check=False, capture_output=True, text=True, **kwargs)  # type: ignore[call-overload]
     if done.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd[:3])} ... failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        shown = " ".join("<inline script>" if "\n" in arg else arg for arg in cmd[:4])
+        raise SystemExit(f"{shown} ... failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return str(done.stdout)
 
 
