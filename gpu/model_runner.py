@@ -15,7 +15,14 @@ from gpu.graphs.cpu_step import CpuStepRunner
 from gpu.models.hybrid_step import HybridStep
 from gpu.prompt_logprobs import PromptLogprobs, prompt_logprobs
 from gpu.readback import Pending
-from gpu.sampling import DeviceSample, SamplingBatch, native_argmax_ready, picked_sample, sample_on_device
+from gpu.sampling import (
+    DeviceSample,
+    SamplingBatch,
+    native_argmax_ready,
+    picked_sample,
+    run_draws,
+    sample_on_device,
+)
 from gpu.step_inputs import StepInputs
 
 if TYPE_CHECKING:
@@ -188,9 +195,10 @@ class ModelRunner:
         argmax while the logits are in their caches), any other's from the logits."""
         sb = self.sampling_batch(batch)
         if batch.steps > 1:  # a decode run: every row's `steps` tokens at once
-            if not sb.plain_greedy:
-                raise ValueError("a decode run is for plain-greedy rows only")
-            return picked_sample(steps.replay_run(graph, batch), sb)
+            if not sb.picks_only:
+                raise ValueError("a decode run is for plain-greedy rows and rows drawn by temperature alone")
+            draws = run_draws(batch.sampling, batch.steps, self.vocab_size, self.device)
+            return picked_sample(steps.replay_run(graph, batch, *draws), sb)
         if sb.plain_greedy:
             return self.record_next(batch, picked_sample(steps.replay_argmax(graph, batch), sb))
         return self.record_next(batch, sample_on_device(steps.replay(graph, batch), sb))

@@ -149,6 +149,14 @@ class SamplingBatch:
     def any_penalty(self) -> bool:
         return self.repetition_penalty is not None or self.output_counts is not None
 
+    @property
+    def picks_only(self) -> bool:
+        """Only each row's token is read: plain greedy rows, and random rows drawn by their
+        temperature alone (`plain_draw`): what a decode run picks in-step."""
+        return self.plain_greedy or (
+            not self.logprob_row_ids and not self.any_penalty and self.bias_index is None and self.token_mask is None
+            and self.top_k is None and self.top_p is None and self.log_min_p is None and self.tests is None)
+
     @classmethod
     def build(cls, params: Sequence[SamplingSettings], seeds: list[int], steps: list[int],
               prompt_ids: Sequence[Sequence[int]], output_ids: Sequence[Sequence[int]], vocab_size: int,
@@ -245,8 +253,46 @@ def is_greedy(p: SamplingSettings) -> bool:
 
 def plain_greedy(p: SamplingSettings, no_logprobs: bool) -> bool:
     """A greedy row that reports no logprobs and has no penalty or bias: its token is the argmax."""
-    return (is_greedy(p) and no_logprobs and not p.top_logprobs_num and not p.logit_bias
-            and p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty)
+    return is_greedy(p) and _token_only(p, no_logprobs)
+
+
+def plain_draw(p: SamplingSettings, no_logprobs: bool) -> bool:
+    """A random row whose draw reads only its temperature (no top-k, top-p or min-p cut),
+    reporting no logprobs, with no penalty or bias: a decode run draws its tokens in-step."""
+    return (not is_greedy(p) and p.top_k < 1 and p.top_p >= 1.0 and p.min_p <= 0.0
+            and _token_only(p, no_logprobs))
+
+
+def _token_only(p: SamplingSettings, no_logprobs: bool) -> bool:
+    return (no_logprobs and not p.top_logprobs_num and not p.logit_bias and p.repetition_penalty == 1.0
+            and not p.frequency_penalty and not p.presence_penalty)
+
+
+class RunRow(SamplingSettings, Protocol):
+    """A row's settings and its draw's (seed, step): gpu.forward_batch.SamplingRow."""
+
+    @property
+    def seed(self) -> int: ...
+    @property
+    def step(self) -> int: ...
+
+
+def run_draws(rows: Sequence[RunRow], steps: int, vocab_size: int,
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode run's draws (gpu/graphs/cpu_step.py `replay_run`): each row's temperature
+    (float32 [B], 0 on a greedy row) and Gumbel noise (float32 [steps, B, V]; zeros on a
+    greedy row), at run step s the noise `_draw` gives the row at its step + s. Empty
+    tensors when every row is greedy. NOTE: the same keys (mix_seed(seed, step + s)) and
+    the same `gumbel_noise`, whose rows depend on their keys alone, so a run draws the
+    tokens its steps one at a time would."""
+    drawn = [b for b, r in enumerate(rows) if not is_greedy(r)]
+    if not drawn:
+        return torch.empty(0), torch.empty(0)
+    keys = [mix_seed(rows[b].seed, rows[b].step + s) for s in range(steps) for b in drawn]
+    noise = torch.zeros(steps, len(rows), vocab_size, device=device)
+    noise[:, drawn] = gumbel_noise(keys, vocab_size, device).view(steps, len(drawn), vocab_size)
+    temperature = to_device([r.temperature if b in drawn else 0.0 for b, r in enumerate(rows)], torch.float32, device)
+    return temperature, noise
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
@@ -281,8 +327,10 @@ def picked_sample(tokens: torch.Tensor, batch: SamplingBatch) -> DeviceSample:
     """`sample_on_device`'s result for a plain-greedy batch whose argmax was already taken
     (tokens [B] int64: the native CPU decode step picks it inside the step), or whose
     decode run picked [B, k] (k tokens a row, each row's in order: gpu/graphs/cpu_step.py)."""
-    if not batch.plain_greedy or tokens.dim() not in (1, 2) or tokens.shape[0] != batch.size:
-        raise ValueError("picked tokens stand for a plain-greedy batch's sampling, one (or one run) per row")
+    if not (batch.plain_greedy or (batch.picks_only and tokens.dim() == 2)) or tokens.dim() not in (1, 2) \
+            or tokens.shape[0] != batch.size:
+        raise ValueError("picked tokens stand for a plain-greedy batch's sampling (or a decode run's), "
+                         "one (or one run) per row")
     if tokens.dim() == 2:  # a run: row b's k tokens are sampling rows b * k .. b * k + k - 1
         tokens = tokens.reshape(-1)
         batch = dataclasses.replace(batch, size=tokens.numel(), top_logprobs_nums=(0,) * tokens.numel())

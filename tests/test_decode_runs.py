@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+from gpu import model_runner
 from gpu.graphs.cpu_step import CpuStepRunner
 from gpu.kernels import cpu
 from kernel import Engine
@@ -142,9 +143,8 @@ def test_planted_run_one_position_off_goes_red(engine: Engine, reference: list[A
     decoder = runner.graphs.decoder
     steps_argmax = decoder.steps_argmax
 
-    def shifted(ids: torch.Tensor, positions: torch.Tensor, pages: torch.Tensor, steps: int,
-                interrupts: torch.Tensor, stops: torch.Tensor) -> torch.Tensor:
-        return steps_argmax(ids, positions + 1, pages, steps, interrupts, stops)  # type: ignore[no-any-return]
+    def shifted(ids: torch.Tensor, positions: torch.Tensor, *rest: Any) -> torch.Tensor:
+        return steps_argmax(ids, positions + 1, *rest)  # type: ignore[no-any-return]
 
     monkeypatch.setattr(decoder, "steps_argmax", shifted)
     try:
@@ -224,14 +224,40 @@ def test_a_turn_written_by_runs_is_a_host_hit_equal_to_its_cold_run(planted: boo
 
 
 def test_requests_that_cannot_run_step_singly(engine: Engine) -> None:
-    """Logprobs or sampling on any row: no run (the step picks only plain-greedy tokens)."""
+    """Logprobs on any row, or a draw cut by top-k, top-p or min-p: no run (the step picks
+    only argmaxes and draws by temperature alone)."""
     sched = _scheduler(engine)
     assert sched.runs is not None
     before = sched.runs.runs
     engine.generate(_prompts()[:2], [{**PLAIN, "max_new_tokens": 9},
                                      {**PLAIN, "max_new_tokens": 9, "return_logprob": True}])
-    engine.generate(_prompts()[:1], {"temperature": 0.7, "seed": 3, "max_new_tokens": 9})
+    for cut in ({"top_p": 0.9}, {"top_k": 20}, {"min_p": 0.05}):
+        engine.generate(_prompts()[:1], {"temperature": 0.7, "seed": 3, "max_new_tokens": 9, **cut})
     assert sched.runs.runs == before
+
+
+def _draws() -> list[dict[str, Any]]:
+    """Rows drawn by temperature alone (seeded; two temperatures), and one greedy row."""
+    return [{"temperature": 0.6 + 0.3 * (i % 2), "seed": 11 + i, "ignore_eos": True, "max_new_tokens": n}
+            if i != 2 else {**PLAIN, "max_new_tokens": n} for i, n in enumerate(NEW_TOKENS)]
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["draws", "planted: noise a step late"])
+def test_draws_by_temperature_give_the_tokens_of_single_steps(engine: Engine, monkeypatch: pytest.MonkeyPatch,
+                                                              planted: bool) -> None:
+    """Seeded rows drawn by temperature alone run too: each step's Gumbel noise is the one
+    its single step draws with, so the tokens are theirs. Planted: each run step gets the
+    noise of the step before it (red)."""
+    reference = _generate(engine, _draws(), runs=False)
+    if planted:
+        real = model_runner.run_draws
+
+        def late(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            temperature, noise = real(*args)
+            return temperature, noise.roll(1, dims=0) if noise.numel() else noise
+
+        monkeypatch.setattr(model_runner, "run_draws", late)
+    assert (_generate(engine, _draws()) == reference) != planted
 
 
 async def test_aborts_while_runs_go_on(engine: Engine) -> None:

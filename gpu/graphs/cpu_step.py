@@ -38,6 +38,7 @@ log = structlog.get_logger("tierserve")
 # deterministic mode's runs one arithmetic for every token (the chained form), which the step
 # then runs too, so the step is exact there as well.
 PAGED_BACKENDS = (TorchAttention, PagedDeterministicAttention)
+EMPTY = torch.empty(0)  # a run's temperature and noise where every row is greedy
 
 
 def unsupported(model: Any, attention: AttentionBackend) -> str | None:
@@ -95,18 +96,21 @@ class CpuStepRunner:
         """The argmax of each sampling row's logits (int64 [R]) from one native decode step."""
         return self.decoder.step_argmax(*self.step_inputs(graph, batch))
 
-    def replay_run(self, graph: Graph, batch: ForwardBatch) -> torch.Tensor:
-        """A decode run (batch.steps > 1, every row plain greedy and sampled): up to `steps`
-        native decode steps back to back, each row's token the input of its next -> the
-        tokens, int64 [B, done]; done < steps where `interrupt_runs` cut it short or a row
-        picked one of its `batch.run_stops`."""
+    def replay_run(self, graph: Graph, batch: ForwardBatch, temperature: torch.Tensor = EMPTY,
+                   noise: torch.Tensor = EMPTY) -> torch.Tensor:
+        """A decode run (batch.steps > 1, every row sampled, plain greedy or drawn by its
+        temperature alone: `temperature` [B] and `noise` [steps, B, V] from gpu.sampling.run_draws,
+        empty where every row is greedy): up to `steps` native decode steps back to back, each
+        row's token the input of its next -> the tokens, int64 [B, done]; done < steps where
+        `interrupt_runs` cut it short or a row picked one of its `batch.run_stops`."""
         if batch.sample_rows != tuple(range(len(batch.rows))):
             raise ValueError("a decode run samples every row of its batch")
         input_ids, positions, _, paged, _ = self._decode_inputs(graph, batch, reach=batch.steps - 1)
         width = max((len(s) for s in batch.run_stops), default=0)
         stops = torch.tensor([(*s, *(-1,) * (width - len(s))) for s in batch.run_stops] or [()] * len(batch.rows),
                              dtype=torch.int64).reshape(len(batch.rows), width)
-        return self.decoder.steps_argmax(input_ids, positions, paged.page_table, batch.steps, self.interrupts, stops)
+        return self.decoder.steps_argmax(input_ids, positions, paged.page_table, batch.steps, self.interrupts, stops,
+                                         temperature, noise)
 
     def interrupt_runs(self) -> None:
         """From the loop thread: a request arrived, so the run planned last ends after its

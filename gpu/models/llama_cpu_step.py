@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 KERNELS = "decode_step"
 INT8, Q4 = 1, 2  # decode_step.cpp's weight kinds
-_EMPTY = torch.empty(0)
+_EMPTY = torch.empty(0)  # also a run's temperature and noise where every row is greedy
 
 
 class _KernelWeight(NamedTuple):
@@ -65,14 +65,17 @@ class CpuDecoder:
         return picks  # type: ignore[no-any-return]
 
     def steps_argmax(self, input_ids: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor,
-                     steps: int, interrupts: torch.Tensor, stops: torch.Tensor) -> torch.Tensor:
-        """`steps` greedy decode steps back to back (a decode run), each row's pick the input of
-        its next step -> the picks, int64 [B, done]. page_table reaches the last step's key;
-        each step writes its K/V where that table places its position. Once `interrupts`
-        (int64 [2]: a counter, its value when the run was planned) moves, or a row picks one
-        of its `stops` (int64 [B, S], -1 padded), the run ends after that step (done <= steps)."""
+                     steps: int, interrupts: torch.Tensor, stops: torch.Tensor,
+                     temperature: torch.Tensor = _EMPTY, noise: torch.Tensor = _EMPTY) -> torch.Tensor:
+        """`steps` decode steps back to back (a decode run), each row's pick the input of its
+        next step -> the picks, int64 [B, done]. page_table reaches the last step's key; each
+        step writes its K/V where that table places its position. Once `interrupts` (int64
+        [2]: a counter, its value when the run was planned) moves, or a row picks one of its
+        `stops` (int64 [B, S], -1 padded), the run ends after that step (done <= steps). A
+        row's pick is its logits' argmax, or where its `temperature` (float32 [B]) is > 0 a
+        Gumbel-max draw with `noise[s, b]` (float32 [steps, B, vocab]) at step s."""
         return self.native.steps_argmax(*_contiguous(input_ids, positions, page_table), steps,  # type: ignore[no-any-return]
-                                        interrupts, stops.contiguous())
+                                        interrupts, stops.contiguous(), temperature.contiguous(), noise.contiguous())
 
 
 def _contiguous(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -1,12 +1,13 @@
-"""Decode runs (`scheduler.decode_steps`): several greedy decode steps in one device call.
+"""Decode runs (`scheduler.decode_steps`): several decode steps in one device call.
 
 At batch 1 on CPU a decode step's own work is reading the weights once (~4 ms for the
 default model), and what surrounds it costs ~0.5 ms more a token: the loop applying and
 streaming the token and planning the next step, the device thread building the step's
 inputs, all paid with the caches the step just flushed. So when every running request is
-decoding with a plain-greedy row (its token is its logits' argmax: no sampling, logprobs,
-penalty, bias or grammar) and nothing waits to be admitted, the scheduler plans a run of
-k steps: the native CPU decode step runs them back to back, each row's token the input of
+decoding with a plain row (its token is its logits' argmax, or a draw by its temperature
+alone; no logprobs, penalty, bias or grammar) and nothing waits to be admitted, the
+scheduler plans a run of k steps: the native CPU decode step runs them back to back (a
+drawing row with its k steps' Gumbel noise: gpu.sampling.run_draws), each row's token the input of
 its next step (gpu/graphs/cpu_step.py `replay_run`), and the loop applies k tokens a
 request at once. Like SGLang's `--num-continuous-decode-steps`, with no Python between
 the steps.
@@ -35,7 +36,7 @@ from typing import Any
 
 from cache.allocator import pages_for
 from gpu.graphs.cpu_step import CpuStepRunner
-from gpu.sampling import plain_greedy
+from gpu.sampling import plain_draw, plain_greedy
 from kernel.config import ConfigError
 from kernel.request import Request
 from kernel.scheduling.step_plan import ScheduledChunk
@@ -69,7 +70,7 @@ class DecodeRuns:
         request must be in it, decoding plainly, and none waiting."""
         if waiting or not 0 < len(chunks) == len(running) <= self.max_rows:
             return 1
-        if not all(c.length == 1 and c.samples and not c.draft and runs_greedy(c.req) for c in chunks):
+        if not all(c.length == 1 and c.samples and not c.draft and runs_plainly(c.req) for c in chunks):
             return 1
         cap = self.row_steps // len(chunks) if self.row_steps is not None else self.steps
         steps = min(self.steps, cap, *(room(c.req, max_context) for c in chunks))
@@ -81,10 +82,12 @@ class DecodeRuns:
         return {"steps": self.steps, "runs": self.runs, "tokens": self.tokens, "cut": self.cut}
 
 
-def runs_greedy(req: Request) -> bool:
-    """Whether `req`'s next token is its logits' argmax and nothing else is read from them."""
+def runs_plainly(req: Request) -> bool:
+    """Whether `req`'s next token is all that is read from its logits, and it is their argmax
+    or a draw by its temperature alone (gpu.sampling `plain_greedy`, `plain_draw`)."""
     p = req.params
-    return req.grammar is None and plain_greedy(p, not (p.return_logprob or req.audit_logprobs))
+    no_logprobs = not (p.return_logprob or req.audit_logprobs)
+    return req.grammar is None and (plain_greedy(p, no_logprobs) or plain_draw(p, no_logprobs))
 
 
 def room(req: Request, max_context: int) -> int:

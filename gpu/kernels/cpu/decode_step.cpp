@@ -174,8 +174,13 @@ class LlamaDecoder : public torch::CustomClassHolder {
   // steps; the first step always runs), even for a bump made before the run started.
   // stops (int64 [B, S], -1 padded): each row's tokens that end its request; the run also
   // ends after a step where a row picks one (its request is done: report it now).
+  // temperature (float32 [B], or empty: every row greedy) and noise (float32 [steps, B,
+  // vocab], or empty): a row of temperature > 0 draws by Gumbel-max instead, its pick at
+  // step s the first index of max(logits / temperature + noise[s, b]), each operation
+  // rounded to float32 on its own, as gpu/sampling.py's `_draw` computes it.
   at::Tensor steps_argmax(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& page_table,
-                          int64_t steps, const at::Tensor& interrupts, const at::Tensor& stops) {
+                          int64_t steps, const at::Tensor& interrupts, const at::Tensor& stops,
+                          const at::Tensor& temperature, const at::Tensor& noise) {
     const int64_t batch = ids.size(0), width = page_table.size(1);
     TORCH_CHECK(steps >= 1, "LlamaDecoder.steps_argmax: steps must be >= 1, got ", steps);
     TORCH_CHECK(ids.dim() == 1 && positions.dim() == 1 && positions.size(0) == batch && ids.scalar_type() == at::kLong &&
@@ -186,6 +191,15 @@ class LlamaDecoder : public torch::CustomClassHolder {
                 "LlamaDecoder.steps_argmax: interrupts must be two int64s (the counter, its value at planning)");
     TORCH_CHECK(stops.dim() == 2 && stops.size(0) == batch && stops.scalar_type() == at::kLong && stops.is_contiguous(),
                 "LlamaDecoder.steps_argmax: stops must be contiguous int64 [B, S]");
+    const bool draws = temperature.numel() > 0;
+    TORCH_CHECK(!draws || (temperature.dim() == 1 && temperature.size(0) == batch && temperature.scalar_type() == at::kFloat &&
+                           temperature.is_contiguous() && noise.dim() == 3 && noise.size(0) == steps &&
+                           noise.size(1) == batch && noise.size(2) == vocab_ && noise.scalar_type() == at::kFloat &&
+                           noise.is_contiguous()),
+                "LlamaDecoder.steps_argmax: temperature float32 [B] and noise contiguous float32 [steps, B, vocab], "
+                "or both empty");
+    const float* temp = draws ? temperature.data_ptr<float>() : nullptr;
+    std::vector<float> scores(draws ? vocab_ : 0);
     const int64_t* stop = stops.data_ptr<int64_t>();
     const int64_t per_row = stops.size(1);
     at::Tensor input = ids.contiguous().clone(), pos = positions.contiguous().clone();
@@ -205,9 +219,11 @@ class LlamaDecoder : public torch::CustomClassHolder {
         loc.data_ptr<int64_t>()[b] = table[b * width + p[b] / page_size_] * page_size_ + p[b] % page_size_;
         lens.data_ptr<int64_t>()[b] = p[b] + 1;
       }
-      const at::Tensor picked = std::get<1>(forward(input, pos, loc, page_table, lens, rows, true));
+      const auto [logits, picked] = forward(input, pos, loc, page_table, lens, rows, true);
       for (int64_t b = 0; b < batch; ++b) {
         in[b] = picked.data_ptr<int64_t>()[b];
+        if (draws && temp[b] > 0.0f) in[b] = draw(logits.data_ptr<float>() + b * vocab_, temp[b],
+                                                  noise.data_ptr<float>() + (done * batch + b) * vocab_, scores.data());
         picks.data_ptr<int64_t>()[b * steps + done] = in[b];
         ++p[b];
         for (int64_t j = 0; j < per_row; ++j) stopped = stopped || stop[b * per_row + j] == in[b];
@@ -217,6 +233,17 @@ class LlamaDecoder : public torch::CustomClassHolder {
   }
 
  private:
+  // Gumbel-max: the first index of max(logits / t + noise) (gpu/sampling.py `_draw` on a row
+  // that only has a temperature): the division and the sum each rounded to float32, in that
+  // order, as torch does them one tensor op at a time (the build never contracts them).
+  int64_t draw(const float* logits, float t, const float* noise, float* scores) const {
+    for (int64_t v = 0; v < vocab_; ++v) {
+      const float tempered = logits[v] / t;
+      scores[v] = tempered + noise[v];
+    }
+    return tierserve_argmax::argmax_row(scores, vocab_);
+  }
+
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& ids, const at::Tensor& positions,
                                              const at::Tensor& out_loc, const at::Tensor& page_table,
                                              const at::Tensor& seq_lens, const at::Tensor& logit_rows, bool pick) {
