@@ -291,7 +291,7 @@ def run_draws(rows: Sequence[RunRow], steps: int, vocab_size: int,
     keys = [mix_seed(rows[b].seed, rows[b].step + s) for s in range(steps) for b in drawn]
     noise = torch.zeros(steps, len(rows), vocab_size, device=device)
     noise[:, drawn] = gumbel_noise(keys, vocab_size, device).view(steps, len(drawn), vocab_size)
-    temperature = to_device([r.temperature if b in drawn else 0.0 for b, r in enumerate(rows)], torch.float32, device)
+    temperature = to_device([0.0 if is_greedy(r) else r.temperature for r in rows], torch.float32, device)
     return temperature, noise
 
 
