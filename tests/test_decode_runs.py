@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -32,6 +31,7 @@ from kernel.scheduling.scheduler import Scheduler
 from plugins.metrics import EngineCollector
 from tests.aborts import leave_and_abort, wait_idle
 from tests.conftest import CONFIG, TINY_OVERRIDES
+from tests.test_host_tier import settle
 
 if not all(cpu.load(name) for name in ("decode_step", "quant_gemv", "paged_attention", "llama_glue")):
     pytest.skip("the C++ CPU kernels are off or do not build here", allow_module_level=True)
@@ -176,15 +176,6 @@ def test_a_stop_inside_a_run_caches_only_what_it_kept(engine: Engine, reference:
     sched.check_integrity()
 
 
-def _settle(engine: Engine) -> None:
-    """Until the tier copies in flight have landed (a node is locked while it is copied, so
-    the pool's next fill would evict another victim)."""
-    deadline = time.monotonic() + 60
-    while not engine.engine.is_idle():  # type: ignore[attr-defined]
-        assert time.monotonic() < deadline, "tier copies still in flight"
-        time.sleep(0.005)
-
-
 @pytest.mark.parametrize("planted", [False, True], ids=["runs", "planted: runs one position early"])
 def test_a_turn_written_by_runs_is_a_host_hit_equal_to_its_cold_run(planted: bool,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
@@ -208,7 +199,7 @@ def test_a_turn_written_by_runs_is_a_host_hit_equal_to_its_cold_run(planted: boo
         turn2 = first + turn1["output_ids"] + [5, 6, 7]  # type: ignore[index]
         for push in pushes:  # the device pool fills: the first turn goes to host
             engine.generate(push, {**PLAIN, "max_new_tokens": 8})
-            _settle(engine)
+            settle(engine)
         follow = {**PLAIN, "max_new_tokens": 8, "return_logprob": True}
         warm = engine.generate(turn2, follow)
         tiers = warm["meta_info"]["cached_tokens_by_tier"]  # type: ignore[index]
