@@ -43,6 +43,7 @@ class ModelArchConfig:
     norm_topk_prob: bool = False  # renormalize the top-k routing weights to sum to 1
     moe_routing: str = "softmax"  # "softmax" (Qwen3-MoE family, Mixtral) or "sigmoid" (LFM2-MoE)
     routed_scaling_factor: float = 1.0  # sigmoid routing: the weights' final scale
+    expert_bias: bool = True  # sigmoid routing: add the checkpoint's expert_bias where it has one (use_expert_bias)
     sparse_layers: tuple[int, ...] = ()
 
     @property

@@ -7,7 +7,9 @@ shown red when planted wrong."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -151,3 +153,33 @@ def test_models_share_qwen3_5s_forward() -> None:
     """Qwen3-Next differs from Qwen3.5-MoE only in where its in_proj rows come from."""
     assert issubclass(Qwen3NextModel, Qwen3_5MoeModel)
     assert Qwen3NextModel.hidden is Qwen3_5MoeModel.hidden and Qwen3NextModel._mlp is Qwen3_5MoeModel._mlp
+
+
+@pytest.fixture(scope="module")
+def lfm2_moe_bias_off(hybrid_moe_folders: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny LFM2-MoE with `use_expert_bias: false`, its (non-zero) expert_bias tensors
+    still in the file, as a checkpoint trained without the bias may carry them."""
+    source = Path(hybrid_moe_folders["lfm2_moe"])
+    folder = tmp_path_factory.mktemp("lfm2_moe_bias_off")
+    for item in source.iterdir():
+        (folder / item.name).symlink_to(item)
+    config = json.loads((source / "config.json").read_text())
+    (folder / "config.json").unlink()
+    (folder / "config.json").write_text(json.dumps({**config, "use_expert_bias": False}))
+    return str(folder)
+
+
+def test_expert_bias_switched_off_by_the_config(lfm2_moe_bias_off: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """use_expert_bias false: experts chosen by sigmoid scores alone, as transformers does
+    (it builds no bias buffer). Planted: the flag ignored, the file's bias used (red)."""
+    assert not load_hf_folder(lfm2_moe_bias_off, torch.float32).arch.expert_bias
+    reference = reference_of(lfm2_moe_bias_off)
+    worst, flips = worst_error(lfm2_moe_bias_off, reference, "split")
+    assert worst < 1e-3 and flips == 0, (worst, flips)
+
+    from gpu.loader import hf
+
+    fields = hf._lfm2_moe_fields
+    monkeypatch.setattr(hf, "_lfm2_moe_fields", lambda lfm2, config: fields(lfm2, {**config, "use_expert_bias": True}))
+    worst, flips = worst_error(lfm2_moe_bias_off, reference, "split")
+    assert not (worst < 1e-3 and flips == 0), f"the flag ignored: still within bounds ({worst:.2e})"

@@ -27,6 +27,9 @@ ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen3_5ForCausalLM": "qwen3_5_text",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
+    # The hub's Qwen3.5 folders: the text model under text_config and model.language_model.
+    "Qwen3_5ForConditionalGeneration": "qwen3_5_text",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe_text",
     "Qwen3NextForCausalLM": "qwen3_next",
     "Lfm2ForCausalLM": "lfm2",
     "Lfm2MoeForCausalLM": "lfm2_moe",
@@ -38,9 +41,26 @@ def load_hf_folder(path: str, dtype: torch.dtype) -> Checkpoint:
     config = _read_json(os.path.join(path, "config.json"))
     if config is None:
         raise FileNotFoundError(f"{path} has no config.json; not a Hugging Face model folder")
+    config = text_config(config)
     arch = build_arch_config(config)
     weights = load_safetensors(path, dtype, arch.tie_word_embeddings)
     return Checkpoint(arch=arch, weights=weights, tokenizer=load_hf_tokenizer(path, config))
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config: a multimodal folder's text_config (its own values
+    first, the top level's for the rest), else the config as it is."""
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        return config
+    top = {k: v for k, v in config.items() if k not in ("text_config", "vision_config")}
+    return {**top, **text, "architectures": config.get("architectures") or []}
+
+
+# A multimodal folder's tensors: the language model's under model.language_model. (read as
+# model.); the vision tower's and the multi-token-prediction head's are not used.
+TEXT_PREFIX = ("model.language_model.", "model.")
+UNUSED_PREFIXES = ("model.visual.", "visual.", "mtp.")
 
 
 def build_arch_config(config: dict[str, Any]) -> ModelArchConfig:
@@ -149,7 +169,8 @@ def _lfm2_fields(base: ModelArchConfig, config: dict[str, Any]) -> ModelArchConf
 
 def _lfm2_moe_fields(lfm2: ModelArchConfig, config: dict[str, Any]) -> ModelArchConfig:
     """LFM2-MoE: LFM2's layers; the first num_dense_layers MLPs dense (intermediate_size as
-    it is: no auto-adjust), the rest sparse with sigmoid routing (Lfm2MoeTopKRouter)."""
+    it is: no auto-adjust), the rest sparse with sigmoid routing (Lfm2MoeTopKRouter), its
+    expert bias as use_expert_bias says."""
     dense = int(config.get("num_dense_layers", 2))
     return dataclasses.replace(
         lfm2,
@@ -160,6 +181,8 @@ def _lfm2_moe_fields(lfm2: ModelArchConfig, config: dict[str, Any]) -> ModelArch
         norm_topk_prob=bool(config.get("norm_topk_prob", True)),
         moe_routing="sigmoid",
         routed_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
+        # Off: transformers builds no expert_bias buffer, so one the file still holds is unused.
+        expert_bias=bool(config.get("use_expert_bias", True)),
         sparse_layers=tuple(range(dense, lfm2.num_layers)),
     )
 
@@ -187,8 +210,10 @@ def load_safetensors(path: str, dtype: torch.dtype, tied: bool) -> dict[str, tor
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         for name, tensor in load_file(file).items():
-            if name.endswith("rotary_emb.inv_freq"):
-                continue  # a buffer some old exports saved; rope comes from the config
+            if name.endswith("rotary_emb.inv_freq") or name.startswith(UNUSED_PREFIXES):
+                continue  # a buffer some old exports saved (rope comes from the config), or not the text model's
+            if name.startswith(TEXT_PREFIX[0]):
+                name = TEXT_PREFIX[1] + name[len(TEXT_PREFIX[0]):]
             weights[name] = tensor.to(dtype)
     if tied:
         # Tied models share the embedding; a saved copy would only waste memory.

@@ -67,7 +67,8 @@ class MoeLayers:
                 down=w.linear([s + "down_proj.weight"]),
                 gate=w.get(p + "shared_expert_gate.weight"),
             )
-        bias = w.get(p + "expert_bias", torch.float32) if p + "expert_bias" in w else None
+        used = self.arch.expert_bias and p + "expert_bias" in w
+        bias = w.get(p + "expert_bias", torch.float32) if used else None
         return SparseBlock(router=w.get(p + "gate.weight"), expert_bias=bias, experts=experts, shared=common)
 
     def __contains__(self, layer: int) -> bool:
