@@ -205,7 +205,7 @@ def _build_components(
             prefix=prefix,
             hybrid=hybrid,
             speculator=speculator,
-            runs=decode_runs.resolve(config.scheduler.decode_steps, runner.graphs, overlap, speculator is not None),
+            runs=decode_runs.resolve(config.scheduler.decode_steps, runner.graphs, overlap),
         ),
         tokenizer=tokenizer,
         num_pages=num_pages,

@@ -135,7 +135,7 @@ class SchedulerConfig:
     # Decode runs (kernel/scheduling/decode_runs.py): greedy decode steps run back to back in
     # one native call while every running request decodes plain-greedily and none waits.
     # auto: up to 8 steps (and 32 row-steps) a run where the native CPU decode step runs
-    # (without overlap or speculation), else 1.
+    # without overlap (with speculation: steps in which nobody drafts), else 1.
     decode_steps: int | str = "auto"
 
     def validate(self) -> None:

@@ -347,6 +347,51 @@ def test_a_stop_token_ends_the_run(engine: Engine, reference: list[Any], monkeyp
     assert (sched.runs.cut > before) != planted, f"{sched.runs.cut - before} runs ended early"
 
 
+# Speculation lends runs the steps in which nobody drafts: over max_batch (2), and while a
+# request rests (any imperfect verify step sends it resting for 6 decode steps).
+SPECULATING = {**NATIVE, "scheduler.decode_steps": 4, "speculative.method": "ngram", "speculative.max_batch": 2,
+               "speculative.window": 1, "speculative.min_acceptance": 1.0, "speculative.cooldown": 6}
+
+
+@pytest.fixture(scope="module")
+def speculating() -> Iterator[Engine]:
+    engine = Engine(CONFIG, SPECULATING)
+    TOKENS.update((text, engine.engine.tokenizer.encode(text)) for text in PROMPTS)  # type: ignore[attr-defined]
+    yield engine
+    engine.shutdown()
+
+
+def _one_at_a_time(engine: Engine, runs: bool) -> list[Any]:
+    sched = _scheduler(engine)
+    kept = sched.runs
+    if not runs:
+        sched.runs = None
+    try:
+        engine.flush_cache()
+        outs = [engine.generate(prompt, {**PLAIN, "max_new_tokens": 40}) for prompt in _prompts()]
+    finally:
+        sched.runs = kept
+    return [(o["output_ids"], o["meta_info"].get("spec_verify_ct", 0)) for o in outs]  # type: ignore[index]
+
+
+def test_speculation_lends_its_quiet_steps_to_runs(speculating: Engine) -> None:
+    """Over max_batch nobody drafts, and a resting request drafts nothing: those steps run
+    as decode runs (kernel/speculative/speculator.py `quiet_steps`), with the tokens of
+    single steps; a run counts against the rest (`rest`), so drafting resumes on time."""
+    runs, spec = _scheduler(speculating).runs, _scheduler(speculating).speculator
+    assert runs is not None and spec is not None
+    before = runs.runs
+    params = [{**PLAIN, "max_new_tokens": n} for n in NEW_TOKENS]
+    skipped = spec.counters.skipped_batches
+    assert _generate(speculating, params) == _generate(speculating, params, runs=False)  # 6 rows > max_batch
+    assert spec.counters.skipped_batches > skipped and runs.runs > before
+    before, verified = runs.runs, spec.counters.verify_steps
+    alone = _one_at_a_time(speculating, runs=True)
+    assert [ids for ids, _ in alone] == [ids for ids, _ in _one_at_a_time(speculating, runs=False)]
+    assert runs.runs > before and spec.counters.verify_steps > verified  # rests ran as runs, and it drafted again
+    assert all(steps > 0 for _, steps in alone), "a request stopped drafting after its first rest"
+
+
 def test_settings(tiny_chat_folder: str) -> None:
     for bad in (0, -2, "many"):
         with pytest.raises(ConfigError, match="scheduler.decode_steps"):
@@ -358,18 +403,17 @@ def test_settings(tiny_chat_folder: str) -> None:
         assert _scheduler(auto).runs is None
     finally:
         auto.shutdown()
-    assert decode_runs.resolve("auto", None, overlap=False, speculative=False) is None
-    assert decode_runs.resolve(1, None, overlap=False, speculative=False) is None
+    assert decode_runs.resolve("auto", None, overlap=False) is None
+    assert decode_runs.resolve(1, None, overlap=False) is None
 
 
 def test_auto_runs_shorten_as_the_batch_grows(engine: Engine) -> None:
     """auto: 8 steps, at most 32 row-steps a run (8 rows: 4 steps; beyond 16 rows: none);
     a run also stops at max_tokens, the context and the free pages."""
     graphs = engine.engine.parts.runner.graphs  # type: ignore[attr-defined]
-    runs = decode_runs.resolve("auto", graphs, overlap=False, speculative=False)
+    runs = decode_runs.resolve("auto", graphs, overlap=False)
     assert runs is not None and (runs.steps, runs.row_steps) == (8, 32)
-    assert decode_runs.resolve("auto", graphs, overlap=True, speculative=False) is None
-    assert decode_runs.resolve("auto", graphs, overlap=False, speculative=True) is None
+    assert decode_runs.resolve("auto", graphs, overlap=True) is None
     params = SamplingParams(temperature=0, max_new_tokens=100)
 
     def chunks(rows: int, made: int = 0) -> list[Any]:

@@ -286,8 +286,17 @@ def test_adaptive_rule_rests_a_request_and_max_batch() -> None:
     assert spec.counters.paused_requests == 1
     assert [draft(req, 4) for _ in range(3)] == [()] * 3
     assert len(draft(req, 4)) == 1  # back after the cooldown, at the halved length
+    # Quiet steps (a decode run may take them): this one alone after a step that could draft,
+    # this one and the rest of a rest; a run counts against the rest.
+    assert spec.quiet_steps(req) == 1
+    for _ in range(4):
+        spec.record(req, 4, 0)
+    assert draft(req, 4) == () and spec.quiet_steps(req) == 3  # resting: this step and 2 more
+    spec.rest(req, 1)  # a run of 2 took this step and the next
+    assert spec.quiet_steps(req) == 2 and draft(req, 4) == () and len(draft(req, 4)) == 1
     spec.begin_step(3)  # more decodes than max_batch: nobody drafts
     assert draft(req, 4) == () and spec.counters.skipped_batches == 1
+    assert spec.quiet_steps(req) >= 1 << 20  # for as long as the batch stays over max_batch
     spec.row_limit = 5
     spec.begin_step(2)  # 3 draft rows left under the graph buckets
     other = request([7, 8] * 10)

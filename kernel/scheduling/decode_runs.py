@@ -65,15 +65,16 @@ class DecodeRuns:
     cut: int = 0  # runs that ended early: an arrival, or a row's stop token
 
     def length(self, chunks: Sequence[ScheduledChunk], running: Sequence[Request], waiting: int,
-               free_pages: int, page_size: int, max_context: int) -> int:
+               free_pages: int, page_size: int, max_context: int, quiet: int | None = None) -> int:
         """How many steps the plan `chunks` may run as one (1: a plain step). Every running
-        request must be in it, decoding plainly, and none waiting."""
+        request must be in it, decoding plainly, and none waiting; with speculative decoding,
+        at most `quiet` steps (those in which no request of it would draft)."""
         if waiting or not 0 < len(chunks) == len(running) <= self.max_rows:
             return 1
         if not all(c.length == 1 and c.samples and not c.draft and runs_plainly(c.req) for c in chunks):
             return 1
         cap = self.row_steps // len(chunks) if self.row_steps is not None else self.steps
-        steps = min(self.steps, cap, *(room(c.req, max_context) for c in chunks))
+        steps = min(self.steps, cap, self.steps if quiet is None else quiet, *(room(c.req, max_context) for c in chunks))
         while steps > 1 and pages_wanted(chunks, steps, page_size) > free_pages:
             steps -= 1
         return max(1, steps)
@@ -100,23 +101,24 @@ def pages_wanted(chunks: Sequence[ScheduledChunk], steps: int, page_size: int) -
     return sum(max(0, pages_for(c.req.kv_len + steps, page_size) - len(c.req.pages)) for c in chunks)
 
 
-def resolve(setting: int | str, graphs: Any, overlap: bool, speculative: bool) -> DecodeRuns | None:
+def resolve(setting: int | str, graphs: Any, overlap: bool) -> DecodeRuns | None:
     """`scheduler.decode_steps` for this engine: its runs, or None (one step a device call).
-    Runs need the native CPU decode step (gpu/graphs/cpu_step.py), and neither overlap
-    scheduling (its next step is planned before this one's tokens are back) nor speculation
-    (its verify steps are runs of their own)."""
+    Runs need the native CPU decode step (gpu/graphs/cpu_step.py), and no overlap
+    scheduling (its next step is planned before this one's tokens are back). With
+    speculative decoding a run takes only steps in which no request would draft
+    (kernel/speculative/speculator.py `quiet_steps`)."""
     native = isinstance(graphs, CpuStepRunner) and graphs.decode_rows > 0
     if setting == "auto":
-        if not native or overlap or speculative:
+        if not native or overlap:
             return None
         return DecodeRuns(AUTO_STEPS, min(graphs.decode_rows, AUTO_ROW_STEPS // 2), AUTO_ROW_STEPS,
                           graphs.interrupt_runs, graphs.plan_run)
     assert isinstance(setting, int)
     if setting == 1:
         return None
-    if not native or overlap or speculative:
+    if not native or overlap:
         raise ConfigError(
             f"scheduler.decode_steps: {setting} needs the native CPU decode step (graphs.mode cpu, or auto on "
-            "CPU for a dense Llama-family model) with scheduler.overlap and speculative decoding off"
+            "CPU for a dense Llama-family model) with scheduler.overlap off"
         )
     return DecodeRuns(setting, graphs.decode_rows, interrupt=graphs.interrupt_runs, planned=graphs.plan_run)

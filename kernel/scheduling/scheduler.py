@@ -180,13 +180,17 @@ class Scheduler:
         runs = self.runs
         if runs is None:
             return chunks
+        spec = self.speculator
+        quiet = min((spec.quiet_steps(c.req) for c in chunks), default=1) if spec is not None else None
         steps = runs.length(chunks, self.running, len(self.waiting), self.allocator.num_free, self.page_size,
-                            self.max_context)
+                            self.max_context, quiet)
         if steps == 1:
             return chunks
         for chunk in chunks:
             reserved = self._reserve(chunk.req, chunk.req.kv_len + steps, evict=False)
             assert reserved, "free pages promised for the run"
+            if spec is not None:
+                spec.rest(chunk.req, steps - 1)
         runs.runs += 1
         runs.planned()
         return [c._replace(steps=steps, run_stops=self._stop_ids(c.req)) for c in chunks]

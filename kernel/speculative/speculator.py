@@ -24,6 +24,8 @@ from kernel.request import Request
 from kernel.speculative.drafter import Drafter
 from kernel.speculative.tree import DraftTree, legal_tree
 
+UNBOUNDED = 1 << 30  # quiet_steps of a request that never drafts
+
 
 @dataclass
 class _Track:
@@ -97,6 +99,22 @@ class Speculator:
             tree = legal_tree(tree, req.grammar.legal_prefix)
         self.rows_left -= len(tree.tokens)
         return tree
+
+    def quiet_steps(self, req: Request) -> int:
+        """Decode steps, from the one being planned, in which `req` drafts nothing whatever
+        its tokens, so a decode run may take them (kernel/scheduling/decode_runs.py). Asked
+        after this step's `draft` gave it nothing: the steps it still rests, else this one
+        alone (what it drafts next depends on the token this step picks)."""
+        if not self.batch_on or not req.params.speculative:
+            return UNBOUNDED
+        track = self._tracks.get(req.rid)
+        return 1 + (track.resting if track is not None else 0)
+
+    def rest(self, req: Request, steps: int) -> None:
+        """A decode run took `steps` more of `req`'s quiet steps (`quiet_steps`)."""
+        track = self._tracks.get(req.rid)
+        if track is not None:
+            track.resting = max(0, track.resting - steps)
 
     def rejects(self, req: Request) -> bool:
         """Whether `req`'s drafts are verified by the rejection rule (speculative.acceptance
