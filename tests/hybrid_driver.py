@@ -9,6 +9,7 @@ log-probabilities at each request's last token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -167,13 +168,14 @@ def run_schedule(
 
 
 def reference_generate(
-    folder: str, prompts: list[list[int]], num_decode: int
+    folder: str, prompts: list[list[int]], num_decode: int, model_class: Any = None
 ) -> list[tuple[list[int], torch.Tensor]]:
     """transformers' greedy generate, one prompt at a time (its own cache: chunked prefill,
-    recurrent decode) -> per prompt the generated ids and logprobs [num_decode, vocab]."""
+    recurrent decode) -> per prompt the generated ids and logprobs [num_decode, vocab].
+    `model_class`: the class to load (AutoModelForCausalLM by default)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = (model_class or AutoModelForCausalLM).from_pretrained(folder, dtype=torch.float32).eval()
     results = []
     with torch.inference_mode():
         for prompt in prompts:

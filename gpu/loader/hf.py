@@ -49,12 +49,15 @@ def load_hf_folder(path: str, dtype: torch.dtype) -> Checkpoint:
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
     """The language model's config: a multimodal folder's text_config (its own values
-    first, the top level's for the rest), else the config as it is."""
+    first, the top level's for the rest), else the config as it is. NOTE: whether the head
+    is tied is the top level's to say: transformers ties a multimodal model's embeddings by
+    it, and writes text_config's own flag as its default (false) beside a top-level true."""
     text = config.get("text_config")
     if not isinstance(text, dict):
         return config
     top = {k: v for k, v in config.items() if k not in ("text_config", "vision_config")}
-    return {**top, **text, "architectures": config.get("architectures") or []}
+    tied = {"tie_word_embeddings": top["tie_word_embeddings"]} if "tie_word_embeddings" in top else {}
+    return {**top, **text, **tied, "architectures": config.get("architectures") or []}
 
 
 # A multimodal folder's tensors: the language model's under model.language_model. (read as

@@ -81,11 +81,12 @@ def build_tiny_qwen3_5_moe(folder: Path, seed: int = 0, max_positions: int = 102
     return _save(Qwen3_5MoeForCausalLM, config, folder, seed)
 
 
-def build_tiny_qwen3_5_multimodal(folder: Path, seed: int = 0, moe: bool = False) -> Path:
+def build_tiny_qwen3_5_multimodal(folder: Path, seed: int = 0, moe: bool = False, tied: bool = False) -> Path:
     """Qwen3.5 (or Qwen3.5-MoE) as the hub ships it: Qwen3_5(Moe)ForConditionalGeneration,
     the text model's config under text_config and its weights under model.language_model.,
     a (one-block) vision tower beside it, and a multi-token-prediction tensor in a shard of
-    its own, as the hub's files carry one."""
+    its own, as the hub's files carry one. `tied`: the head tied to the embeddings (the
+    small Qwen3.5 models), which transformers records at the top level only."""
     from safetensors.torch import save_file
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForConditionalGeneration
@@ -94,7 +95,7 @@ def build_tiny_qwen3_5_multimodal(folder: Path, seed: int = 0, moe: bool = False
     vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": text["hidden_size"]}
     config_cls, model_cls = ((Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration) if moe
                              else (Qwen3_5Config, Qwen3_5ForConditionalGeneration))
-    _save(model_cls, config_cls(text_config=text, vision_config=vision), folder, seed)
+    _save(model_cls, config_cls(text_config=text, vision_config=vision, tie_word_embeddings=tied), folder, seed)
     save_file({"mtp.fc.weight": torch.randn(text["hidden_size"], 2 * text["hidden_size"])}, str(folder / "mtp.safetensors"))
     return folder
 
