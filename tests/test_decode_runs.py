@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
@@ -68,16 +69,25 @@ def _scheduler(engine: Engine) -> Scheduler:
     return engine.engine.scheduler  # type: ignore[attr-defined, no-any-return]
 
 
-def _generate(engine: Engine, params: list[dict[str, Any]], runs: bool = True) -> list[Any]:
+@contextmanager
+def _cold(engine: Engine, runs: bool) -> Iterator[None]:
+    """From a cold cache, with the engine's runs attached or detached (single steps)."""
     sched = _scheduler(engine)
-    kept, before = sched.runs, (sched.runs.runs if sched.runs is not None else 0)
+    kept = sched.runs
     if not runs:
         sched.runs = None
     try:
-        engine.flush_cache()  # every call from a cold cache, runs or not
-        outs = engine.generate(_prompts(), params)
+        engine.flush_cache()
+        yield
     finally:
         sched.runs = kept
+
+
+def _generate(engine: Engine, params: list[dict[str, Any]], runs: bool = True) -> list[Any]:
+    kept = _scheduler(engine).runs
+    before = kept.runs if kept is not None else 0
+    with _cold(engine, runs):
+        outs = engine.generate(_prompts(), params)
     assert isinstance(outs, list) and kept is not None
     if runs:
         assert kept.runs > before, "no decode run was planned"
@@ -362,15 +372,8 @@ def speculating() -> Iterator[Engine]:
 
 
 def _one_at_a_time(engine: Engine, runs: bool) -> list[Any]:
-    sched = _scheduler(engine)
-    kept = sched.runs
-    if not runs:
-        sched.runs = None
-    try:
-        engine.flush_cache()
+    with _cold(engine, runs):
         outs = [engine.generate(prompt, {**PLAIN, "max_new_tokens": 40}) for prompt in _prompts()]
-    finally:
-        sched.runs = kept
     return [(o["output_ids"], o["meta_info"].get("spec_verify_ct", 0)) for o in outs]  # type: ignore[index]
 
 

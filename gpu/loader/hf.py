@@ -62,7 +62,7 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
 
 # A multimodal folder's tensors: the language model's under model.language_model. (read as
 # model.); the vision tower's and the multi-token-prediction head's are not used.
-TEXT_PREFIX = ("model.language_model.", "model.")
+LANGUAGE_MODEL = "model.language_model."
 UNUSED_PREFIXES = ("model.visual.", "visual.", "mtp.")
 
 
@@ -215,8 +215,8 @@ def load_safetensors(path: str, dtype: torch.dtype, tied: bool) -> dict[str, tor
         for name, tensor in load_file(file).items():
             if name.endswith("rotary_emb.inv_freq") or name.startswith(UNUSED_PREFIXES):
                 continue  # a buffer some old exports saved (rope comes from the config), or not the text model's
-            if name.startswith(TEXT_PREFIX[0]):
-                name = TEXT_PREFIX[1] + name[len(TEXT_PREFIX[0]):]
+            if name.startswith(LANGUAGE_MODEL):
+                name = "model." + name[len(LANGUAGE_MODEL):]
             weights[name] = tensor.to(dtype)
     if tied:
         # Tied models share the embedding; a saved copy would only waste memory.

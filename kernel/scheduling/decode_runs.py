@@ -65,16 +65,19 @@ class DecodeRuns:
     cut: int = 0  # runs that ended early: an arrival, or a row's stop token
 
     def length(self, chunks: Sequence[ScheduledChunk], running: Sequence[Request], waiting: int,
-               free_pages: int, page_size: int, max_context: int, quiet: int | None = None) -> int:
+               free_pages: int, page_size: int, max_context: int,
+               quiet: Callable[[Request], int] | None = None) -> int:
         """How many steps the plan `chunks` may run as one (1: a plain step). Every running
         request must be in it, decoding plainly, and none waiting; with speculative decoding,
-        at most `quiet` steps (those in which no request of it would draft)."""
+        at most `quiet(req)` steps for each (those in which it would not draft)."""
         if waiting or not 0 < len(chunks) == len(running) <= self.max_rows:
             return 1
         if not all(c.length == 1 and c.samples and not c.draft and runs_plainly(c.req) for c in chunks):
             return 1
         cap = self.row_steps // len(chunks) if self.row_steps is not None else self.steps
-        steps = min(self.steps, cap, self.steps if quiet is None else quiet, *(room(c.req, max_context) for c in chunks))
+        steps = min(self.steps, cap, *(room(c.req, max_context) for c in chunks))
+        if quiet is not None:
+            steps = min(steps, *(quiet(c.req) for c in chunks))
         while steps > 1 and pages_wanted(chunks, steps, page_size) > free_pages:
             steps -= 1
         return max(1, steps)

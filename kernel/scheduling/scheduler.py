@@ -181,9 +181,8 @@ class Scheduler:
         if runs is None:
             return chunks
         spec = self.speculator
-        quiet = min((spec.quiet_steps(c.req) for c in chunks), default=1) if spec is not None else None
         steps = runs.length(chunks, self.running, len(self.waiting), self.allocator.num_free, self.page_size,
-                            self.max_context, quiet)
+                            self.max_context, spec.quiet_steps if spec is not None else None)
         if steps == 1:
             return chunks
         for chunk in chunks:
